@@ -1,0 +1,50 @@
+"""Triton kernels, each beside a pure-torch reference with the same signature.
+
+`ops(x)` picks the implementation for a tensor:
+
+    KVSTORE_KERNELS=auto    (default) Triton for CUDA tensors when triton imports, torch otherwise
+    KVSTORE_KERNELS=triton  always Triton (CPU tensors then need TRITON_INTERPRET=1)
+    KVSTORE_KERNELS=torch   always the torch reference
+
+A `choice` argument overrides the environment. Triton is imported only when it is chosen, so this
+package imports (and the codecs work) without triton installed.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+KERNELS_ENV = "KVSTORE_KERNELS"
+BACKENDS = ("auto", "triton", "torch")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def backend(x: torch.Tensor, choice: str | None = None) -> str:
+    """'triton' or 'torch' for tensor x; choice (or $KVSTORE_KERNELS, default 'auto') decides."""
+    choice = choice or os.environ.get(KERNELS_ENV, "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS} (from argument or ${KERNELS_ENV}), got {choice!r}")
+    if choice == "auto":
+        return "triton" if x.is_cuda and _triton_available() else "torch"
+    return choice
+
+
+def ops(x: torch.Tensor, choice: str | None = None) -> ModuleType:
+    """The module (kernels.quant or kernels.quant_ref) that quantizes x; both share signatures."""
+    if backend(x, choice) == "triton":
+        from kernels import quant
+
+        return quant
+    from kernels import quant_ref
+
+    return quant_ref

@@ -1,11 +1,105 @@
 """Shared pytest fixtures.
 
-TRITON_INTERPRET must be set before any Triton kernel module is imported, so it is set here,
-at collection time, whenever no CUDA device is present.
+TRITON_INTERPRET must be set before any Triton kernel module is imported, so it is set here, at
+collection time, unless a CUDA device is present (then the kernels compile for real).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _HAS_CUDA = False
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class DaemonProcess:
+    """A real ``kvstore serve`` subprocess on a unix socket in a temp folder."""
+
+    def __init__(self, folder: Path, **settings: object) -> None:
+        self.folder = folder
+        self.socket = folder / "kvstore.sock"
+        self.address = f"unix:{self.socket}"
+        self.settings = {"listen": self.address, "cpu_capacity": "64MiB",
+                         "disk_path": str(folder / "disk"), "disk_capacity": "256MiB",
+                         "disk_fsync": "false", "log_level": "WARNING", **settings}
+        self.proc: subprocess.Popen | None = None
+        self.log = folder / "daemon.log"
+
+    def start(self, timeout: float = 30.0) -> "DaemonProcess":
+        args = [sys.executable, "-m", "kvstore.cli", "serve"]
+        for name, value in self.settings.items():
+            args += ["--" + name.replace("_", "-"), str(value)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        self._log_file = open(self.log, "ab")
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log_file, cwd=ROOT, env=env)
+        deadline = time.monotonic() + timeout
+        line = self.proc.stdout.readline().decode()
+        if "ready" not in line or time.monotonic() > deadline:
+            self.proc.kill()
+            raise RuntimeError(f"daemon did not start: {line!r}\n{self.log.read_text()}")
+        return self
+
+    def stop(self, signal_kill: bool = False) -> int:
+        if self.proc is None:
+            return 0
+        if signal_kill:
+            self.proc.kill()
+        else:
+            self.proc.terminate()
+        try:
+            code = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.proc = None
+        self._log_file.close()
+        return code
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@pytest.fixture
+def short_tmp():
+    """A short temp path: unix socket paths are limited to ~107 bytes."""
+    folder = Path(tempfile.mkdtemp(prefix="kvs-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon_factory(short_tmp):
+    started: list[DaemonProcess] = []
+
+    def make(name: str = "d0", **settings: object) -> DaemonProcess:
+        folder = short_tmp / name
+        folder.mkdir(exist_ok=True)
+        d = DaemonProcess(folder, **settings).start()
+        started.append(d)
+        return d
+
+    yield make
+    for d in started:
+        d.stop()
+
+
+@pytest.fixture
+def daemon(daemon_factory):
+    return daemon_factory()

@@ -1,0 +1,274 @@
+"""KVStoreClient: what an engine process uses to talk to the kvstore daemon.
+
+Transport is chosen at connect time. On a unix socket the client creates a shared-memory arena and
+registers it; Put and Get then move block bytes through it and gRPC carries offsets only. Over TCP
+(another host) the bytes travel inline in the messages. The calls are the same either way.
+
+    client = KVStoreClient("unix:/run/user/1000/kvstore.sock")
+    hits = client.lookup(keys)                               # LookupResult(hits, tiers)
+    client.put(namespace, [(key, tokens, payload)])          # payload: bytes, numpy or torch
+    with client.fetch(keys[:hits.hits], max_payload) as blocks:
+        for block in blocks:                                 # FetchedBlock or None (a miss)
+            use(block.payload)                               # a view into the arena, valid inside
+
+The client is thread-safe: an engine may store blocks from a background thread while it fetches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import grpc
+import numpy as np
+
+from kvstore.arena import Arena
+from kvstore.config import default_listen
+from kvstore.keys import KVLayout, Namespace
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from tiers.allocator import ExtentAllocator
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    hits: int
+    tiers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FetchedBlock:
+    key: bytes
+    layout: KVLayout
+    tokens: int
+    codec: str
+    codec_params: dict[str, Any]
+    tier: str
+    payload: memoryview
+
+
+def payload_view(payload: Any) -> memoryview:
+    """Bytes of a payload given as bytes-like, a numpy array or a CPU torch tensor (no copy)."""
+    if hasattr(payload, "detach") and hasattr(payload, "is_contiguous"):  # torch.Tensor
+        import torch
+
+        tensor = payload.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    if isinstance(payload, np.ndarray):
+        return memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
+    return memoryview(payload).cast("B")
+
+
+class KVStoreClient:
+    def __init__(self, address: str | None = None, *, shared_memory: bool | None = None,
+                 arena_bytes: int = 256 * 2**20, token: str | None = None, timeout: float = 60.0,
+                 max_message_bytes: int = 256 * 2**20) -> None:
+        self.address = address or default_listen()
+        self.timeout = timeout
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        self._channel = grpc.insecure_channel(self.address, options=options)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._arena: Arena | None = None
+        self._arena_id = 0
+        self._allocator: ExtentAllocator | None = None
+        self._space = threading.Condition()
+        if shared_memory is None:
+            shared_memory = self.address.startswith("unix:")
+        if shared_memory:
+            self._register_arena(arena_bytes)
+
+    # -- connection ---------------------------------------------------------------------------
+
+    def _register_arena(self, size: int) -> None:
+        arena = Arena.create(size)
+        try:
+            reply = self._stub.RegisterArena(pb.RegisterArenaRequest(name=arena.name, size=size),
+                                             timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError:
+            arena.close()
+            raise
+        self._arena, self._arena_id = arena, reply.arena_id
+        self._allocator = ExtentAllocator(size, align=4096)
+
+    @property
+    def shared_memory(self) -> bool:
+        return self._arena is not None
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    def close(self) -> None:
+        if self._arena is not None:
+            with contextlib.suppress(grpc.RpcError):
+                self._stub.UnregisterArena(pb.UnregisterArenaRequest(arena_id=self._arena_id),
+                                           timeout=5, metadata=self._metadata)
+            self._arena.close()
+            self._arena = None
+        self._channel.close()
+
+    def __enter__(self) -> "KVStoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, method, request):
+        return method(request, timeout=self.timeout, metadata=self._metadata)
+
+    # -- arena slices -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _slices(self, sizes: Sequence[int]) -> Iterator[list[int]]:
+        """Reserve arena extents for one call, waiting while other threads hold the space."""
+        assert self._allocator is not None
+        total = sum(max(s, 1) for s in sizes)
+        if total > self._allocator.capacity:
+            raise ValueError(f"one call needs {total} arena bytes; the arena has {self._allocator.capacity}")
+        offsets: list[int] = []
+        with self._space:
+            while True:
+                offsets = []
+                for size in sizes:
+                    offset = self._allocator.allocate(max(size, 1))
+                    if offset is None:
+                        break
+                    offsets.append(offset)
+                if len(offsets) == len(sizes):
+                    break
+                for offset in offsets:
+                    self._allocator.free(offset)
+                self._space.wait()
+        try:
+            yield offsets
+        finally:
+            with self._space:
+                for offset in offsets:
+                    self._allocator.free(offset)
+                self._space.notify_all()
+
+    def _batches(self, sizes: Sequence[int]) -> Iterator[range]:
+        """Split items into runs whose sizes fit in half the arena (so two threads can overlap)."""
+        budget = self._allocator.capacity // 2 if self._allocator else 1 << 62
+        start, used = 0, 0
+        for i, size in enumerate(sizes):
+            if i > start and used + size > budget:
+                yield range(start, i)
+                start, used = i, 0
+            used += size + 4096
+        if start < len(sizes):
+            yield range(start, len(sizes))
+
+    # -- API ----------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys))
+        return LookupResult(reply.hits, tuple(reply.tiers))
+
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        return self._call(self._stub.Prefetch, pb.KeysRequest(keys=keys)).count
+
+    def put(self, namespace: Namespace, blocks: Sequence[tuple[bytes, int, Any]], codec: str = "raw",
+            codec_params: dict[str, Any] | None = None) -> int:
+        """Store ``(key, tokens, payload)`` blocks of one namespace; returns how many were stored."""
+        layout = namespace.layout
+        params = json.dumps(codec_params) if codec_params else ""
+        views = [payload_view(payload) for _, _, payload in blocks]
+        stored = 0
+        for batch in self._batches([len(v) for v in views]):
+            metas = [pb.BlockMeta(key=blocks[i][0], namespace=namespace.id, tokens=blocks[i][1],
+                                  layout=pb.Layout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                                                   head_dim=layout.head_dim, dtype=layout.dtype),
+                                  codec=codec, codec_params_json=params, payload_len=len(views[i]))
+                     for i in batch]
+            if self._arena is None:
+                items = [pb.PutItem(meta=meta, inline=views[i].tobytes()) for meta, i in zip(metas, batch)]
+                stored += self._call(self._stub.Put, pb.PutRequest(items=items)).stored
+                continue
+            with self._slices([len(views[i]) for i in batch]) as offsets:
+                items = []
+                for meta, i, offset in zip(metas, batch, offsets):
+                    n = len(views[i])
+                    self._arena.buffer[offset : offset + n] = views[i]
+                    items.append(pb.PutItem(meta=meta, slice=pb.ArenaSlice(arena_id=self._arena_id,
+                                                                          offset=offset, length=n)))
+                stored += self._call(self._stub.Put, pb.PutRequest(items=items)).stored
+        return stored
+
+    @contextlib.contextmanager
+    def fetch(self, keys: Sequence[bytes], max_payload_bytes: int,
+              allow_missing: bool = True) -> Iterator[list[FetchedBlock | None]]:
+        """Get blocks; payload views stay valid until the ``with`` block ends.
+
+        ``max_payload_bytes`` bounds one payload (for raw blocks, ``layout.block_bytes(tokens)``).
+        Keys whose blocks vanished since a Lookup come back as None when ``allow_missing``.
+        """
+        if self._arena is None:
+            reply = self._call(self._stub.Get, pb.GetRequest(
+                items=[pb.GetItem(key=k) for k in keys], allow_missing=allow_missing))
+            yield [_fetched(k, r, memoryview(r.inline)) if r.found else None
+                   for k, r in zip(keys, reply.results)]
+            return
+        if len(keys) * (max_payload_bytes + 4096) > self._allocator.capacity:
+            raise ValueError(f"{len(keys)} blocks of up to {max_payload_bytes} bytes exceed the "
+                             f"{self._allocator.capacity}-byte arena; fetch fewer keys at a time "
+                             f"(see max_fetch_blocks) or create the client with a larger arena_bytes")
+        with self._slices([max_payload_bytes] * len(keys)) as offsets:
+            items = [pb.GetItem(key=k, dest=pb.ArenaSlice(arena_id=self._arena_id, offset=o,
+                                                          length=max_payload_bytes))
+                     for k, o in zip(keys, offsets)]
+            reply = self._call(self._stub.Get, pb.GetRequest(items=items, allow_missing=allow_missing))
+            yield [_fetched(k, r, self._arena.buffer[o : o + r.meta.payload_len]) if r.found else None
+                   for k, r, o in zip(keys, reply.results, offsets)]
+
+    def max_fetch_blocks(self, max_payload_bytes: int) -> int:
+        """How many blocks one :meth:`fetch` can carry through the arena."""
+        if self._allocator is None:
+            return 1 << 30
+        return max(1, self._allocator.capacity // 2 // (max_payload_bytes + 4096))
+
+    def get(self, keys: Sequence[bytes], max_payload_bytes: int) -> list[bytes | None]:
+        """Convenience: payload copies (None for misses)."""
+        out: list[bytes | None] = []
+        step = self.max_fetch_blocks(max_payload_bytes)
+        for start in range(0, len(keys), step):
+            with self.fetch(keys[start : start + step], max_payload_bytes) as blocks:
+                out.extend(None if b is None else b.payload.tobytes() for b in blocks)
+        return out
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self._call(self._stub.Delete, pb.KeysRequest(keys=keys)).count
+
+    def pin(self, keys: Sequence[bytes]) -> int:
+        return self._call(self._stub.Pin, pb.KeysRequest(keys=keys)).count
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return self._call(self._stub.Unpin, pb.KeysRequest(keys=keys)).count
+
+    def clear(self, tiers: Sequence[str] = ()) -> int:
+        return self._call(self._stub.Clear, pb.ClearRequest(tiers=tiers)).count
+
+    def stats(self) -> dict[str, Any]:
+        reply = self._call(self._stub.Stats, pb.StatsRequest())
+        tiers = {t.name: {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields if f.name != "name"}
+                 for t in reply.tiers}
+        top = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields if f.name != "tiers"}
+        return {"tiers": tiers, **top}
+
+
+def _fetched(key: bytes, result: pb.GetResult, payload: memoryview) -> FetchedBlock:
+    meta = result.meta
+    return FetchedBlock(
+        key=key,
+        layout=KVLayout(meta.layout.num_layers, meta.layout.num_kv_heads, meta.layout.head_dim, meta.layout.dtype),
+        tokens=meta.tokens, codec=meta.codec,
+        codec_params=json.loads(meta.codec_params_json) if meta.codec_params_json else {},
+        tier=result.tier, payload=payload)

@@ -1,0 +1,180 @@
+"""The block format: one chunk's KV for all layers, with a self-describing header.
+
+A stored block is ``header || payload``, contiguous, identical in every tier (CPU arena, disk file,
+S3 object), so any reader can validate and decode any block without outside state.
+
+Payload (codec "raw"): the tensor ``[num_layers, 2, num_kv_heads, tokens, head_dim]`` in the
+namespace's dtype, C-contiguous, little-endian; index 0 of dim 1 is K (after RoPE, at the chunk's
+absolute positions), index 1 is V. Other codecs describe their payload in ``codec_params``.
+
+Header layout (little-endian, 112 fixed bytes, then ``params_len`` bytes of JSON, then zero
+padding to a multiple of 64 so the payload is aligned)::
+
+    off  size  field
+      0     4  magic  b"KVB1"
+      4     2  format version (1)
+      6     2  header_len (fixed + params + padding)
+      8    16  key
+     24    16  namespace id
+     40     2  num_layers        42  2  num_kv_heads     44  2  head_dim
+     46     1  dtype code        47  1  flags (reserved, 0)
+     48     4  tokens
+     52    16  codec name (ASCII, NUL padded)
+     68     4  params_len
+     72     8  payload_len
+     80     8  payload checksum  (xxh3-64)
+     88    16  reserved (0)
+    104     8  header checksum   (xxh3-64 of bytes 0..104 and the params JSON)
+
+A block whose header or payload checksum fails is corrupt: readers raise
+:class:`CorruptBlockError`, and the store turns that into a counted miss and deletes the block.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from kvstore.keys import KEY_BYTES, KVLayout
+
+MAGIC = b"KVB1"
+FORMAT_VERSION = 1
+ALIGN = 64
+_FIXED = struct.Struct("<4sHH16s16sHHHBBI16sIQQ16x")
+_HEADER_CHECKSUM = struct.Struct("<Q")
+FIXED_BYTES = _FIXED.size + _HEADER_CHECKSUM.size  # 112
+MAX_PARAMS_BYTES = 4096
+
+DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3}
+DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+
+
+class CorruptBlockError(ValueError):
+    """A block failed validation: bad magic, version, checksum or inconsistent lengths."""
+
+
+def payload_checksum(payload: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    key: bytes
+    namespace: bytes
+    layout: KVLayout
+    tokens: int
+    payload_len: int
+    checksum: int
+    codec: str = "raw"
+    codec_params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.key) != KEY_BYTES or len(self.namespace) != KEY_BYTES:
+            raise ValueError(f"key and namespace must be {KEY_BYTES} bytes")
+        if not 0 < self.tokens < 2**32:
+            raise ValueError(f"tokens must be positive, got {self.tokens}")
+        if not self.codec or len(self.codec.encode()) > 16 or not self.codec.isascii():
+            raise ValueError(f"codec name must be 1..16 ASCII characters, got {self.codec!r}")
+        if self.codec == "raw" and self.payload_len != self.layout.block_bytes(self.tokens):
+            raise ValueError(
+                f"raw payload of {self.tokens} tokens in layout {self.layout} must be "
+                f"{self.layout.block_bytes(self.tokens)} bytes, got {self.payload_len}"
+            )
+
+    @property
+    def params_json(self) -> bytes:
+        return json.dumps(self.codec_params, sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def header_len(self) -> int:
+        return _align(FIXED_BYTES + len(self.params_json))
+
+    @property
+    def block_len(self) -> int:
+        """Bytes of header plus payload: what a tier stores."""
+        return self.header_len + self.payload_len
+
+    def pack(self) -> bytes:
+        params = self.params_json
+        if len(params) > MAX_PARAMS_BYTES:
+            raise ValueError(f"codec params take {len(params)} bytes; at most {MAX_PARAMS_BYTES} fit a header")
+        fixed = _FIXED.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            self.header_len,
+            self.key,
+            self.namespace,
+            self.layout.num_layers,
+            self.layout.num_kv_heads,
+            self.layout.head_dim,
+            DTYPE_CODES[self.layout.dtype],
+            0,
+            self.tokens,
+            self.codec.encode().ljust(16, b"\x00"),
+            len(params),
+            self.payload_len,
+            self.checksum,
+        )
+        digest = xxhash.xxh3_64_intdigest(fixed + params)
+        out = fixed + _HEADER_CHECKSUM.pack(digest) + params
+        return out.ljust(self.header_len, b"\x00")
+
+    @classmethod
+    def unpack(cls, buf: bytes | memoryview) -> "BlockHeader":
+        """Parse and validate a header from the start of ``buf`` (which may hold more bytes)."""
+        if len(buf) < FIXED_BYTES:
+            raise CorruptBlockError(f"block of {len(buf)} bytes is shorter than a header")
+        fields = _FIXED.unpack_from(buf, 0)
+        (magic, version, header_len, key, namespace, layers, heads, head_dim, dtype_code, _flags,
+         tokens, codec, params_len, payload_len, checksum) = fields
+        if magic != MAGIC:
+            raise CorruptBlockError(f"bad magic {magic!r}")
+        if version != FORMAT_VERSION:
+            raise CorruptBlockError(f"unsupported block format version {version}")
+        if params_len > MAX_PARAMS_BYTES or FIXED_BYTES + params_len > len(buf):
+            raise CorruptBlockError(f"params length {params_len} out of range")
+        (stored_digest,) = _HEADER_CHECKSUM.unpack_from(buf, _FIXED.size)
+        params = bytes(buf[FIXED_BYTES : FIXED_BYTES + params_len])
+        if xxhash.xxh3_64_intdigest(bytes(buf[: _FIXED.size]) + params) != stored_digest:
+            raise CorruptBlockError("header checksum mismatch")
+        try:
+            header = cls(
+                key=bytes(key),
+                namespace=bytes(namespace),
+                layout=KVLayout(layers, heads, head_dim, DTYPE_NAMES[dtype_code]),
+                tokens=tokens,
+                payload_len=payload_len,
+                checksum=checksum,
+                codec=codec.rstrip(b"\x00").decode("ascii"),
+                codec_params=json.loads(params) if params else {},
+            )
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            raise CorruptBlockError(f"inconsistent header: {exc}") from exc
+        if header.header_len != header_len:
+            raise CorruptBlockError(f"header length {header_len} != computed {header.header_len}")
+        return header
+
+    def verify_payload(self, payload: bytes | memoryview) -> None:
+        if len(payload) != self.payload_len:
+            raise CorruptBlockError(f"payload is {len(payload)} bytes, header says {self.payload_len}")
+        if payload_checksum(payload) != self.checksum:
+            raise CorruptBlockError("payload checksum mismatch")
+
+
+def parse_block(block: bytes | memoryview) -> tuple[BlockHeader, memoryview]:
+    """Validate a whole stored block; return its header and a view of its payload."""
+    view = memoryview(block).cast("B")
+    header = BlockHeader.unpack(view)
+    payload = view[header.header_len : header.header_len + header.payload_len]
+    header.verify_payload(payload)
+    if len(view) != header.block_len:
+        raise CorruptBlockError(f"block is {len(view)} bytes, header says {header.block_len}")
+    return header, payload

@@ -1,0 +1,146 @@
+"""The ``kvstore`` command line.
+
+    kvstore serve [--listen unix:/path | host:port] [--config FILE] [--cpu-capacity 2GiB] ...
+    kvstore stats [--address ADDR] [--json]
+    kvstore clear [--address ADDR] [--tier cpu] [--tier disk]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import sys
+
+from kvstore.config import ENV_PREFIX, DaemonConfig, default_listen, load_config
+
+_FIELD_HELP = {
+    "listen": "gRPC address: unix:/path/to.sock (mode 0600, the default) or host:port for TCP",
+    "cpu_capacity": "CPU tier size, e.g. 2GiB (0 disables the tier)",
+    "cpu_pin": "page-lock the CPU arena when CUDA is present (true/false)",
+    "disk_path": "disk tier folder ('' disables the tier)",
+    "disk_capacity": "disk tier size, e.g. 10GiB",
+    "disk_fsync": "fsync each block before it is visible (true/false)",
+    "disk_o_direct": "read disk blocks with O_DIRECT, bypassing the page cache (true/false)",
+    "write_policy": "write-through (every put also goes down) or write-back (only on eviction)",
+    "queue_depth": "bound of the queue of pending lower-tier writes",
+    "promote_on_get": "copy lower-tier hits up to the top tier (true/false)",
+    "max_message_bytes": "largest gRPC message, e.g. 256MiB",
+    "metrics_listen": "Prometheus /metrics address host:port ('' disables it)",
+    "auth_token": "bearer token every client must send (required for non-loopback TCP)",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+}
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below")
+    defaults = DaemonConfig(listen=default_listen())
+    for f in dataclasses.fields(DaemonConfig):
+        flag = "--" + f.name.replace("_", "-")
+        shown = "" if f.name == "auth_token" else f" (default: {getattr(defaults, f.name)!r})"
+        parser.add_argument(flag, dest=f.name, metavar="VALUE",
+                            help=f"{_FIELD_HELP.get(f.name, f.name)}; env {ENV_PREFIX}{f.name.upper()}{shown}")
+
+
+def _client(args):
+    from engine_adapter.client import KVStoreClient
+
+    return KVStoreClient(args.address, shared_memory=False, token=args.token)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvstore.server import run_daemon
+
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(DaemonConfig)}
+    config = load_config(args.config, overrides)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def ready(address: str) -> None:
+        print(f"kvstore: ready on {address}", flush=True)
+
+    asyncio.run(run_daemon(config, ready))
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        stats = client.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    print(f"{'tier':<6} {'blocks':>8} {'used':>12} {'capacity':>12} {'hits':>8} {'evictions':>9} "
+          f"{'promoted':>8} {'demoted':>8} {'corrupt':>7}")
+    for name, t in stats["tiers"].items():
+        print(f"{name:<6} {t['blocks']:>8} {_size(t['used_bytes']):>12} {_size(t['capacity_bytes']):>12} "
+              f"{t['hits']:>8} {t['evictions']:>9} {t['promotions_in']:>8} {t['demotions_in']:>8} {t['corrupt']:>7}")
+    print(f"misses {stats['misses']}  pinned {stats['pinned']}  queue {stats['queue_depth']} "
+          f"(dropped {stats['queue_dropped']})  arenas {stats['arenas']}  write errors {stats['write_errors']}")
+    return 0
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        count = client.clear(args.tier or [])
+    print(f"cleared {count} blocks")
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstore",
+        description="kvstore: a tiered KV-cache daemon for LLM inference engines. It keeps the attention "
+                    "KV of text an engine has already read (prompts, documents, RAG chunks) in CPU memory "
+                    "and on disk, keyed by token prefix, and hands it back over gRPC and shared memory.",
+        epilog="Settings come from defaults < --config FILE < KVSTORE_* environment < flags. "
+               "Run 'kvstore COMMAND --help' for a command's options.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the cache daemon",
+                           description="Run the cache daemon in the foreground until SIGINT/SIGTERM; on stop it "
+                                       "drains queued writes to disk. Defaults: unix socket in $XDG_RUNTIME_DIR "
+                                       "or ~/.cache/kvstore, CPU tier 2 GiB, disk tier 10 GiB in "
+                                       "~/.cache/kvstore/blocks.")
+    _add_config_flags(serve)
+    serve.set_defaults(run=cmd_serve)
+
+    for name, helptext, fn in (("stats", "print a running daemon's tiers and counters", cmd_stats),
+                               ("clear", "delete every block (or those in the named tiers)", cmd_clear)):
+        p = sub.add_parser(name, help=helptext, description=helptext)
+        p.add_argument("--address", default=None, help="daemon address (default: the serve default socket)")
+        p.add_argument("--token", default=None, help="bearer token, when the daemon requires one")
+        if name == "stats":
+            p.add_argument("--json", action="store_true", help="print JSON")
+        else:
+            p.add_argument("--tier", action="append", help="only this tier (repeatable)")
+        p.set_defaults(run=fn)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as exc:
+        print(f"kvstore: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        import grpc
+
+        if isinstance(exc, grpc.RpcError):
+            print(f"kvstore: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

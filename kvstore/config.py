@@ -1,0 +1,153 @@
+"""Daemon configuration: one frozen dataclass, filled from defaults < config file < environment < flags.
+
+Every field can be set three ways, named alike:
+
+    config file (TOML)   cpu_capacity = "4GiB"
+    environment          KVSTORE_CPU_CAPACITY=4GiB
+    command line         --cpu-capacity 4GiB
+
+Sizes accept plain bytes or a unit (KiB, MiB, GiB, TiB, KB, MB, GB). Environment overrides are read
+here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+ENV_PREFIX = "KVSTORE_"
+WRITE_POLICIES = ("write-through", "write-back")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: str | int) -> int:
+    """``"2GiB"`` -> 2147483648; ints pass through."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (use e.g. 512MiB, 2GiB or a byte count)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _parse_bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    lowered = str(value).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {value!r} (use true or false)")
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvstore"
+
+
+def default_listen() -> str:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    folder = Path(runtime) if runtime else default_cache_dir()
+    return f"unix:{folder / 'kvstore.sock'}"
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    #: gRPC address: ``unix:/path/to.sock`` (mode 0600) or ``host:port`` (TCP).
+    listen: str = field(default_factory=default_listen)
+    #: CPU tier size; 0 disables the tier.
+    cpu_capacity: int = 2 * 2**30
+    #: Page-lock the CPU arena when CUDA is present (faster host-device copies).
+    cpu_pin: bool = True
+    #: Disk tier folder; "" disables the tier.
+    disk_path: str = field(default_factory=lambda: str(default_cache_dir() / "blocks"))
+    disk_capacity: int = 10 * 2**30
+    #: fsync each block file before it becomes visible (the disk durability point).
+    disk_fsync: bool = True
+    #: Read disk blocks with O_DIRECT, bypassing the page cache.
+    disk_o_direct: bool = False
+    #: write-through: every put is also queued for the lower tiers; write-back: blocks move down
+    #: only when evicted.
+    write_policy: str = "write-through"
+    #: Bound of the queue of pending lower-tier writes; when full, writes wait for eviction.
+    queue_depth: int = 256
+    #: Copy a block found in a lower tier up into the top tier on Get.
+    promote_on_get: bool = True
+    #: Largest request or response message (inline payloads included).
+    max_message_bytes: int = 256 * 2**20
+    #: Prometheus /metrics address ``host:port``; "" disables it.
+    metrics_listen: str = ""
+    #: When set, every call must carry ``authorization: Bearer TOKEN``.
+    auth_token: str = field(default="", repr=False)
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not self.listen or not (self.listen.startswith("unix:") or ":" in self.listen):
+            raise ValueError(f"listen must be 'unix:/path' or 'host:port', got {self.listen!r}")
+        if self.cpu_capacity and self.cpu_capacity < 2**20:
+            raise ValueError(f"cpu_capacity must be 0 (off) or at least 1MiB, got {self.cpu_capacity}")
+        if self.disk_path and self.disk_capacity < 2**20:
+            raise ValueError(f"disk_capacity must be at least 1MiB, got {self.disk_capacity}")
+        if not self.cpu_capacity and not self.disk_path:
+            raise ValueError("no tier configured: set cpu_capacity > 0 or a disk_path")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if self.queue_depth < 1:
+            raise ValueError(f"queue_depth must be at least 1, got {self.queue_depth}")
+        if self.max_message_bytes < 2**20:
+            raise ValueError(f"max_message_bytes must be at least 1MiB, got {self.max_message_bytes}")
+        if self.metrics_listen and ":" not in self.metrics_listen:
+            raise ValueError(f"metrics_listen must be 'host:port' or empty, got {self.metrics_listen!r}")
+        if not self.listen.startswith("unix:") and not self.listen.startswith(("127.", "localhost", "[::1]")) \
+                and not self.auth_token:
+            raise ValueError(f"listening on {self.listen} (not loopback) needs auth_token: set "
+                             f"KVSTORE_AUTH_TOKEN or --auth-token, or listen on a unix socket")
+
+    @property
+    def socket_path(self) -> Path | None:
+        return Path(self.listen[len("unix:"):]) if self.listen.startswith("unix:") else None
+
+    def replace(self, **changes: Any) -> "DaemonConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    kind = {f.name: f.type for f in dataclasses.fields(DaemonConfig)}[name]
+    if kind == "int":
+        return parse_size(value)
+    if kind == "bool":
+        return _parse_bool(value)
+    return str(value)
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(DaemonConfig)]
+
+
+def load_config(file: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> DaemonConfig:
+    """Defaults, then the TOML ``file``, then ``KVSTORE_*`` variables, then ``overrides`` (flags)."""
+    values: dict[str, Any] = {}
+    names = field_names()
+    if file:
+        with open(file, "rb") as f:
+            table = tomllib.load(f)
+        unknown = set(table) - set(names)
+        if unknown:
+            raise ValueError(f"{file}: unknown keys {sorted(unknown)}; known: {names}")
+        values.update(table)
+    environ = os.environ if environ is None else environ
+    for name in names:
+        env = ENV_PREFIX + name.upper()
+        if env in environ:
+            values[name] = environ[env]
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return DaemonConfig(**{name: _coerce(name, value) for name, value in values.items()})

@@ -1,0 +1,30 @@
+"""Prometheus metrics of one daemon, in a registry of its own (several daemons per test process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.hits = Counter("kvstore_hits", "Blocks served, by tier", ["tier"], registry=r)
+        self.misses = Counter("kvstore_misses", "Blocks asked for and not found", registry=r)
+        self.bytes_in = Counter("kvstore_bytes_in", "Block bytes written into a tier", ["tier"], registry=r)
+        self.bytes_out = Counter("kvstore_bytes_out", "Block bytes read out of a tier", ["tier"], registry=r)
+        self.evictions = Counter("kvstore_evictions", "Blocks evicted from a tier", ["tier"], registry=r)
+        self.promotions = Counter("kvstore_promotions", "Blocks copied up into a tier", ["tier"], registry=r)
+        self.demotions = Counter("kvstore_demotions", "Blocks moved down into a tier", ["tier"], registry=r)
+        self.corrupt = Counter("kvstore_corrupt_blocks", "Blocks that failed validation (deleted)", ["tier"], registry=r)
+        self.write_errors = Counter("kvstore_write_errors", "Failed writes to a tier", ["tier"], registry=r)
+        self.queue_dropped = Counter("kvstore_queue_dropped",
+                                     "Write-through copies skipped because the queue was full", registry=r)
+        self.queue_depth = Gauge("kvstore_queue_depth", "Pending lower-tier writes", registry=r)
+        self.used_bytes = Gauge("kvstore_used_bytes", "Bytes stored, by tier", ["tier"], registry=r)
+        self.blocks = Gauge("kvstore_blocks", "Blocks stored, by tier", ["tier"], registry=r)
+
+    @staticmethod
+    def value(counter: Counter, **labels: str) -> int:
+        metric = counter.labels(**labels) if labels else counter
+        return int(metric._value.get())

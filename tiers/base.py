@@ -1,0 +1,84 @@
+"""The one interface every storage tier implements.
+
+A tier stores blocks (``header || payload`` as defined in :mod:`kvstore.block`) by 16-byte key. It
+knows bytes only: no codecs, no placement policy, no LRU (those live in :mod:`kvstore.placement`).
+Tiers are not thread-safe by themselves; the store calls ``put``/``delete`` from one thread at a
+time and may call ``read_payload_into`` from worker threads for tiers with ``blocking_io``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterator
+
+from kvstore.block import BlockHeader
+
+
+class TierError(RuntimeError):
+    """A tier could not do what was asked (I/O error, misconfiguration)."""
+
+
+class TierFullError(TierError):
+    """No room for the block without eviction; the store evicts and retries."""
+
+
+class Tier(ABC):
+    name: str
+    capacity_bytes: int
+    #: True when reads/writes touch a device (disk, network) and belong off the event loop.
+    blocking_io: bool = False
+
+    @abstractmethod
+    def __contains__(self, key: bytes) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def keys(self) -> Iterator[bytes]:
+        """Keys currently stored (a snapshot is fine)."""
+
+    @abstractmethod
+    def header(self, key: bytes) -> BlockHeader:
+        """Header of a stored block, from the tier's in-memory index. Raises KeyError."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes held by stored blocks (header + payload), excluding allocator slack."""
+
+    @abstractmethod
+    def can_fit(self, nbytes: int) -> bool:
+        """Whether a block of ``nbytes`` fits now without evicting anything."""
+
+    @abstractmethod
+    def put(self, header: BlockHeader, payload: memoryview) -> None:
+        """Store a block, replacing any block under the same key.
+
+        Raises TierFullError when it does not fit (nothing is changed then) and TierError on I/O
+        failure. The payload's checksum is the caller's promise; tiers do not recompute it.
+        """
+
+    @abstractmethod
+    def read_payload_into(self, key: bytes, dest: memoryview) -> BlockHeader:
+        """Copy the payload of ``key`` into ``dest[:payload_len]`` and return its header.
+
+        Tiers that can be corrupted underneath (disk, S3) verify the checksum and raise
+        :class:`kvstore.block.CorruptBlockError`; a missing block raises KeyError. ``dest`` must be
+        at least ``payload_len`` bytes; on error its contents are unspecified.
+        """
+
+    @abstractmethod
+    def delete(self, key: bytes) -> int:
+        """Remove a block; returns the bytes freed (0 if absent)."""
+
+    def clear(self) -> None:
+        for key in list(self.keys()):
+            self.delete(key)
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Verify internal invariants for real; raise RuntimeError naming the first violation."""
+
+    def close(self) -> None:
+        """Release resources (files, arenas). Idempotent."""

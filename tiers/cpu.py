@@ -1,0 +1,121 @@
+"""CPU tier: one pre-allocated arena in host memory (pinned when CUDA is present).
+
+No allocation per block: each block (header and payload, contiguous) lives in an extent of the
+arena handed out by :class:`tiers.allocator.ExtentAllocator`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from kvstore.block import BlockHeader, CorruptBlockError
+from tiers.allocator import ExtentAllocator
+from tiers.base import Tier, TierFullError
+
+
+def _host_arena(capacity: int, pin: bool) -> np.ndarray:
+    """A uint8 array of ``capacity`` bytes; page-locked through torch when CUDA is present."""
+    if pin:
+        import torch
+
+        if torch.cuda.is_available():
+            pinned = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+            return pinned.numpy()
+    # np.empty does not touch the pages; the kernel backs them lazily as blocks are written.
+    return np.empty(capacity, dtype=np.uint8)
+
+
+class CpuTier(Tier):
+    blocking_io = False
+
+    def __init__(self, capacity_bytes: int, name: str = "cpu", pin: bool = True) -> None:
+        if capacity_bytes < 4096:
+            raise ValueError(f"cpu tier capacity must be at least 4096 bytes, got {capacity_bytes}")
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self._arena = _host_arena(capacity_bytes, pin)
+        self._allocator = ExtentAllocator(capacity_bytes)
+        self._blocks: dict[bytes, tuple[int, BlockHeader]] = {}  # key -> (offset, header)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def keys(self) -> Iterator[bytes]:
+        return iter(list(self._blocks))
+
+    def header(self, key: bytes) -> BlockHeader:
+        return self._blocks[key][1]
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(h.block_len for _, h in self._blocks.values())
+
+    def can_fit(self, nbytes: int) -> bool:
+        return self._allocator.can_allocate(nbytes)
+
+    def payload_view(self, key: bytes) -> memoryview:
+        """Zero-copy view of a stored payload; valid until the block is deleted or replaced."""
+        offset, header = self._blocks[key]
+        start = offset + header.header_len
+        return memoryview(self._arena[start : start + header.payload_len])
+
+    def put(self, header: BlockHeader, payload: memoryview) -> None:
+        if len(payload) != header.payload_len:
+            raise ValueError(f"payload is {len(payload)} bytes, header says {header.payload_len}")
+        offset = self._allocator.allocate(header.block_len)
+        if offset is None:
+            raise TierFullError(f"{self.name}: no free extent of {header.block_len} bytes")
+        packed = header.pack()
+        self._arena[offset : offset + len(packed)] = np.frombuffer(packed, dtype=np.uint8)
+        start = offset + header.header_len
+        self._arena[start : start + header.payload_len] = np.frombuffer(payload, dtype=np.uint8)
+        self.delete(header.key)
+        self._blocks[header.key] = (offset, header)
+
+    def read_payload_into(self, key: bytes, dest: memoryview) -> BlockHeader:
+        offset, header = self._blocks[key]
+        if len(dest) < header.payload_len:
+            raise ValueError(f"destination of {len(dest)} bytes is smaller than the {header.payload_len}-byte payload")
+        start = offset + header.header_len
+        np.copyto(np.frombuffer(dest, dtype=np.uint8, count=header.payload_len),
+                  self._arena[start : start + header.payload_len])
+        return header
+
+    def delete(self, key: bytes) -> int:
+        entry = self._blocks.pop(key, None)
+        if entry is None:
+            return 0
+        self._allocator.free(entry[0])
+        return entry[1].block_len
+
+    def verify(self, key: bytes) -> None:
+        """Re-check a stored block's header and payload checksum (used by integrity checks)."""
+        offset, header = self._blocks[key]
+        stored = BlockHeader.unpack(memoryview(self._arena[offset : offset + header.header_len]))
+        if stored != header:
+            raise CorruptBlockError(f"{self.name}: header in arena differs from the index for {key.hex()}")
+        header.verify_payload(self.payload_view(key))
+
+    def check_integrity(self) -> None:
+        self._allocator.check_integrity()
+        extents = self._allocator.used_extents()
+        indexed = sorted(offset for offset, _ in self._blocks.values())
+        if indexed != sorted(extents):
+            raise RuntimeError(f"{self.name}: index offsets do not match allocated extents")
+        for key, (offset, header) in self._blocks.items():
+            if header.key != key:
+                raise RuntimeError(f"{self.name}: block at {offset} is indexed under another key")
+            if extents[offset] < header.block_len:
+                raise RuntimeError(f"{self.name}: block {key.hex()} overruns its extent")
+            try:
+                self.verify(key)
+            except CorruptBlockError as exc:
+                raise RuntimeError(str(exc)) from exc
+
+    def close(self) -> None:
+        self._blocks.clear()

@@ -1,0 +1,218 @@
+"""Disk tier: one file per block under a directory on local disk.
+
+Layout: ``ROOT/ab/abcdef....kvb`` (the key in hex, fanned out by its first byte). A file holds the
+whole block, header then payload, so the index is rebuilt on restart by reading headers alone.
+
+Writes are atomic: the block goes to ``ROOT/ab/.abcdef....tmp.PID``, is flushed (and fsynced when
+``fsync`` is on), then renamed over the final name. A crash leaves either the old block, the new
+block, or a temp file that the next start deletes; never a torn ``.kvb``.
+
+Reads verify the payload checksum every time; a block that fails is reported as corrupt (the store
+deletes it and counts a miss). ``o_direct`` reads bypass the page cache (through an aligned bounce
+buffer), for hosts where cached KV must not crowd the engine's memory and for honest cold-read
+benchmarks.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from kvstore.block import FIXED_BYTES, MAX_PARAMS_BYTES, BlockHeader, CorruptBlockError
+from tiers.base import Tier, TierError, TierFullError
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kvb"
+_DIRECT_ALIGN = 4096
+
+
+class DiskTier(Tier):
+    blocking_io = True
+
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int, name: str = "disk",
+                 fsync: bool = True, o_direct: bool = False) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"disk tier capacity must be positive, got {capacity_bytes}")
+        if o_direct and not hasattr(os, "O_DIRECT"):
+            raise ValueError("o_direct=True needs a platform with O_DIRECT (Linux)")
+        self.name = name
+        self.root = Path(root).expanduser()
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self.o_direct = o_direct
+        self._lock = threading.Lock()  # guards _blocks/_used against reader threads
+        self._blocks: dict[bytes, BlockHeader] = {}
+        self._used = 0
+        #: Files found unreadable or corrupt while rebuilding the index (deleted).
+        self.corrupt_on_start = 0
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TierError(f"{name}: cannot create {self.root}: {exc}") from exc
+        self._rebuild_index()
+
+    # -- index -------------------------------------------------------------------------------
+
+    def _path(self, key: bytes) -> Path:
+        hexkey = key.hex()
+        return self.root / hexkey[:2] / (hexkey + SUFFIX)
+
+    def _rebuild_index(self) -> None:
+        for path in self.root.glob("*/*"):
+            if not path.name.endswith(SUFFIX):
+                if ".tmp." in path.name:
+                    path.unlink(missing_ok=True)  # an interrupted write
+                continue
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(FIXED_BYTES + MAX_PARAMS_BYTES)
+                    size = os.fstat(f.fileno()).st_size
+                header = BlockHeader.unpack(head)
+                if header.block_len != size or path.name != header.key.hex() + SUFFIX:
+                    raise CorruptBlockError(f"file size {size} or name does not match its header")
+            except (OSError, CorruptBlockError) as exc:
+                log.warning("%s: dropping unreadable block file %s: %s", self.name, path, exc)
+                self.corrupt_on_start += 1
+                path.unlink(missing_ok=True)
+                continue
+            self._blocks[header.key] = header
+            self._used += header.block_len
+
+    # -- Tier --------------------------------------------------------------------------------
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def keys(self) -> Iterator[bytes]:
+        with self._lock:
+            return iter(list(self._blocks))
+
+    def header(self, key: bytes) -> BlockHeader:
+        return self._blocks[key]
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def can_fit(self, nbytes: int) -> bool:
+        return self._used + nbytes <= self.capacity_bytes
+
+    def put(self, header: BlockHeader, payload: memoryview) -> None:
+        if len(payload) != header.payload_len:
+            raise ValueError(f"payload is {len(payload)} bytes, header says {header.payload_len}")
+        previous = self._blocks.get(header.key)
+        growth = header.block_len - (previous.block_len if previous else 0)
+        if self._used + growth > self.capacity_bytes:
+            raise TierFullError(f"{self.name}: {header.block_len} bytes do not fit")
+        path = self._path(header.key)
+        tmp = path.with_name(f".{path.stem}.tmp.{os.getpid()}.{threading.get_ident()}")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                _write_all(fd, header.pack())
+                _write_all(fd, payload)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno == 28:  # ENOSPC: the device is fuller than our capacity says
+                raise TierFullError(f"{self.name}: device full while writing {path.name}") from exc
+            raise TierError(f"{self.name}: writing {path}: {exc}") from exc
+        with self._lock:
+            self._blocks[header.key] = header
+            self._used += growth
+
+    def read_payload_into(self, key: bytes, dest: memoryview) -> BlockHeader:
+        header = self._blocks[key]
+        if len(dest) < header.payload_len:
+            raise ValueError(f"destination of {len(dest)} bytes is smaller than the {header.payload_len}-byte payload")
+        path = self._path(key)
+        try:
+            if self.o_direct:
+                on_disk = self._read_direct(path, header, dest)
+            else:
+                with open(path, "rb", buffering=0) as f:
+                    on_disk = BlockHeader.unpack(f.read(header.header_len))
+                    _readinto_all(f, dest[: header.payload_len])
+        except FileNotFoundError:
+            raise KeyError(key) from None
+        except OSError as exc:
+            raise CorruptBlockError(f"{self.name}: reading {path.name}: {exc}") from exc
+        if on_disk != header:
+            raise CorruptBlockError(f"{self.name}: header of {path.name} changed on disk")
+        header.verify_payload(dest[: header.payload_len])
+        return header
+
+    def _read_direct(self, path: Path, header: BlockHeader, dest: memoryview) -> BlockHeader:
+        """Read through O_DIRECT into an aligned bounce buffer, then copy the payload out."""
+        total = header.block_len
+        padded = (total + _DIRECT_ALIGN - 1) // _DIRECT_ALIGN * _DIRECT_ALIGN
+        bounce = mmap.mmap(-1, padded)  # anonymous mappings are page-aligned
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                got = 0
+                view = memoryview(bounce)
+                while got < total:
+                    n = os.preadv(fd, [view[got:]], got)
+                    if n == 0:
+                        raise CorruptBlockError(f"{self.name}: {path.name} is truncated")
+                    got += n
+                view.release()
+            finally:
+                os.close(fd)
+            on_disk = BlockHeader.unpack(bounce[: header.header_len])
+            dest[: header.payload_len] = bounce[header.header_len : total]
+            return on_disk
+        finally:
+            bounce.close()
+
+    def delete(self, key: bytes) -> int:
+        with self._lock:
+            header = self._blocks.pop(key, None)
+            if header is None:
+                return 0
+            self._used -= header.block_len
+        self._path(key).unlink(missing_ok=True)
+        return header.block_len
+
+    def check_integrity(self) -> None:
+        on_disk: dict[bytes, int] = {}
+        for path in self.root.glob("*/*" + SUFFIX):
+            on_disk[bytes.fromhex(path.stem)] = path.stat().st_size
+        indexed = {key: header.block_len for key, header in self._blocks.items()}
+        if on_disk != indexed:
+            missing = set(indexed) - set(on_disk)
+            extra = set(on_disk) - set(indexed)
+            raise RuntimeError(f"{self.name}: index and files differ: {len(missing)} indexed blocks "
+                               f"missing on disk, {len(extra)} files not indexed, or sizes differ")
+        if sum(indexed.values()) != self._used:
+            raise RuntimeError(f"{self.name}: used bytes {self._used} != sum of blocks {sum(indexed.values())}")
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _readinto_all(f, dest: memoryview) -> None:
+    got = 0
+    while got < len(dest):
+        n = f.readinto(dest[got:])
+        if not n:
+            raise CorruptBlockError("file is shorter than its header says (truncated)")
+        got += n
