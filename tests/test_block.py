@@ -1,0 +1,52 @@
+import numpy as np
+import pytest
+
+from kvstore.block import FIXED_BYTES, BlockHeader, CorruptBlockError, parse_block, payload_checksum
+from kvstore.keys import KVLayout
+
+LAYOUT = KVLayout(4, 3, 64, "float16")
+
+
+def _block(tokens: int = 37, codec: str = "raw", params: dict | None = None, payload: bytes | None = None):
+    rng = np.random.default_rng(tokens)
+    if payload is None:
+        payload = rng.standard_normal(LAYOUT.block_bytes(tokens) // 2).astype(np.float16).tobytes()
+    header = BlockHeader(key=rng.bytes(16), namespace=rng.bytes(16), layout=LAYOUT, tokens=tokens,
+                         payload_len=len(payload), checksum=payload_checksum(payload), codec=codec,
+                         codec_params=params or {})
+    return header, payload
+
+
+def test_round_trip_keeps_every_field():
+    header, payload = _block(codec="int4", params={"group": 32, "bits": 4, "scales": [1.5, 2.25]},
+                             payload=b"\x01\x02" * 999)
+    packed = header.pack()
+    assert len(packed) == header.header_len and header.header_len % 64 == 0 and len(packed) >= FIXED_BYTES
+    parsed, view = parse_block(packed + payload)
+    assert parsed == header and bytes(view) == payload
+
+
+@pytest.mark.parametrize("offset", [0, 5, 10, 30, 41, 50, 75, 104, 112])
+def test_any_flipped_header_byte_is_detected(offset):
+    header, payload = _block()
+    packed = bytearray(header.pack())
+    packed[offset] ^= 0x40
+    with pytest.raises(CorruptBlockError):
+        parse_block(bytes(packed) + payload)
+
+
+def test_flipped_payload_byte_and_truncation_are_detected():
+    header, payload = _block()
+    damaged = bytearray(payload)
+    damaged[len(damaged) // 3] ^= 1
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        parse_block(header.pack() + bytes(damaged))
+    with pytest.raises(CorruptBlockError):
+        parse_block(header.pack() + payload[:-10])
+    with pytest.raises(CorruptBlockError):
+        parse_block(header.pack()[:50])
+
+
+def test_raw_payload_must_match_layout():
+    with pytest.raises(ValueError, match="must be"):
+        BlockHeader(key=b"k" * 16, namespace=b"n" * 16, layout=LAYOUT, tokens=10, payload_len=123, checksum=0)
