@@ -38,7 +38,7 @@ class EncodedBlock:
 
     payload: bytes
     params: dict[str, Any] = field(hash=False)  # JSON-serialisable; goes into the block header
-    codec: str  # the spec string, e.g. "int4-g32+shuffle+zstd"
+    codec: str  # the codec's canonical spec, e.g. "int4-g32+shuffle+zstd"; get_codec(codec) decodes
 
     @property
     def nbytes(self) -> int:
@@ -80,7 +80,7 @@ class Codec(ABC):
     is at most that many (absolute units of the block). Lossless codecs promise 0.
     """
 
-    name: str  # the spec string that `get_codec` resolves to this codec
+    name: str  # canonical spec: get_codec(name) builds an equal codec ("int4" -> "int4-g32")
     lossless: bool = False
 
     @abstractmethod
@@ -183,11 +183,11 @@ def known_codecs() -> str:
 def get_codec(spec: str) -> Codec:
     """The codec for a spec like "int4-g32+shuffle+zstd"; ValueError naming the known ones."""
     head, *stage_names = spec.split("+")
-    quant_name, _, group = head.partition("-g")
+    quant_name, has_group, group = head.partition("-g")
     if quant_name not in QUANTIZERS:
         raise ValueError(f"unknown codec {quant_name!r} in {spec!r}; known: {known_codecs()}")
     group_size = None
-    if group:
+    if has_group:
         if not group.isdigit():
             raise ValueError(f"group size in {spec!r} must be an integer, e.g. 'int4-g32'")
         group_size = int(group)

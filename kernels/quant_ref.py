@@ -75,20 +75,24 @@ def check_lowbit_args(bits: int, group_size: int, meta_dtype: torch.dtype) -> No
         raise ValueError(f"meta_dtype must be one of {META_DTYPES}, got {meta_dtype}")
 
 
-def round_half_away(v: torch.Tensor) -> torch.Tensor:
-    """Round to nearest, ties away from zero, with floor arithmetic (matches the kernel)."""
-    a = torch.floor(v.abs() + 0.5)
-    return torch.where(v < 0, -a, a)
+def round_half_away_(v: torch.Tensor) -> torch.Tensor:
+    """Round in place to nearest, ties away from zero: trunc(v + copysign(0.5, v)).
+
+    Bit-identical to the kernel's where(v < 0, -floor(-v + 0.5), floor(v + 0.5)): fp32 rounding
+    is symmetric in sign, so v - 0.5 == -(|v| + 0.5) exactly for v < 0.
+    """
+    return v.add_(torch.copysign(torch.tensor(0.5, dtype=v.dtype), v)).trunc_()
 
 
 def quantize_int8(x: torch.Tensor) -> Int8Quantized:
     """x: [R, D] float -> (q int8 [R, D], scale float32 [R])."""
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x must be 2-D float16/bfloat16/float32, got {tuple(x.shape)} {x.dtype}")
-    b_x = x.float()  # [R, D]
-    b_scale = b_x.abs().amax(dim=1) / INT8_QMAX  # [R]
+    b_x = x.to(torch.float32, copy=True)  # [R, D], worked on in place
+    b_lo, b_hi = torch.aminmax(b_x, dim=1)  # [R]
+    b_scale = torch.maximum(b_hi, -b_lo) / INT8_QMAX  # [R]
     b_scale = torch.where(b_scale > 0, b_scale, torch.ones_like(b_scale))
-    b_q = round_half_away(b_x / b_scale[:, None]).clamp_(-INT8_QMAX, INT8_QMAX)  # [R, D]
+    b_q = round_half_away_(b_x.div_(b_scale[:, None])).clamp_(-INT8_QMAX, INT8_QMAX)  # [R, D]
     return Int8Quantized(b_q.to(torch.int8), b_scale)
 
 
@@ -112,21 +116,23 @@ def quantize_lowbit(
     n_grp = n_groups(n_cols, group_size)
     levels = 2**bits - 1
     per_byte = 8 // bits
-    b_x = x.float()  # [R, C]
+    b_x = x.to(torch.float32, copy=True)  # [R, C], worked on in place
     pad = n_grp * group_size - n_cols
     if pad:  # replicate the last column: min/max of the tail group see only valid values
         b_x = torch.cat([b_x, b_x[:, -1:].expand(n_rows, pad)], dim=1)  # [R, Cp]
     b_x = b_x.view(n_rows, n_grp, group_size)  # [R, NG, G]
-    b_zero = b_x.amin(dim=2).to(meta_dtype).float()  # [R, NG]
-    b_scale = ((b_x.amax(dim=2) - b_zero) / levels).clamp_(min=0).to(meta_dtype).float()  # [R, NG]
+    b_mn, b_mx = torch.aminmax(b_x, dim=2)  # [R, NG]
+    b_zero = b_mn.to(meta_dtype).float()  # [R, NG]
+    b_scale = ((b_mx - b_zero) / levels).clamp_(min=0).to(meta_dtype).float()  # [R, NG]
     b_div = torch.where(b_scale > 0, b_scale, torch.ones_like(b_scale))
-    b_q = torch.floor((b_x - b_zero[:, :, None]) / b_div[:, :, None] + 0.5).clamp_(0, levels)
-    b_q = b_q.to(torch.int32).view(n_rows, n_grp * group_size)  # [R, Cp]
+    b_q = b_x.sub_(b_zero[:, :, None]).div_(b_div[:, :, None]).add_(0.5).floor_().clamp_(0, levels)
+    b_q = b_q.to(torch.uint8).view(n_rows, n_grp * group_size)  # [R, Cp]
     if pad:
         b_q[:, n_cols:] = 0
     b_q = b_q.view(n_rows, -1, per_byte)  # [R, Cp / per_byte, per_byte]
-    shifts = torch.arange(per_byte, dtype=torch.int32) * bits  # [per_byte]
-    packed = (b_q << shifts).sum(dim=2).to(torch.uint8)  # [R, Cp / per_byte]
+    packed = b_q[:, :, 0].clone()  # [R, Cp / per_byte]
+    for k in range(1, per_byte):
+        packed |= b_q[:, :, k] << (k * bits)
     return LowbitQuantized(packed, b_scale.to(meta_dtype), b_zero.to(meta_dtype))
 
 
@@ -149,9 +155,8 @@ def dequantize_lowbit(
         )
     if scale.shape != (n_rows, n_grp) or zero.shape != scale.shape or zero.dtype != scale.dtype:
         raise ValueError(f"scale and zero must both be [{n_rows}, {n_grp}] of one dtype")
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, dtype=torch.int32) * bits  # [per_byte]
-    b_q = (packed.to(torch.int32)[:, :, None] >> shifts) & (2**bits - 1)  # [R, Cp / per_byte, per_byte]
-    b_q = b_q.view(n_rows, n_grp, group_size).float()  # [R, NG, G]
-    b_x = b_q * scale.float()[:, :, None] + zero.float()[:, :, None]  # [R, NG, G]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)  # [per_byte]
+    b_q = (packed[:, :, None] >> shifts) & (2**bits - 1)  # [R, Cp / per_byte, per_byte]
+    b_x = b_q.view(n_rows, n_grp, group_size).float()  # [R, NG, G]
+    b_x = b_x.mul_(scale.float()[:, :, None]).add_(zero.float()[:, :, None])  # [R, NG, G]
     return b_x.view(n_rows, n_grp * group_size)[:, :n_cols].to(dtype)
