@@ -18,7 +18,10 @@ import secrets
 import stat
 from pathlib import Path
 
+from tiers.memory import prefault
+
 SHM_DIR = Path("/dev/shm")
+
 _NAME = re.compile(r"kvstore-[A-Za-z0-9_.-]{1,128}")
 
 
@@ -30,6 +33,10 @@ class Arena:
         self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(fd)
         self.buffer = memoryview(self._mmap)
+
+    def prefault(self) -> None:
+        """Fault in this process's mapping now (blocking), so copies never stall on first touch."""
+        prefault(self._mmap, background=False)
 
     @classmethod
     def create(cls, size: int, prefix: str = "kvstore") -> "Arena":
@@ -46,7 +53,9 @@ class Arena:
             os.close(fd)
             (SHM_DIR / name).unlink(missing_ok=True)
             raise
-        return cls(name, fd, size, owner=True)
+        arena = cls(name, fd, size, owner=True)
+        arena.prefault()
+        return arena
 
     @classmethod
     def attach(cls, name: str, size: int) -> "Arena":

@@ -168,28 +168,31 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 raise BadRequest(grpc.StatusCode.NOT_FOUND,
                                  f"{len(missing)} of {len(keys)} keys are not stored (first: {missing[0].hex()}); "
                                  f"set allow_missing to get the others")
-        results = []
+        # Validate every destination first, then read all blocks concurrently (disk reads overlap).
+        plan = []
         for i, (key, item) in enumerate(zip(keys, request.items)):
             header = self.store.header(key)
-            if header is None:
-                results.append(pb.GetResult(found=False))
-                continue
-            if item.HasField("dest"):
+            dest = None
+            if header is not None and item.HasField("dest"):
                 dest = self._slice(item.dest)
                 if len(dest) < header.payload_len:
                     raise ValueError(f"items[{i}].dest has {len(dest)} bytes; the block needs {header.payload_len}")
-                found = await self.store.get_into(key, dest)
-                inline = b""
-            else:
-                buffer = bytearray(header.payload_len)
-                found = await self.store.get_into(key, memoryview(buffer))
-                inline = bytes(buffer) if found else b""
-            if found is None:
-                results.append(pb.GetResult(found=False))
-            else:
-                results.append(pb.GetResult(found=True, meta=meta_from_header(found.header),
-                                            tier=found.tier, inline=inline))
+            plan.append((key, header, dest))
+        results = await asyncio.gather(*(self._get_one(key, header, dest) for key, header, dest in plan))
         return pb.GetResponse(results=results)
+
+    async def _get_one(self, key: bytes, header: BlockHeader | None, dest: memoryview | None) -> pb.GetResult:
+        if header is None:
+            return pb.GetResult(found=False)
+        buffer = None
+        if dest is None:
+            buffer = bytearray(header.payload_len)
+            dest = memoryview(buffer)
+        found = await self.store.get_into(key, dest)
+        if found is None:
+            return pb.GetResult(found=False)
+        return pb.GetResult(found=True, meta=meta_from_header(found.header), tier=found.tier,
+                            inline=bytes(buffer[: found.header.payload_len]) if buffer is not None else b"")
 
     @_rpc
     async def Delete(self, request: pb.KeysRequest, context) -> pb.CountResponse:
@@ -233,6 +236,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if len(self.arenas) >= MAX_ARENAS:
             raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_ARENAS} arenas are registered already")
         arena = Arena.attach(request.name, request.size)
+        await asyncio.get_running_loop().run_in_executor(None, arena.prefault)
         arena_id = self._next_arena
         self._next_arena += 1
         self.arenas[arena_id] = arena
@@ -355,8 +359,31 @@ async def _set_serving(servicer) -> None:
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
+def keep_freed_memory() -> None:
+    """Make glibc reuse freed large buffers instead of unmapping them.
+
+    The daemon allocates multi-MB buffers per request (inline payloads, disk reads); by default
+    glibc serves each from a fresh mmap, and every first touch of those pages is a page fault, which
+    on virtual machines costs more than the copy itself. Called once by ``kvstore serve`` (the
+    daemon owns its process); never at import.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    libc = ctypes.CDLL(name)
+    if not hasattr(libc, "mallopt"):
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 512 * 2**20)
+    libc.mallopt(m_trim_threshold, 1024 * 2**20)
+
+
 async def run_daemon(config: DaemonConfig, ready: Callable[[str], None] | None = None) -> None:
     """Serve until SIGINT or SIGTERM, then drain queued writes and exit."""
+    keep_freed_memory()
     daemon = Daemon(config)
     address = await daemon.start()
     if ready is not None:

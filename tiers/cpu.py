@@ -6,6 +6,7 @@ arena handed out by :class:`tiers.allocator.ExtentAllocator`.
 
 from __future__ import annotations
 
+import mmap
 from typing import Iterator
 
 import numpy as np
@@ -13,6 +14,7 @@ import numpy as np
 from kvstore.block import BlockHeader, CorruptBlockError
 from tiers.allocator import ExtentAllocator
 from tiers.base import Tier, TierFullError
+from tiers.memory import prefault
 
 
 def _host_arena(capacity: int, pin: bool) -> np.ndarray:
@@ -23,8 +25,9 @@ def _host_arena(capacity: int, pin: bool) -> np.ndarray:
         if torch.cuda.is_available():
             pinned = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
             return pinned.numpy()
-    # np.empty does not touch the pages; the kernel backs them lazily as blocks are written.
-    return np.empty(capacity, dtype=np.uint8)
+    region = mmap.mmap(-1, capacity)
+    prefault(region)  # in the background: puts never pay first-touch page faults for long
+    return np.frombuffer(region, dtype=np.uint8)
 
 
 class CpuTier(Tier):

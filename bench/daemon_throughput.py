@@ -1,0 +1,281 @@
+"""Daemon throughput: Put/Get GB/s over shared memory and inline gRPC, against same-run baselines.
+
+Blocks are the size of one 256-token SmolLM2-135M chunk: 30 layers x 2 x 3 kv heads x 256 tokens x
+64 x 2 bytes = 5.9 MB. Baselines are measured in the same run on the same bytes:
+
+- CPU tier: numpy memcpy of the same blocks (the ceiling for any copy into the client's memory);
+- disk tier: plain ``write``/``read`` of the same bytes as files in the same folder.
+
+Disk reads of both the daemon and the baseline come from the page cache (the files were just
+written); ``--o-direct`` makes the daemon bypass it (the baseline then uses O_DIRECT too).
+
+    python bench/daemon_throughput.py [--blocks 48] [--batch 8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine_adapter.client import KVStoreClient  # noqa: E402
+from kvstore.keys import KVLayout, Namespace, prefix_keys  # noqa: E402
+
+LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16")
+CHUNK = 256
+BLOCK = LAYOUT.block_bytes(CHUNK)
+
+
+def namespace(client_id: int) -> Namespace:
+    return Namespace(f"bench-{client_id}", LAYOUT, chunk_tokens=CHUNK)
+
+
+def keys_for(client_id: int, n: int) -> list[bytes]:
+    rng = np.random.default_rng(client_id)
+    return prefix_keys(namespace(client_id), rng.integers(0, 49152, size=n * CHUNK))
+
+
+def blocks_for(client_id: int, n: int) -> tuple[list[bytes], list[np.ndarray]]:
+    rng = np.random.default_rng(10_000 + client_id)
+    payloads = [rng.standard_normal(BLOCK // 2).astype(np.float16) for _ in range(n)]
+    return keys_for(client_id, n), payloads
+
+
+def wait_until(start_at: float) -> None:
+    """Line up the clients of one run: set-up (payload generation) must not overlap the timing."""
+    delay = start_at - time.time()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def start_daemon(folder: Path, **settings) -> tuple[subprocess.Popen, str]:
+    address = f"unix:{folder / 'kvstore.sock'}"
+    args = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", address, "--log-level", "WARNING"]
+    for name, value in settings.items():
+        args += ["--" + name.replace("_", "-"), str(value)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, cwd=ROOT)
+    line = proc.stdout.readline().decode()
+    if "ready" not in line:
+        proc.kill()
+        raise RuntimeError(f"daemon did not start: {line!r}")
+    return proc, address
+
+
+def stop_daemon(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+# -- one client's work (runs in a worker process for the multi-client cases) -----------------------
+
+
+def client_put(args) -> tuple[float, int]:
+    address, client_id, n, shm, batch, start_at = args
+    keys, payloads = blocks_for(client_id, n)
+    ns = namespace(client_id)
+    with KVStoreClient(address, shared_memory=shm, arena_bytes=(batch + 2) * (BLOCK + 8192) * 2) as client:
+        wait_until(start_at)
+        start = time.perf_counter()
+        for i in range(0, n, batch):
+            client.put(ns, [(k, CHUNK, p) for k, p in zip(keys[i:i + batch], payloads[i:i + batch])])
+        return time.perf_counter() - start, n * BLOCK
+
+
+def client_get(args) -> tuple[float, int]:
+    address, client_id, n, shm, batch, start_at = args
+    keys = keys_for(client_id, n)
+    with KVStoreClient(address, shared_memory=shm, arena_bytes=(batch + 2) * (BLOCK + 8192) * 2) as client:
+        wait_until(start_at)
+        start = time.perf_counter()
+        got = 0
+        for i in range(0, n, batch):
+            with client.fetch(keys[i:i + batch], BLOCK) as fetched:
+                got += sum(len(b.payload) for b in fetched if b is not None)
+        elapsed = time.perf_counter() - start
+    if got != n * BLOCK:
+        raise RuntimeError(f"client {client_id}: got {got} of {n * BLOCK} bytes (blocks missing)")
+    return elapsed, got
+
+
+def client_lookups(args) -> list[float]:
+    """``calls`` Lookups of ``n`` keys; ``interval`` > 0 paces them (an engine's request rate)."""
+    address, client_id, n, calls, interval, start_at = args
+    keys = keys_for(client_id, n)
+    latencies = []
+    with KVStoreClient(address, shared_memory=False) as client:
+        client.lookup(keys)  # connect
+        wait_until(start_at)
+        next_call = time.perf_counter()
+        for _ in range(calls):
+            start = time.perf_counter()
+            client.lookup(keys)
+            latencies.append(time.perf_counter() - start)
+            next_call += interval
+            pause = next_call - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+    return latencies
+
+
+def run_clients(fn, clients: int, make_args, setup_s: float = 8.0) -> float:
+    """Aggregate GB/s of ``clients`` processes running ``fn`` together, timed by the slowest."""
+    if clients == 1:
+        elapsed, nbytes = fn(make_args(0, 0.0))
+        return nbytes / elapsed / 1e9
+    start_at = time.time() + setup_s
+    with ProcessPoolExecutor(clients) as pool:
+        results = list(pool.map(fn, [make_args(i, start_at) for i in range(clients)]))
+    return sum(b for _, b in results) / max(e for e, _ in results) / 1e9
+
+
+def lookup_latencies(address: str, clients: int, calls: int, interval: float) -> dict:
+    start_at = time.time() + 4.0
+    with ProcessPoolExecutor(clients) as pool:
+        lat = [x for r in pool.map(client_lookups, [(address, 10 + i, 32, calls, interval, start_at)
+                                                    for i in range(clients)]) for x in r]
+    lat_ms = sorted(x * 1e3 for x in lat)
+    return {"calls": len(lat_ms), "interval_ms": interval * 1e3, "p50": statistics.median(lat_ms),
+            "p99": lat_ms[int(len(lat_ms) * 0.99) - 1]}
+
+
+# -- baselines ---------------------------------------------------------------------------------------
+
+
+def memcpy_gbps(n: int) -> float:
+    _, payloads = blocks_for(0, n)
+    dest = np.empty(BLOCK, dtype=np.uint8)
+    best = 0.0
+    for _ in range(3):
+        start = time.perf_counter()
+        for p in payloads:
+            np.copyto(dest, p.view(np.uint8))
+        best = max(best, n * BLOCK / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def file_gbps(folder: Path, n: int, o_direct: bool) -> tuple[float, float]:
+    _, payloads = blocks_for(0, n)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"{i}.bin" for i in range(n)]
+    start = time.perf_counter()
+    for path, p in zip(paths, payloads):
+        with open(path, "wb") as f:
+            f.write(p.view(np.uint8).data)
+    write = n * BLOCK / (time.perf_counter() - start) / 1e9
+    if o_direct:
+        padded = (BLOCK + 4095) // 4096 * 4096
+        buffer = mmap.mmap(-1, padded)
+        start = time.perf_counter()
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            os.preadv(fd, [buffer], 0)
+            os.close(fd)
+    else:
+        buffer = bytearray(BLOCK)
+        start = time.perf_counter()
+        for path in paths:
+            with open(path, "rb", buffering=0) as f:
+                f.readinto(buffer)
+    read = n * BLOCK / (time.perf_counter() - start) / 1e9
+    return write, read
+
+
+# -- main --------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=48, help="blocks per client (default 48 = 283 MB)")
+    parser.add_argument("--batch", type=int, default=8, help="blocks per Put/Get call (default 8)")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="client counts (default 1 8)")
+    parser.add_argument("--lookup-calls", type=int, default=400, help="Lookups per client for latency")
+    parser.add_argument("--o-direct", action="store_true", help="disk reads bypass the page cache")
+    parser.add_argument("--folder", default=None, help="scratch folder on the disk to test (default: a temp dir)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = parser.parse_args()
+
+    scratch = Path(tempfile.mkdtemp(prefix="kvb-", dir=args.folder))
+    rows: list[dict] = []
+    try:
+        n, batch = args.blocks, args.batch
+        per_client = {c: max(batch, n // c) for c in args.clients}
+        mem = memcpy_gbps(n)
+        file_write, file_read = file_gbps(scratch / "baseline", n, args.o_direct)
+        print(f"block {BLOCK / 1e6:.2f} MB, batch {batch}, {n} blocks per run; baselines: memcpy {mem:.2f} GB/s, "
+              f"file write {file_write:.2f} GB/s, file read {file_read:.2f} GB/s"
+              f"{' (O_DIRECT)' if args.o_direct else ' (page cache)'}")
+
+        # CPU tier: a daemon whose CPU tier holds everything.
+        cpu_bytes = max(per_client[c] * c for c in args.clients) * (BLOCK + 8192) * 2
+        (scratch / "cpu-run").mkdir()
+        proc, address = start_daemon(scratch / "cpu-run", cpu_capacity=cpu_bytes, disk_path="")
+        time.sleep(cpu_bytes / 250e6)  # let the arena finish faulting in (slow on VMs; see tiers/memory.py)
+        try:
+            for shm in (True, False):
+                transport = "shm" if shm else "inline"
+                for clients in args.clients:
+                    m = per_client[clients]
+                    # Distinct client ids per (transport, clients) so every Put stores new blocks.
+                    base = (0 if shm else 100) + clients * 10
+                    put = run_clients(client_put, clients, lambda i, t: (address, base + i, m, shm, batch, t))
+                    get = run_clients(client_get, clients, lambda i, t: (address, base + i, m, shm, batch, t))
+                    rows.append(dict(tier="cpu", transport=transport, clients=clients, op="put", gbps=put,
+                                     baseline="memcpy", ratio=put / mem))
+                    rows.append(dict(tier="cpu", transport=transport, clients=clients, op="get", gbps=get,
+                                     baseline="memcpy", ratio=get / mem))
+            # Lookup latency with 8 concurrent clients, 32 keys per call (an 8k-token prompt):
+            # paced at one call per client every 5 ms (1,600 Lookups/s in all), and back to back.
+            lookups = {"paced": lookup_latencies(address, 8, args.lookup_calls, 0.005),
+                       "back-to-back": lookup_latencies(address, 8, args.lookup_calls, 0.0)}
+        finally:
+            stop_daemon(proc)
+
+        # Disk tier alone (no CPU tier): every Get is a disk read, checksum verified.
+        (scratch / "disk-run").mkdir()
+        proc, address = start_daemon(scratch / "disk-run", cpu_capacity=0, disk_path=scratch / "disk-run" / "blocks",
+                                     disk_capacity=n * BLOCK * 4, disk_fsync="false",
+                                     disk_o_direct=str(args.o_direct).lower())
+        try:
+            put = run_clients(client_put, 1, lambda i, t: (address, 500, n, True, batch, t))
+            get = run_clients(client_get, 1, lambda i, t: (address, 500, n, True, batch, t))
+            rows.append(dict(tier="disk", transport="shm", clients=1, op="put", gbps=put,
+                             baseline="file write", ratio=put / file_write))
+            rows.append(dict(tier="disk", transport="shm", clients=1, op="get", gbps=get,
+                             baseline="file read", ratio=get / file_read))
+        finally:
+            stop_daemon(proc)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    print(f"\n{'tier':<5} {'transport':<9} {'clients':>7} {'op':<4} {'GB/s':>7} {'baseline':<11} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['tier']:<5} {r['transport']:<9} {r['clients']:>7} {r['op']:<4} {r['gbps']:>7.2f} "
+              f"{r['baseline']:<11} {r['ratio']:>6.2f}")
+    for mode, lk in lookups.items():
+        print(f"Lookup, 32 keys, 8 clients {mode:<12} ({lk['calls']} calls): p50 {lk['p50']:.3f} ms, "
+              f"p99 {lk['p99']:.3f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "block_bytes": BLOCK, "batch": batch, "blocks": n,
+            "baselines": {"memcpy_gbps": mem, "file_write_gbps": file_write, "file_read_gbps": file_read,
+                          "o_direct": args.o_direct},
+            "rows": rows, "lookup_ms": lookups}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
