@@ -281,7 +281,9 @@ class DecoderLayer(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        hidden, q_width, kv_width = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        hidden = config.hidden_size
+        q_width = config.num_heads * config.head_dim
+        kv_width = config.num_kv_heads * config.head_dim
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.q_proj = nn.Linear(hidden, q_width, bias=config.attention_bias)
         self.k_proj = nn.Linear(hidden, kv_width, bias=config.attention_bias)
