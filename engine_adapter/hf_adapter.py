@@ -1,0 +1,223 @@
+"""Prefix reuse through the kvstore daemon for a transformers (Hugging Face) Llama-family model.
+
+The same request path as ``engine_adapter/cached.py`` (keys, lookup, load, compute the rest,
+store), with a ``DynamicCache`` in place of the reference engine's ``KVCache``. Blocks keep the
+project's layout, so a chunk stored by one engine is a hit for the other when both run the same
+weights in the same dtype::
+
+    DynamicCache.layers[l].keys / .values        [1, kv_heads, T, head_dim]   (keys after RoPE)
+    block                                        [layers, 2, kv_heads, T, head_dim]
+                                                  K at [:, 0], V at [:, 1], batch 1 dropped
+
+What is reused (chunk_tokens = n; the last prompt token is always computed for its logits)::
+
+    prompt   |--chunk 0--|--chunk 1--|--chunk 2--|-tail-|
+    keys      prefix_keys(prompt[:-1])       -> a key per full chunk before the last token
+    loaded    the longest stored run of them  -> cache tokens 0 .. reused-1
+    computed  prompt[reused:] at positions reused .. len(prompt)-1
+
+Storing runs in a background thread after the first token, as in ``CachedEngine``: the new chunks
+are copied out of the cache on the calling thread (a few MB; decode may then append freely) and Put
+by the thread; ``result.store_done`` is set when it ends. A daemon that is down or failing costs
+misses, never an exception: each failure is counted in ``HFCachedGenerator.errors`` and logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from engine_adapter.cached import GenerationResult, block_tensor
+from engine_adapter.client import KVStoreClient
+from engine_adapter.loader import hf_rope
+from kvstore.keys import KVLayout, Namespace, prefix_keys
+
+log = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+# --- block layout <-> DynamicCache ----------------------------------------------------------------
+
+
+def blocks_from_cache(cache: DynamicCache, start: int, end: int) -> torch.Tensor:
+    """A copy of tokens start..end-1 of a batch-1 cache as a block [layers, 2, kv_heads, end-start, head_dim]."""
+    length = cache.get_seq_length()
+    if not 0 <= start <= end <= length:
+        raise ValueError(f"blocks_from_cache({start}, {end}) is outside the cached range 0..{length}")
+    layers = []
+    for layer in cache.layers:
+        if layer.keys.shape[0] != 1:
+            raise ValueError(f"blocks_from_cache needs a batch-1 cache, got batch {layer.keys.shape[0]}")
+        # keys, values: [1, kv_heads, T, head_dim] -> [2, kv_heads, end-start, head_dim]
+        layers.append(torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])))
+    return torch.stack(layers)
+
+
+def cache_from_blocks(blocks: Sequence[torch.Tensor], config) -> DynamicCache:
+    """A batch-1 DynamicCache holding ``blocks`` (each [layers, 2, kv_heads, n_i, head_dim]) in order."""
+    cache = DynamicCache(config=config)
+    if not blocks:
+        return cache
+    num_layers = config.num_hidden_layers
+    for block in blocks:
+        if block.dim() != 5 or block.shape[0] != num_layers or block.shape[1] != 2:
+            raise ValueError(f"block shape {tuple(block.shape)} is not [layers={num_layers}, 2, kv_heads, tokens, head_dim]")
+    kv = torch.cat(list(blocks), dim=3)  # [layers, 2, kv_heads, sum(n_i), head_dim]
+    for layer in range(num_layers):
+        cache.update(kv[layer, 0].unsqueeze(0).contiguous(), kv[layer, 1].unsqueeze(0).contiguous(), layer)
+    return cache
+
+
+# --- namespace --------------------------------------------------------------------------------------
+
+
+def hf_namespace(model, model_id: str, tenant: str = "", chunk_tokens: int = 256) -> Namespace:
+    """The namespace of a transformers model's KV; equals ``model_namespace`` of the reference engine
+    loaded from the same weights in the same dtype when ``model_id`` is the same (the reference
+    GGUF loader uses the file stem, e.g. "SmolLM2-135M-Instruct.Q4_1")."""
+    config = model.config
+    if model.dtype not in _DTYPE_NAMES:
+        raise ValueError(f"model dtype {model.dtype} has no KV layout; use one of {list(_DTYPE_NAMES)}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, head_dim, _DTYPE_NAMES[model.dtype])
+    theta, scaling = hf_rope(config.to_dict())  # the reference loader reads HF configs the same way
+    rope = Namespace.rope_params(theta=theta, scaling=scaling)
+    return Namespace(model_id, layout, rope=rope, tenant=tenant, chunk_tokens=chunk_tokens)
+
+
+def _eos_token_ids(model, tokenizer) -> frozenset[int]:
+    """EOS ids from our Tokenizer (``eos_token_ids``), an HF tokenizer, or the model's configs."""
+    for source in (tokenizer, getattr(model, "generation_config", None), model.config):
+        if source is None:
+            continue
+        ids = getattr(source, "eos_token_ids", None)
+        if ids is None:
+            ids = getattr(source, "eos_token_id", None)
+        if ids is not None:
+            return frozenset([ids] if isinstance(ids, int) else ids)
+    return frozenset()
+
+
+# --- generation ---------------------------------------------------------------------------------------
+
+
+class HFCachedGenerator:
+    """Greedy generation with a transformers causal LM, its prefix KV reused and stored via the daemon."""
+
+    def __init__(self, model, tokenizer: Any | None, client: KVStoreClient | None, model_id: str,
+                 tenant: str = "", chunk_tokens: int = 256) -> None:
+        self.model = model
+        self.client = client
+        self.namespace = hf_namespace(model, model_id, tenant, chunk_tokens)
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.errors = 0
+        self._warned = False
+        self._store_lock = threading.Lock()  # one background store at a time, in order
+
+    # -- daemon calls, guarded ------------------------------------------------------------------
+
+    def _daemon_failed(self, what: str, exc: Exception) -> None:
+        self.errors += 1
+        if not self._warned:
+            log.warning("kvstore daemon %s failed (%s); serving without the cache", what, exc)
+            self._warned = True
+
+    def _load_prefix(self, keys: list[bytes], tiers: list[str]) -> list[torch.Tensor]:
+        """Blocks of the longest stored run of ``keys`` (copies, each [layers, 2, kv_heads, n, head_dim])."""
+        if self.client is None or not keys:
+            return []
+        try:
+            hits = self.client.lookup(keys)
+        except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
+            self._daemon_failed("lookup", exc)
+            return []
+        n = self.namespace.chunk_tokens
+        layout = self.namespace.layout
+        block_bytes = layout.block_bytes(n)
+        step = self.client.max_fetch_blocks(block_bytes)
+        blocks: list[torch.Tensor] = []
+        run_tiers: list[str] = []
+        try:
+            for start in range(0, hits.hits, step):
+                with self.client.fetch(keys[start : min(hits.hits, start + step)], block_bytes) as fetched:
+                    for block in fetched:
+                        if block is None or block.codec != "raw" or block.tokens != n or block.layout != layout:
+                            tiers.extend(run_tiers)
+                            return blocks  # a gap ends the run
+                        blocks.append(block_tensor(block.payload, layout, n).clone())  # the view dies with `with`
+                        run_tiers.append(block.tier)
+        except Exception as exc:  # noqa: BLE001
+            self._daemon_failed("get", exc)  # keep the blocks copied before the failure
+        tiers.extend(run_tiers)
+        return blocks
+
+    def _store_chunks(self, keys: list[bytes], first: int, chunks: torch.Tensor, done: threading.Event) -> None:
+        """Put ``chunks`` [layers, 2, kv_heads, k*n, head_dim] as chunks first..first+k-1 (background thread)."""
+        n = self.namespace.chunk_tokens
+        count = chunks.shape[3] // n
+        try:
+            with self._store_lock:
+                for i in range(0, count, 4):
+                    batch = range(i, min(i + 4, count))
+                    blocks = [(keys[first + c], n, chunks[:, :, :, c * n : (c + 1) * n].contiguous()) for c in batch]
+                    self.client.put(self.namespace, blocks)
+        except Exception as exc:  # noqa: BLE001
+            self._daemon_failed("put", exc)
+        finally:
+            done.set()
+
+    def _forward(self, ids: Sequence[int], cache: DynamicCache, start_pos: int) -> torch.Tensor:
+        """Run ``ids`` at positions start_pos.. on top of ``cache``; logits of the last token [vocab]."""
+        device = self.model.device
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)  # [1, T]
+        positions = torch.arange(start_pos, start_pos + len(ids), device=device).unsqueeze(0)  # [1, T]
+        out = self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    # -- generation ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 32, use_cache: bool = True,
+                 store: bool = True) -> GenerationResult:
+        """Greedy tokens after ``prompt_ids``, reusing and storing prefix KV through the daemon."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        start = time.perf_counter()
+        prompt_ids = list(prompt_ids)
+        n = self.namespace.chunk_tokens
+        keys = prefix_keys(self.namespace, prompt_ids[: len(prompt_ids) - 1])  # the last token is computed
+        tiers: list[str] = []
+        blocks = self._load_prefix(keys, tiers) if use_cache else []
+        reused = len(blocks) * n
+        device = self.model.device
+        cache = cache_from_blocks([b.to(device=device, dtype=self.model.dtype) for b in blocks], self.model.config)
+        loaded_at = time.perf_counter()
+        logits = self._forward(prompt_ids[reused:], cache, reused)
+        token = int(logits.argmax())
+        result = GenerationResult(tokens=[token], ttft_s=time.perf_counter() - start, prompt_tokens=len(prompt_ids),
+                                  reused_tokens=reused, tiers=tiers, load_s=loaded_at - start,
+                                  prefill_s=time.perf_counter() - loaded_at)
+        # Store the chunks computed here, behind the first token: copy them out now, Put in a thread.
+        new_chunks = range(reused // n, len(keys))
+        if store and self.client is not None and len(new_chunks):
+            result.stored_chunks = len(new_chunks)
+            chunks = blocks_from_cache(cache, new_chunks.start * n, new_chunks.stop * n).cpu()
+            threading.Thread(target=self._store_chunks, name="kvstore-store", daemon=True,
+                             args=(keys, new_chunks.start, chunks, result.store_done)).start()
+        else:
+            result.store_done.set()
+        position = len(prompt_ids)
+        while token not in self.eos_token_ids and len(result.tokens) < max_new_tokens:
+            token = int(self._forward([token], cache, position).argmax())
+            result.tokens.append(token)
+            position += 1
+        result.total_s = time.perf_counter() - start
+        return result
