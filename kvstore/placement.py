@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ from tiers.base import Tier, TierError, TierFullError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: Worker threads for blocking-tier reads (promotions, demotions and Gets).
+READER_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,10 @@ class BlockStore:
         self._promoting: set[bytes] = set()
         self._background: set[asyncio.Task] = set()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-writer")
-        self._readers = ThreadPoolExecutor(4, thread_name_prefix="kvstore-reader")
+        self._readers = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="kvstore-reader")
+        #: Executor calls one batched Get splits its blocking reads into: one per core, since a
+        #: disk read from the page cache is a CPU-bound copy and hash (more would only contend).
+        self.read_lanes = max(1, min(READER_THREADS, os.cpu_count() or 1))
         self._worker: asyncio.Task | None = None
         self.write_errors = 0
         self._refresh_gauges()
@@ -251,15 +258,58 @@ class BlockStore:
             except CorruptBlockError as exc:
                 await self._drop_corrupt(level, key, exc)
                 continue
-            if key in self._lru[level]:
-                self._lru[level].move_to_end(key)
-            self.metrics.hits.labels(tier.name).inc()
-            self.metrics.bytes_out.labels(tier.name).inc(header.payload_len)
-            if level > 0 and self.promote_on_get:
-                self.schedule_promotion(key)
-            return GetResult(header, tier.name)
+            return self._hit(level, key, header)
         self.metrics.misses.inc()
         return None
+
+    async def get_many_into(self, requests: list[tuple[bytes, memoryview]]) -> list[GetResult | None]:
+        """:meth:`get_into` for many blocks (one Get call); results in request order.
+
+        Blocks in memory tiers are copied at once. Blocks whose highest copy is in a blocking tier
+        are read in at most ``read_lanes`` executor calls (not one thread hop per block); a block
+        that turns out corrupt or vanished there falls back to :meth:`get_into`, which drops the
+        corrupt copy and tries the tiers below.
+        """
+        results: list[GetResult | None] = [None] * len(requests)
+        blocking: dict[int, list[int]] = {}  # tier level -> indices into requests
+        for i, (key, dest) in enumerate(requests):
+            level = self.locate(key)
+            if level is not None and self.tiers[level].blocking_io:
+                blocking.setdefault(level, []).append(i)
+            else:
+                results[i] = await self.get_into(key, dest)  # memory tier or miss: no await inside
+        if not blocking:
+            return results
+        loop = asyncio.get_running_loop()
+        calls, lanes_of = [], []
+        for level, indices in blocking.items():
+            lanes = min(self.read_lanes, len(indices))
+            for lane in range(lanes):
+                lane_indices = indices[lane::lanes]
+                calls.append(loop.run_in_executor(self._readers, _read_lane, self.tiers[level],
+                                                  [requests[i] for i in lane_indices]))
+                lanes_of.append((level, lane_indices))
+        outcomes = await asyncio.gather(*calls)
+        for (level, lane_indices), lane_outcomes in zip(lanes_of, outcomes):
+            for i, outcome in zip(lane_indices, lane_outcomes):
+                key, dest = requests[i]
+                if isinstance(outcome, BlockHeader):
+                    results[i] = self._hit(level, key, outcome)
+                    continue
+                if isinstance(outcome, CorruptBlockError):
+                    await self._drop_corrupt(level, key, outcome)
+                results[i] = await self.get_into(key, dest)  # the tiers below, or a counted miss
+        return results
+
+    def _hit(self, level: int, key: bytes, header: BlockHeader) -> GetResult:
+        tier = self.tiers[level]
+        if key in self._lru[level]:
+            self._lru[level].move_to_end(key)
+        self.metrics.hits.labels(tier.name).inc()
+        self.metrics.bytes_out.labels(tier.name).inc(header.payload_len)
+        if level > 0 and self.promote_on_get:
+            self.schedule_promotion(key)
+        return GetResult(header, tier.name)
 
     def schedule_promotion(self, key: bytes) -> bool:
         """Copy a lower-tier block into the top tier in the background. False if nothing to do."""
@@ -386,3 +436,15 @@ class BlockStore:
             return fn(*args)
         pool = self._readers if reader else self._writer
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+
+def _read_lane(tier: Tier, requests: list[tuple[bytes, memoryview]]) -> list[BlockHeader | Exception]:
+    """Read blocks one after another in a worker thread: each a header, or the KeyError or
+    CorruptBlockError that made it a miss in this tier (other errors propagate)."""
+    outcomes: list[BlockHeader | Exception] = []
+    for key, dest in requests:
+        try:
+            outcomes.append(tier.read_payload_into(key, dest))
+        except (KeyError, CorruptBlockError) as exc:
+            outcomes.append(exc)
+    return outcomes

@@ -25,7 +25,7 @@ from kvstore.block import BlockHeader, payload_checksum
 from kvstore.config import DaemonConfig
 from kvstore.keys import KEY_BYTES, KVLayout
 from kvstore.metrics import Metrics
-from kvstore.placement import BlockStore
+from kvstore.placement import BlockStore, GetResult
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from tiers.base import Tier, TierError, TierFullError
@@ -168,8 +168,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 raise BadRequest(grpc.StatusCode.NOT_FOUND,
                                  f"{len(missing)} of {len(keys)} keys are not stored (first: {missing[0].hex()}); "
                                  f"set allow_missing to get the others")
-        # Validate every destination first, then read all blocks concurrently (disk reads overlap).
-        plan = []
+        # Validate every destination first, then read all blocks in one batch (disk reads overlap).
+        plan: list[tuple[bytes, BlockHeader | None, memoryview | None]] = []
         for i, (key, item) in enumerate(zip(keys, request.items)):
             header = self.store.header(key)
             dest = None
@@ -178,17 +178,20 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 if len(dest) < header.payload_len:
                     raise ValueError(f"items[{i}].dest has {len(dest)} bytes; the block needs {header.payload_len}")
             plan.append((key, header, dest))
-        results = await asyncio.gather(*(self._get_one(key, header, dest) for key, header, dest in plan))
-        return pb.GetResponse(results=results)
+        reads: list[tuple[bytes, memoryview]] = []
+        buffers: list[bytearray | None] = []  # inline replies: the payload travels in the message
+        for key, header, dest in plan:
+            if header is None:
+                continue
+            buffer = bytearray(header.payload_len) if dest is None else None
+            reads.append((key, memoryview(buffer) if dest is None else dest))
+            buffers.append(buffer)
+        found = iter(zip(await self.store.get_many_into(reads), buffers))
+        return pb.GetResponse(results=[self._get_one(*next(found)) if header is not None else pb.GetResult(found=False)
+                                       for _, header, _ in plan])
 
-    async def _get_one(self, key: bytes, header: BlockHeader | None, dest: memoryview | None) -> pb.GetResult:
-        if header is None:
-            return pb.GetResult(found=False)
-        buffer = None
-        if dest is None:
-            buffer = bytearray(header.payload_len)
-            dest = memoryview(buffer)
-        found = await self.store.get_into(key, dest)
+    @staticmethod
+    def _get_one(found: GetResult | None, buffer: bytearray | None) -> pb.GetResult:
         if found is None:
             return pb.GetResult(found=False)
         return pb.GetResult(found=True, meta=meta_from_header(found.header), tier=found.tier,

@@ -8,8 +8,11 @@ Writes are atomic: the block goes to ``ROOT/ab/.abcdef....tmp.PID``, is flushed 
 block, or a temp file that the next start deletes; never a torn ``.kvb``.
 
 Reads verify the payload checksum every time; a block that fails is reported as corrupt (the store
-deletes it and counts a miss). ``o_direct`` reads bypass the page cache (through an aligned bounce
-buffer), for hosts where cached KV must not crowd the engine's memory and for honest cold-read
+deletes it and counts a miss). A read is ``pread`` calls of a few hundred KB straight into the
+caller's buffer, each chunk hashed while it is still in the CPU cache (hashing the whole payload
+after copying it would read it back from memory); the header on disk is compared byte for byte
+with the one packed when the block was indexed, instead of being parsed again. ``o_direct`` reads
+bypass the page cache (through an aligned bounce buffer), for hosts where cached KV must not crowd the engine's memory and for honest cold-read
 benchmarks.
 """
 
@@ -22,13 +25,18 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-from kvstore.block import FIXED_BYTES, MAX_PARAMS_BYTES, BlockHeader, CorruptBlockError
+import xxhash
+
+from kvstore.block import FIXED_BYTES, MAX_PARAMS_BYTES, BlockHeader, CorruptBlockError, payload_checksum
 from tiers.base import Tier, TierError, TierFullError
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".kvb"
 _DIRECT_ALIGN = 4096
+#: Bytes per pread: small enough that a chunk is still in L2 when it is hashed, large enough that
+#: syscalls stay cheap (measured here: 128-256 KB beat both 64 KB and 1 MB).
+READ_CHUNK = 256 * 1024
 
 
 class DiskTier(Tier):
@@ -47,6 +55,8 @@ class DiskTier(Tier):
         self.o_direct = o_direct
         self._lock = threading.Lock()  # guards _blocks/_used against reader threads
         self._blocks: dict[bytes, BlockHeader] = {}
+        #: The packed header of each indexed block, as it must read back from disk.
+        self._packed: dict[bytes, bytes] = {}
         self._used = 0
         #: Files found unreadable or corrupt while rebuilding the index (deleted).
         self.corrupt_on_start = 0
@@ -81,6 +91,7 @@ class DiskTier(Tier):
                 path.unlink(missing_ok=True)
                 continue
             self._blocks[header.key] = header
+            self._packed[header.key] = bytes(head[: header.header_len])
             self._used += header.block_len
 
     # -- Tier --------------------------------------------------------------------------------
@@ -116,9 +127,10 @@ class DiskTier(Tier):
         tmp = path.with_name(f".{path.stem}.tmp.{os.getpid()}.{threading.get_ident()}")
         try:
             path.parent.mkdir(exist_ok=True)
+            packed = header.pack()
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                _write_all(fd, header.pack())
+                _write_all(fd, packed)
                 _write_all(fd, payload)
                 if self.fsync:
                     os.fsync(fd)
@@ -131,32 +143,44 @@ class DiskTier(Tier):
                 raise TierFullError(f"{self.name}: device full while writing {path.name}") from exc
             raise TierError(f"{self.name}: writing {path}: {exc}") from exc
         with self._lock:
+            # Readers take no lock and look up the header, then the packed bytes: publish the
+            # packed bytes first, so a reader that sees the new header sees its bytes too.
+            self._packed[header.key] = packed
             self._blocks[header.key] = header
             self._used += growth
 
     def read_payload_into(self, key: bytes, dest: memoryview) -> BlockHeader:
         header = self._blocks[key]
+        packed = self._packed[key]
         if len(dest) < header.payload_len:
             raise ValueError(f"destination of {len(dest)} bytes is smaller than the {header.payload_len}-byte payload")
         path = self._path(key)
         try:
             if self.o_direct:
-                on_disk = self._read_direct(path, header, dest)
+                on_disk, checksum = self._read_direct(path, header, dest)
             else:
-                with open(path, "rb", buffering=0) as f:
-                    on_disk = BlockHeader.unpack(f.read(header.header_len))
-                    _readinto_all(f, dest[: header.payload_len])
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    on_disk, checksum = _read_hashed(fd, len(packed), dest[: header.payload_len])
+                finally:
+                    os.close(fd)
         except FileNotFoundError:
             raise KeyError(key) from None
         except OSError as exc:
             raise CorruptBlockError(f"{self.name}: reading {path.name}: {exc}") from exc
-        if on_disk != header:
+        except CorruptBlockError as exc:
+            raise CorruptBlockError(f"{self.name}: {path.name}: {exc}") from None
+        if on_disk != packed:
             raise CorruptBlockError(f"{self.name}: header of {path.name} changed on disk")
-        header.verify_payload(dest[: header.payload_len])
+        if checksum != header.checksum:
+            raise CorruptBlockError(f"{self.name}: {path.name}: payload checksum mismatch")
         return header
 
-    def _read_direct(self, path: Path, header: BlockHeader, dest: memoryview) -> BlockHeader:
-        """Read through O_DIRECT into an aligned bounce buffer, then copy the payload out."""
+    def _read_direct(self, path: Path, header: BlockHeader, dest: memoryview) -> tuple[bytes, int]:
+        """Read through O_DIRECT into an aligned bounce buffer, then copy the payload out.
+
+        Returns the header bytes found on disk and the payload's checksum.
+        """
         total = header.block_len
         padded = (total + _DIRECT_ALIGN - 1) // _DIRECT_ALIGN * _DIRECT_ALIGN
         bounce = mmap.mmap(-1, padded)  # anonymous mappings are page-aligned
@@ -173,9 +197,9 @@ class DiskTier(Tier):
                 view.release()
             finally:
                 os.close(fd)
-            on_disk = BlockHeader.unpack(bounce[: header.header_len])
+            on_disk = bounce[: header.header_len]
             dest[: header.payload_len] = bounce[header.header_len : total]
-            return on_disk
+            return on_disk, payload_checksum(dest[: header.payload_len])
         finally:
             bounce.close()
 
@@ -184,6 +208,7 @@ class DiskTier(Tier):
             header = self._blocks.pop(key, None)
             if header is None:
                 return 0
+            self._packed.pop(key, None)
             self._used -= header.block_len
         self._path(key).unlink(missing_ok=True)
         return header.block_len
@@ -209,10 +234,38 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[written:]
 
 
-def _readinto_all(f, dest: memoryview) -> None:
-    got = 0
-    while got < len(dest):
-        n = f.readinto(dest[got:])
-        if not n:
+def _read_hashed(fd: int, header_len: int, dest: memoryview) -> tuple[bytes, int]:
+    """Read ``header_len`` header bytes and then ``len(dest)`` payload bytes from ``fd``.
+
+    The payload goes straight into ``dest`` in ``READ_CHUNK`` preads, each hashed (xxh3-64, the
+    block's payload checksum) right after it lands, while it is still cached. Returns the header
+    bytes and the payload checksum. Raises CorruptBlockError if the file ends early or runs on
+    past the payload (its size then contradicts the header)::
+
+        file:   | header (header_len) | payload (len(dest))                     | EOF
+        preads: |<- 1st: header + chunk 0 ->|<- chunk 1 ->| ... |<- last chunk + 1 spare byte ->
+    """
+    head = bytearray(header_len)
+    spare = bytearray(1)  # filled only if the file is longer than header + payload
+    hasher = xxhash.xxh3_64()  # streaming form of kvstore.block.payload_checksum
+    size = len(dest)
+    end = min(READ_CHUNK, size)
+    buffers = [head, dest[:end]] if end < size else [head, dest, spare]
+    n = os.preadv(fd, buffers, 0)
+    if n < header_len:
+        raise CorruptBlockError("file is shorter than its header (truncated)")
+    pos = 0  # payload bytes read so far
+    n -= header_len
+    while True:
+        if n > size - pos:
+            raise CorruptBlockError("file is longer than its header says")
+        if n:
+            hasher.update(dest[pos : pos + n])
+            pos += n
+        if pos == size:
+            return bytes(head), hasher.intdigest()
+        if n == 0:
             raise CorruptBlockError("file is shorter than its header says (truncated)")
-        got += n
+        end = min(pos + READ_CHUNK, size)
+        buffers = [dest[pos:end]] if end < size else [dest[pos:end], spare]
+        n = os.preadv(fd, buffers, header_len + pos)
