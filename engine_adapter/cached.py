@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client import FetchedBlock, KVStoreClient
 from engine_adapter.generate import decode_loop, sample_next
 from engine_adapter.model import LlamaModel
 from engine_adapter.tokenizer import Tokenizer
@@ -53,6 +53,25 @@ def block_tensor(payload: memoryview, layout: KVLayout, tokens: int) -> torch.Te
     """A zero-copy tensor [layers, 2, kv_heads, tokens, head_dim] over a raw block payload."""
     tensor = torch.frombuffer(payload, dtype=_DTYPES[layout.dtype])
     return tensor.view(layout.block_shape(tokens))
+
+
+def fetched_tensor(block: FetchedBlock) -> torch.Tensor:
+    """A fetched block as a tensor: zero-copy for ``raw``, decoded for any other codec.
+
+    A zero-copy tensor views the client's arena: use it before the ``fetch`` block ends.
+    """
+    if block.codec == "raw":
+        return block_tensor(block.payload, block.layout, block.tokens)
+    from compression import get_codec
+
+    return get_codec(block.codec).decode(bytes(block.payload), block.codec_params,
+                                         block.layout.block_shape(block.tokens), _DTYPES[block.layout.dtype])
+
+
+def fetch_slot_bytes(layout: KVLayout, tokens: int) -> int:
+    """Arena bytes to reserve per block: the raw size plus room for a lossless stage's overhead."""
+    raw = layout.block_bytes(tokens)
+    return raw + raw // 64 + 4096
 
 
 @dataclass
@@ -101,7 +120,7 @@ class CachedEngine:
             return 0
         n = self.namespace.chunk_tokens
         layout = self.namespace.layout
-        block_bytes = layout.block_bytes(n)
+        block_bytes = fetch_slot_bytes(layout, n)
         loaded = 0
         step = self.client.max_fetch_blocks(block_bytes)
         try:
@@ -109,9 +128,9 @@ class CachedEngine:
                 batch = keys[start : min(hits.hits, start + step)]
                 with self.client.fetch(batch, block_bytes) as blocks:
                     for block in blocks:
-                        if block is None or block.codec != "raw" or block.tokens != n or block.layout != layout:
+                        if block is None or block.tokens != n or block.layout != layout:
                             return loaded * n  # a gap ends the run
-                        kv.load(block_tensor(block.payload, layout, n), loaded * n)
+                        kv.load(fetched_tensor(block), loaded * n)
                         tiers.append(block.tier)
                         loaded += 1
         except Exception as exc:  # noqa: BLE001

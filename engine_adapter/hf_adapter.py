@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-from engine_adapter.cached import GenerationResult, block_tensor
+from engine_adapter.cached import GenerationResult, fetch_slot_bytes, fetched_tensor
 from engine_adapter.client import KVStoreClient
 from engine_adapter.loader import hf_rope
 from kvstore.keys import KVLayout, Namespace, prefix_keys
@@ -139,7 +139,7 @@ class HFCachedGenerator:
             return []
         n = self.namespace.chunk_tokens
         layout = self.namespace.layout
-        block_bytes = layout.block_bytes(n)
+        block_bytes = fetch_slot_bytes(layout, n)
         step = self.client.max_fetch_blocks(block_bytes)
         blocks: list[torch.Tensor] = []
         run_tiers: list[str] = []
@@ -147,10 +147,10 @@ class HFCachedGenerator:
             for start in range(0, hits.hits, step):
                 with self.client.fetch(keys[start : min(hits.hits, start + step)], block_bytes) as fetched:
                     for block in fetched:
-                        if block is None or block.codec != "raw" or block.tokens != n or block.layout != layout:
+                        if block is None or block.tokens != n or block.layout != layout:
                             tiers.extend(run_tiers)
                             return blocks  # a gap ends the run
-                        blocks.append(block_tensor(block.payload, layout, n).clone())  # the view dies with `with`
+                        blocks.append(fetched_tensor(block).clone())  # a raw view dies with `with`
                         run_tiers.append(block.tier)
         except Exception as exc:  # noqa: BLE001
             self._daemon_failed("get", exc)  # keep the blocks copied before the failure

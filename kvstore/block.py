@@ -19,11 +19,10 @@ padding to a multiple of 64 so the payload is aligned)::
      40     2  num_layers        42  2  num_kv_heads     44  2  head_dim
      46     1  dtype code        47  1  flags (reserved, 0)
      48     4  tokens
-     52    16  codec name (ASCII, NUL padded)
-     68     4  params_len
-     72     8  payload_len
-     80     8  payload checksum  (xxh3-64)
-     88    16  reserved (0)
+     52    32  codec spec (ASCII, NUL padded), e.g. "raw" or "int4-g32+shuffle+zstd"
+     84     4  params_len
+     88     8  payload_len
+     96     8  payload checksum  (xxh3-64)
     104     8  header checksum   (xxh3-64 of bytes 0..104 and the params JSON)
 
 A block whose header or payload checksum fails is corrupt: readers raise
@@ -44,10 +43,11 @@ from kvstore.keys import KEY_BYTES, KVLayout
 MAGIC = b"KVB1"
 FORMAT_VERSION = 1
 ALIGN = 64
-_FIXED = struct.Struct("<4sHH16s16sHHHBBI16sIQQ16x")
+_FIXED = struct.Struct("<4sHH16s16sHHHBBI32sIQQ")
 _HEADER_CHECKSUM = struct.Struct("<Q")
 FIXED_BYTES = _FIXED.size + _HEADER_CHECKSUM.size  # 112
 MAX_PARAMS_BYTES = 4096
+CODEC_BYTES = 32
 
 DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3}
 DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
@@ -81,8 +81,8 @@ class BlockHeader:
             raise ValueError(f"key and namespace must be {KEY_BYTES} bytes")
         if not 0 < self.tokens < 2**32:
             raise ValueError(f"tokens must be positive, got {self.tokens}")
-        if not self.codec or len(self.codec.encode()) > 16 or not self.codec.isascii():
-            raise ValueError(f"codec name must be 1..16 ASCII characters, got {self.codec!r}")
+        if not self.codec or not self.codec.isascii() or len(self.codec) > CODEC_BYTES:
+            raise ValueError(f"codec spec must be 1..{CODEC_BYTES} ASCII characters, got {self.codec!r}")
         if self.codec == "raw" and self.payload_len != self.layout.block_bytes(self.tokens):
             raise ValueError(
                 f"raw payload of {self.tokens} tokens in layout {self.layout} must be "
@@ -118,7 +118,7 @@ class BlockHeader:
             DTYPE_CODES[self.layout.dtype],
             0,
             self.tokens,
-            self.codec.encode().ljust(16, b"\x00"),
+            self.codec.encode().ljust(CODEC_BYTES, b"\x00"),
             len(params),
             self.payload_len,
             self.checksum,

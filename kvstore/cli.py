@@ -25,6 +25,7 @@ _FIELD_HELP = {
     "disk_capacity": "disk tier size, e.g. 10GiB",
     "disk_fsync": "fsync each block before it is visible (true/false)",
     "disk_o_direct": "read disk blocks with O_DIRECT, bypassing the page cache (true/false)",
+    "disk_codec": "codec of blocks moved down to disk: raw, int8, int4, int8+shuffle+zstd, ... (docs/compression.md)",
     "write_policy": "write-through (every put also goes down) or write-back (only on eviction)",
     "queue_depth": "bound of the queue of pending lower-tier writes",
     "promote_on_get": "copy lower-tier hits up to the top tier (true/false)",

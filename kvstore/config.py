@@ -74,6 +74,9 @@ class DaemonConfig:
     disk_fsync: bool = True
     #: Read disk blocks with O_DIRECT, bypassing the page cache.
     disk_o_direct: bool = False
+    #: Codec blocks are re-encoded into when they move down to disk: "raw" (exact), "int8",
+    #: "int4", "int8+shuffle+zstd", ... (see docs/compression.md).
+    disk_codec: str = "raw"
     #: write-through: every put is also queued for the lower tiers; write-back: blocks move down
     #: only when evicted.
     write_policy: str = "write-through"
@@ -100,6 +103,10 @@ class DaemonConfig:
             raise ValueError("no tier configured: set cpu_capacity > 0 or a disk_path")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if self.disk_codec != "raw":
+            from kvstore.transcode import canonical_codec
+
+            canonical_codec(self.disk_codec)  # ValueError naming the known codecs
         if self.queue_depth < 1:
             raise ValueError(f"queue_depth must be at least 1, got {self.queue_depth}")
         if self.max_message_bytes < 2**20:

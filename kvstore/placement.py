@@ -26,6 +26,7 @@ from typing import Callable, TypeVar
 from kvstore.block import BlockHeader, CorruptBlockError
 from kvstore.keys import KVLayout
 from kvstore.metrics import Metrics
+from kvstore.transcode import transcode
 from tiers.base import Tier, TierError, TierFullError
 
 log = logging.getLogger(__name__)
@@ -49,12 +50,16 @@ class GetResult:
 
 class BlockStore:
     def __init__(self, tiers: list[Tier], metrics: Metrics | None = None, write_through: bool = True,
-                 queue_depth: int = 256, promote_on_get: bool = True) -> None:
+                 queue_depth: int = 256, promote_on_get: bool = True, codecs: list[str | None] | None = None) -> None:
         if not tiers:
             raise ValueError("BlockStore needs at least one tier")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
+        if codecs is not None and len(codecs) != len(tiers):
+            raise ValueError(f"codecs must name one codec (or None) per tier: {len(codecs)} for {len(tiers)} tiers")
+        #: Codec each tier re-encodes blocks into when the daemon copies them down (None: keep).
+        self.codecs = list(codecs) if codecs is not None else [None] * len(tiers)
         self.tiers = tiers
         self.metrics = metrics or Metrics()
         self.write_through = write_through
@@ -207,6 +212,10 @@ class BlockStore:
         source, target = self.tiers[level], self.tiers[level + 1]
         try:
             header, payload = await self._read_whole(level, key)
+            spec = self.codecs[level + 1]
+            if spec is not None and spec != header.codec:
+                header, payload = await asyncio.get_running_loop().run_in_executor(
+                    self._readers, transcode, header, payload, spec)
             await self._store_in(level + 1, header, payload)
         except (TierError, CorruptBlockError, KeyError) as exc:
             self.write_errors += 1

@@ -297,8 +297,11 @@ class Daemon:
             corrupt = getattr(tier, "corrupt_on_start", 0)
             if corrupt:
                 self.metrics.corrupt.labels(tier.name).inc(corrupt)
+        # The top tier keeps what clients send; lower tiers re-encode into their codec ("raw": keep).
+        codecs = [None if t is tiers[0] or config.disk_codec == "raw" else config.disk_codec for t in tiers]
         self.store = BlockStore(tiers, self.metrics, write_through=config.write_policy == "write-through",
-                                queue_depth=config.queue_depth, promote_on_get=config.promote_on_get)
+                                queue_depth=config.queue_depth, promote_on_get=config.promote_on_get,
+                                codecs=codecs)
         self.service = KVStoreService(self.store)
         self.server: grpc.aio.Server | None = None
 

@@ -221,3 +221,26 @@ def test_tcp_with_bearer_token(daemon_factory):
             client.lookup(keys)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert d.alive
+
+
+def test_disk_codec_reencodes_demoted_blocks_within_its_bound(daemon_factory):
+    import torch
+
+    from compression import get_codec
+    from engine_adapter.cached import fetch_slot_bytes, fetched_tensor
+
+    d = daemon_factory(cpu_capacity="1MiB", write_policy="write-back", disk_codec="int8+shuffle+zstd",
+                       promote_on_get="false")
+    keys, payloads = make_blocks(12, seed=8)
+    with KVStoreClient(d.address) as client:
+        client.put(NS, [(k, 64, p) for k, p in zip(keys, payloads)])
+        assert client.lookup(keys).tiers[0] == "disk"
+        stats = client.stats()
+        assert stats["tiers"]["disk"]["used_bytes"] < stats["tiers"]["disk"]["blocks"] * BLOCK / 1.9
+        with client.fetch(keys[:3], fetch_slot_bytes(LAYOUT, 64)) as blocks:
+            for block, payload in zip(blocks, payloads):
+                assert block.tier == "disk" and block.codec == "int8+shuffle+zstd"
+                original = torch.from_numpy(payload).view(LAYOUT.block_shape(64))
+                bound = get_codec("int8").error_bound(original)
+                error = (fetched_tensor(block).float() - original.float()).abs().max().item()
+                assert 0 < error <= bound

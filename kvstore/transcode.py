@@ -1,0 +1,44 @@
+"""Re-encoding a block for the tier it moves into (the per-tier codec chain).
+
+Clients put blocks in whatever codec they like (engines send ``raw``); when the daemon copies a
+block down into a tier configured with another codec (``disk_codec = "int8+shuffle+zstd"``), it
+decodes and re-encodes it here. Promotion keeps a block's codec: the engine decodes on load, since
+the codec and its parameters travel in the header.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from compression import get_codec
+from kvstore.block import BlockHeader, payload_checksum
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def canonical_codec(spec: str) -> str:
+    """The canonical name of a codec spec ("int4" -> "int4-g32"); ValueError for unknown specs."""
+    return get_codec(spec).name
+
+
+def decode_payload(header: BlockHeader, payload: bytes | memoryview) -> torch.Tensor:
+    """The block as a tensor ``[layers, 2, kv_heads, tokens, head_dim]`` in the layout's dtype."""
+    shape = header.layout.block_shape(header.tokens)
+    dtype = TORCH_DTYPES[header.layout.dtype]
+    if header.codec == "raw":
+        return torch.frombuffer(payload, dtype=dtype).view(shape)
+    return get_codec(header.codec).decode(bytes(payload), header.codec_params, shape, dtype)
+
+
+def transcode(header: BlockHeader, payload: bytes | memoryview, spec: str) -> tuple[BlockHeader, memoryview]:
+    """``(header, payload)`` re-encoded with codec ``spec``; unchanged when it already is."""
+    codec = get_codec(spec)
+    if codec.name == header.codec:
+        return header, memoryview(payload)
+    encoded = codec.encode(decode_payload(header, payload))
+    new_payload = memoryview(encoded.payload)
+    new_header = dataclasses.replace(header, codec=encoded.codec, codec_params=encoded.params,
+                                     payload_len=len(new_payload), checksum=payload_checksum(new_payload))
+    return new_header, new_payload
