@@ -1,0 +1,173 @@
+"""GPU tier: block payloads in one pre-allocated device pool, written generically over a torch device.
+
+The pool is a ``uint8`` tensor of ``capacity_bytes`` on ``device``; each block's payload occupies
+one extent of it (:class:`tiers.allocator.ExtentAllocator`), so a put never allocates device
+memory. Headers stay in host memory (the index). With ``device="cpu"`` the same code runs in CI,
+so capacity, LRU, demotion and promotion are tested without a GPU; on CUDA the copies run on a
+dedicated stream and the host side of a transfer should be pinned for them to be asynchronous.
+
+Batched transfers: :meth:`read_many_into` copies several blocks in one pass, coalescing blocks
+whose extents are adjacent in the pool into one copy per contiguous run::
+
+    pool   |--A--|--B--|--C--|....|--D--|
+    read   [A, B, C, D]  ->  copies: (A..C in one), (D)   when the host destination is one slab
+
+:meth:`payload_tensor` gives the device view of a block, which the CUDA data plane exports
+through CUDA IPC (``torch.multiprocessing`` reductions) to an engine on the same GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from kvstore.block import BlockHeader
+from tiers.allocator import ExtentAllocator
+from tiers.base import Tier, TierFullError
+
+_ALIGN = 256  # CUDA copies and vectorised kernels like 256-byte aligned starts
+
+
+class GpuTier(Tier):
+    blocking_io = False
+
+    def __init__(self, capacity_bytes: int, device: str | torch.device = "cuda", name: str = "gpu") -> None:
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("gpu tier on a CUDA device, but torch sees no CUDA device "
+                             "(set gpu_capacity to 0, or gpu_device to 'cpu' for testing)")
+        if capacity_bytes < _ALIGN:
+            raise ValueError(f"gpu tier capacity must be at least {_ALIGN} bytes, got {capacity_bytes}")
+        self.name = name
+        self.device = device
+        self.capacity_bytes = capacity_bytes
+        self.pool = torch.empty(capacity_bytes, dtype=torch.uint8, device=device)
+        self._allocator = ExtentAllocator(capacity_bytes, align=_ALIGN)
+        self._blocks: dict[bytes, tuple[int, BlockHeader]] = {}  # key -> (offset, header)
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    # -- index ----------------------------------------------------------------------------------
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def keys(self) -> Iterator[bytes]:
+        return iter(list(self._blocks))
+
+    def header(self, key: bytes) -> BlockHeader:
+        return self._blocks[key][1]
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(h.payload_len for _, h in self._blocks.values())
+
+    def can_fit(self, nbytes: int) -> bool:
+        return self._allocator.can_allocate(nbytes)
+
+    # -- data -----------------------------------------------------------------------------------
+
+    def payload_tensor(self, key: bytes) -> torch.Tensor:
+        """The device bytes of a block (a view into the pool; valid until it is deleted)."""
+        offset, header = self._blocks[key]
+        return self.pool[offset : offset + header.payload_len]
+
+    def put(self, header: BlockHeader, payload: memoryview | torch.Tensor) -> None:
+        source = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(payload, dtype=torch.uint8)
+        if source.numel() != header.payload_len or source.dtype != torch.uint8:
+            raise ValueError(f"payload is {source.numel()} {source.dtype} values, header says {header.payload_len} bytes")
+        offset = self._allocator.allocate(header.payload_len)
+        if offset is None:
+            raise TierFullError(f"{self.name}: no free extent of {header.payload_len} bytes")
+        self._copy(self.pool[offset : offset + header.payload_len], source)
+        self.delete(header.key)
+        self._blocks[header.key] = (offset, header)
+
+    def read_payload_into(self, key: bytes, dest: memoryview) -> BlockHeader:
+        return self.read_many_into([(key, dest)])[0]
+
+    def read_many_into(self, requests: list[tuple[bytes, memoryview | torch.Tensor]]) -> list[BlockHeader]:
+        """Copy several payloads out, one copy per run of pool-adjacent blocks whose destinations
+        are adjacent too; returns their headers in order. Raises KeyError for a missing key."""
+        entries = [(self._blocks[key], dest) for key, dest in requests]
+        targets = []
+        for (offset, header), dest in entries:
+            target = dest if isinstance(dest, torch.Tensor) else torch.frombuffer(dest, dtype=torch.uint8)
+            if target.numel() < header.payload_len:
+                raise ValueError(f"destination of {target.numel()} bytes is smaller than the "
+                                 f"{header.payload_len}-byte payload")
+            targets.append(target[: header.payload_len])
+        for run in _runs([(offset, header.payload_len) for (offset, header), _ in entries], targets):
+            first, last = run[0], run[-1]
+            pool_start = entries[first][0][0]
+            pool_end = entries[last][0][0] + entries[last][0][1].payload_len
+            if len(run) == 1:
+                self._copy(targets[first], self.pool[pool_start:pool_end])
+            else:
+                slab = _joined(targets[first], targets[last])
+                self._copy(slab, self.pool[pool_start:pool_end])
+        self._sync()
+        return [header for (_, header), _ in entries]
+
+    def delete(self, key: bytes) -> int:
+        entry = self._blocks.pop(key, None)
+        if entry is None:
+            return 0
+        self._sync()  # a queued copy may still read or write this extent
+        self._allocator.free(entry[0])
+        return entry[1].payload_len
+
+    def check_integrity(self) -> None:
+        self._allocator.check_integrity()
+        extents = self._allocator.used_extents()
+        if sorted(o for o, _ in self._blocks.values()) != sorted(extents):
+            raise RuntimeError(f"{self.name}: index offsets do not match allocated extents")
+        for key, (offset, header) in self._blocks.items():
+            if extents[offset] < header.payload_len:
+                raise RuntimeError(f"{self.name}: block {key.hex()} overruns its extent")
+            if header.key != key:
+                raise RuntimeError(f"{self.name}: block at {offset} is indexed under another key")
+
+    def close(self) -> None:
+        self._sync()
+        self._blocks.clear()
+
+    # -- copies ---------------------------------------------------------------------------------
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._stream is None:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+
+    def _sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+
+def _runs(extents: list[tuple[int, int]], targets: list[torch.Tensor]) -> list[list[int]]:
+    """Group request indices into runs adjacent both in the pool and in the destinations."""
+    runs: list[list[int]] = []
+    for i, (offset, length) in enumerate(extents):
+        if runs:
+            j = runs[-1][-1]
+            prev_offset, prev_length = extents[j]
+            adjacent_pool = prev_offset + prev_length == offset
+            adjacent_dest = (targets[j].device == targets[i].device
+                             and targets[j].untyped_storage().data_ptr() == targets[i].untyped_storage().data_ptr()
+                             and targets[j].data_ptr() + targets[j].numel() == targets[i].data_ptr())
+            if adjacent_pool and adjacent_dest:
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+    return runs
+
+
+def _joined(first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """One uint8 tensor spanning from ``first``'s start to ``last``'s end (adjacent storage)."""
+    length = last.data_ptr() + last.numel() - first.data_ptr()
+    return torch.as_strided(first, (length,), (1,))
