@@ -1,0 +1,126 @@
+"""Chunk assembly: where each segment of a blended prompt sits, and its cached KV moved there.
+
+A blended prompt is ``[prefix] [chunk 1] ... [chunk n] [query]``. Every segment but the query has
+KV computed *alone*, at positions 0..len-1, with nothing before it (no BOS, no prefix), and stored
+under its position-independent chunk key (`kvstore.keys.chunk_key`). Assembly loads those blocks
+at their place in the prompt and rotates their keys from 0..len-1 to the new positions::
+
+    prompt     |--prefix--|----chunk 1----|--chunk 2--|--query--|
+    position    0 .. P-1   P ...... P+n1-1  ...  C-1   C .. T-1
+    cached at   0 .. P-1   0 ...... n1-1    0 .. n2-1  (never cached: always computed)
+    rotate by   0          +P               +P+n1
+
+The prefix sits where it was computed, so its KV is exactly what a full prefill would give; a
+chunk's KV lacks the cross-attention to everything before it, which selective recompute repairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+import torch
+
+import kernels
+from engine_adapter.model import KVCache, LlamaModel
+
+SEGMENT_KINDS = ("prefix", "chunk", "query")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens ``[start, end)`` of the prompt; ``kind`` is one of SEGMENT_KINDS."""
+
+    kind: str
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class BlendLayout:
+    """Segments of one blended prompt, in order, covering 0..total-1 without gaps."""
+
+    segments: tuple[Segment, ...]
+
+    @classmethod
+    def from_lengths(cls, prefix: int, chunks: Sequence[int], query: int) -> BlendLayout:
+        if query <= 0:
+            raise ValueError("the query must have at least one token: its last token's logits are the answer")
+        if prefix < 0 or any(n <= 0 for n in chunks):
+            raise ValueError(f"prefix length must be >= 0 and every chunk non-empty, got {prefix}, {list(chunks)}")
+        segments, start = [], 0
+        for kind, n in [("prefix", prefix), *(("chunk", n) for n in chunks), ("query", query)]:
+            if n:
+                segments.append(Segment(kind, start, start + n))
+                start += n
+        return cls(tuple(segments))
+
+    @property
+    def total(self) -> int:
+        return self.segments[-1].end
+
+    @property
+    def query(self) -> Segment:
+        return self.segments[-1]
+
+    @property
+    def cached(self) -> tuple[Segment, ...]:
+        """Segments whose KV comes from the cache (prefix and chunks), in order."""
+        return self.segments[:-1]
+
+    @property
+    def chunks(self) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if s.kind == "chunk")
+
+    @cached_property
+    def chunk_positions(self) -> torch.Tensor:
+        """Positions [N] of every chunk token: the tokens a selector may choose to recompute."""
+        spans = [torch.arange(s.start, s.end) for s in self.chunks]
+        return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
+
+    @cached_property
+    def query_positions(self) -> torch.Tensor:
+        return torch.arange(self.query.start, self.query.end)
+
+
+def rerotate_keys(keys: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor,
+                  inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys [..., T, D] moved to new positions: the Triton kernel on CUDA, the torch reference
+    elsewhere (``$KVSTORE_KERNELS`` overrides, see `kernels.backend`)."""
+    if kernels.backend(keys) == "triton":
+        from kernels.rope import rerotate_keys as rotate
+    else:
+        from kernels.rope_ref import rerotate_keys as rotate
+    return rotate(keys, old_positions, new_positions, inv_freq.to(keys.device))
+
+
+def place_block(model: LlamaModel, kv: KVCache, block: torch.Tensor, segment: Segment) -> None:
+    """Write a block computed alone at 0..n-1 ([layers, 2, kv_heads, n, head_dim]) into ``kv`` at
+    ``segment``, keys rotated to segment.start..end-1. Any segment order; ``kv.length`` is not moved."""
+    n = segment.length
+    if block.dim() != 5 or block.shape[3] != n:
+        raise ValueError(f"block of shape {tuple(block.shape)} does not hold the {n} tokens of {segment}")
+    block = block.to(device=kv.device, dtype=kv.dtype)
+    keys = block[:, 0]  # [L, KVH, n, D]
+    if segment.start:
+        old = torch.arange(n, device=kv.device)
+        keys = rerotate_keys(keys, old, old + segment.start, model.inv_freq)
+    for layer in range(kv.num_layers):
+        kv.write(layer, segment.start, keys[layer], block[layer, 1])
+
+
+@torch.inference_mode()
+def chunk_block(model: LlamaModel, token_ids: Sequence[int]) -> torch.Tensor:
+    """The KV of ``token_ids`` computed alone at positions 0..n-1, as a block
+    [layers, 2, kv_heads, n, head_dim]: what is stored under the tokens' chunk key."""
+    n = len(token_ids)
+    if n == 0:
+        raise ValueError("a chunk needs at least one token")
+    kv = model.new_cache(n)
+    model(torch.tensor(list(token_ids), dtype=torch.long), kv, 0, last_only=True)
+    return kv.export(0, n)

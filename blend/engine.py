@@ -1,0 +1,262 @@
+"""CacheBlend for the reference engine: reuse the KV of chunks wherever they appear in a prompt.
+
+A request's path (docs/blend.md has the same list with the design choices)::
+
+    1. keys      chunk_key(namespace, tokens) of the prefix and every chunk   kvstore/keys.py
+    2. load      Get the blocks through shared memory; misses are computed    blend/engine.py
+                 alone (positions 0..n-1) and stored after the first token
+    3. assemble  each block written at its place, keys re-rotated (RoPE)      blend/assemble.py
+    4. ratio     fixed, or from the loading controller                        blend/controller.py
+    5. blend     layer 0 (+ check layer) in full, selector picks the tokens,  blend/recompute.py,
+                 later layers recompute only those and the query              blend/select.py
+    6. decode    first token out (TTFT stops here), then more on the assembled cache
+
+A daemon that is down, slow or wrong costs misses (computed chunks), never a failed request: every
+call to it is guarded, counted in ``BlendEngine.errors`` and logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from blend.assemble import BlendLayout, Segment, chunk_block, place_block
+from blend.controller import LoadingController
+from blend.recompute import blend_prefill
+from blend.select import TokenSelector, get_selector
+from engine_adapter.cached import fetch_slot_bytes, fetched_tensor, model_namespace
+from engine_adapter.client import KVStoreClient
+from engine_adapter.generate import decode_loop, sample_next
+from engine_adapter.model import LlamaModel
+from engine_adapter.tokenizer import Tokenizer
+from kvstore.keys import chunk_key
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SEPARATOR = "<|chunk|>"
+DEFAULT_RATIO = 0.15
+
+
+@dataclass(frozen=True)
+class BlendPrompt:
+    """A prompt cut into its reusable parts (token ids)."""
+
+    prefix: list[int]
+    chunks: list[list[int]]
+    query: list[int]
+
+
+def split_prompt(tokenizer: Tokenizer, text: str, separator: str = DEFAULT_SEPARATOR) -> BlendPrompt:
+    """Cut a plain prompt at ``separator``: the first part is the prefix, the last the query, the
+    ones between are chunks (empty ones dropped). Each part is tokenized on its own, so a chunk's
+    tokens (and key) are the same in every prompt that contains it::
+
+        "You answer questions.<|chunk|>Doc A<|chunk|>Doc B<|chunk|>Q: who?"
+         '------ prefix ------'         '-chunk-'      '-chunk-'      '-query-'
+    """
+    parts = text.split(separator)
+    if len(parts) < 2:
+        raise ValueError(f"no {separator!r} in the prompt: mark where the prefix, chunks and query split")
+    query = tokenizer.encode(parts[-1])
+    if not query:
+        raise ValueError("the query (text after the last separator) is empty; the answer needs one token to follow")
+    prefix = tokenizer.encode(parts[0]) if parts[0] else []
+    chunks = [tokenizer.encode(part) for part in parts[1:-1] if part]
+    return BlendPrompt(prefix, [c for c in chunks if c], query)
+
+
+@dataclass
+class BlendResult:
+    tokens: list[int]               # new token ids
+    first_logits: torch.Tensor      # [vocab] float32: the distribution of the first new token
+    ttft_s: float
+    prompt_tokens: int
+    chunk_tokens: int               # tokens in chunks (what `ratio` is a fraction of)
+    recomputed_tokens: int          # chunk tokens recomputed on the last layer
+    prefilled_tokens: float         # token-layers computed / layers, incl. chunks computed on a miss
+    loaded_tokens: int              # tokens whose KV came from the daemon
+    loaded_bytes: int
+    computed_segments: int          # prefix/chunks missing from the daemon, computed alone
+    tiers: list[str]                # tier of each loaded block
+    ratio: float
+    selector: str
+    load_s: float = 0.0             # fetch + assemble (incl. computing misses)
+    blend_s: float = 0.0            # selective recompute
+    total_s: float = 0.0
+    store_done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+
+class BlendEngine:
+    """The reference engine with CacheBlend chunk reuse through the kvstore daemon.
+
+    ``selector`` is a registry name (see `blend.select.SELECTORS`) or an instance; ``ratio`` is the
+    default fraction of chunk tokens recomputed; with a ``controller`` and ``ratio=None`` in
+    `generate`, the controller picks it from measured load and compute speeds.
+    """
+
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, client: KVStoreClient | None,
+                 selector: str | TokenSelector = "kv_deviation", ratio: float = DEFAULT_RATIO,
+                 controller: LoadingController | None = None, tenant: str = "") -> None:
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.client = client
+        self.selector = get_selector(selector) if isinstance(selector, str) else selector
+        self.ratio = ratio
+        self.controller = controller
+        self.namespace = model_namespace(model, tenant)
+        self.errors = 0
+        self._warned = False
+        self._store_lock = threading.Lock()
+
+    def _daemon_failed(self, what: str, exc: Exception) -> None:
+        self.errors += 1
+        if not self._warned:
+            log.warning("kvstore daemon %s failed (%s); blending without the cache", what, exc)
+            self._warned = True
+
+    def chunk_keys(self, segments: Sequence[Sequence[int]]) -> list[bytes]:
+        return [chunk_key(self.namespace, tokens) for tokens in segments]
+
+    # -- load ---------------------------------------------------------------------------------
+
+    def _fetch(self, keys: list[bytes], parts: list[list[int]], placed: list[Segment], kv, result: BlendResult
+               ) -> list[bool]:
+        """Fetch and place every stored block; returns which segments were found."""
+        found = [False] * len(keys)
+        if self.client is None or not keys:
+            return found
+        layout = self.namespace.layout
+        slot = fetch_slot_bytes(layout, max(len(p) for p in parts))
+        step = self.client.max_fetch_blocks(slot)
+        try:
+            for first in range(0, len(keys), step):
+                batch = range(first, min(len(keys), first + step))
+                started = time.perf_counter()
+                per_tier: dict[str, int] = {}
+                with self.client.fetch([keys[i] for i in batch], slot) as blocks:
+                    for i, block in zip(batch, blocks):
+                        if block is None or block.tokens != len(parts[i]) or block.layout != layout:
+                            continue
+                        place_block(self.model, kv, fetched_tensor(block), placed[i])
+                        found[i] = True
+                        size = layout.block_bytes(block.tokens)
+                        result.tiers.append(block.tier)
+                        result.loaded_tokens += block.tokens
+                        result.loaded_bytes += size
+                        per_tier[block.tier] = per_tier.get(block.tier, 0) + size
+                seconds = time.perf_counter() - started
+                if self.controller is not None and per_tier:
+                    moved = sum(per_tier.values())
+                    for tier, size in per_tier.items():
+                        self.controller.observe_load(tier, size, seconds * size / moved)
+        except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
+            self._daemon_failed("get", exc)
+        return found
+
+    def _store(self, blocks: list[tuple[bytes, int, torch.Tensor]], done: threading.Event) -> None:
+        try:
+            with self._store_lock:
+                for block in blocks:
+                    self.client.put(self.namespace, [block])
+        except Exception as exc:  # noqa: BLE001
+            self._daemon_failed("put", exc)
+        finally:
+            done.set()
+
+    def _compute_block(self, tokens: list[int]) -> torch.Tensor:
+        started = time.perf_counter()
+        block = chunk_block(self.model, tokens)
+        if self.controller is not None:
+            self.controller.observe_prefill(len(tokens), time.perf_counter() - started)
+        return block
+
+    def ingest(self, chunks: Sequence[Sequence[int]]) -> tuple[int, int]:
+        """Compute and store the chunks (or a prefix) not yet stored; returns (stored now, present)."""
+        if self.client is None:
+            raise ValueError("ingest needs a daemon client")
+        stored = present = 0
+        for tokens in chunks:
+            key = chunk_key(self.namespace, tokens)
+            if self.client.lookup([key]).hits:
+                present += 1
+                continue
+            self.client.put(self.namespace, [(key, len(tokens), self._compute_block(list(tokens)))])
+            stored += 1
+        return stored, present
+
+    def calibrate(self, tokens: int = 256) -> float:
+        """Time one prefill of ``tokens`` tokens for the controller; returns seconds per token."""
+        if self.controller is None:
+            raise ValueError("calibrate needs a controller")
+        ids = list(range(1, tokens + 1))
+        self._compute_block(ids)
+        return self.controller.prefill_s_per_token
+
+    # -- generation ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prefix: Sequence[int], chunks: Sequence[Sequence[int]], query: Sequence[int],
+                 max_new_tokens: int = 32, ratio: float | None = None, selector: str | TokenSelector | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+                 use_cache: bool = True, store: bool = True) -> BlendResult:
+        """Generate after ``prefix + chunks + query`` (token ids), reusing each chunk's stored KV.
+
+        ``ratio`` None: the engine's default, or the controller's choice when it has one.
+        """
+        start = time.perf_counter()
+        prefix, query = list(prefix), list(query)
+        chunks = [list(c) for c in chunks]
+        layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query))
+        parts = ([prefix] if prefix else []) + chunks
+        selector = self.selector if selector is None else (
+            get_selector(selector) if isinstance(selector, str) else selector)
+        keys = self.chunk_keys(parts)
+        kv = self.model.new_cache(layout.total + max(max_new_tokens, 1))
+        result = BlendResult(tokens=[], first_logits=torch.empty(0), ttft_s=0.0, prompt_tokens=layout.total,
+                             chunk_tokens=layout.chunk_positions.numel(), recomputed_tokens=0, prefilled_tokens=0.0,
+                             loaded_tokens=0, loaded_bytes=0, computed_segments=0, tiers=[], ratio=0.0,
+                             selector=selector.name)
+        found = self._fetch(keys, parts, list(layout.cached), kv, result) if use_cache else [False] * len(parts)
+        missing: list[tuple[bytes, int, torch.Tensor]] = []
+        computed_tokens = 0
+        for i, segment in enumerate(layout.cached):
+            if not found[i]:
+                block = self._compute_block(parts[i])
+                place_block(self.model, kv, block, segment)
+                missing.append((keys[i], len(parts[i]), block))
+                computed_tokens += len(parts[i])
+        result.computed_segments = len(missing)
+        if ratio is None and self.controller is not None:
+            per_tier: dict[str, int] = {}
+            for tier, part in zip(result.tiers, (p for p, f in zip(parts, found) if f)):
+                per_tier[tier] = per_tier.get(tier, 0) + self.namespace.layout.block_bytes(len(part))
+            ratio = self.controller.choose(result.chunk_tokens, per_tier).ratio
+        result.ratio = self.ratio if ratio is None else ratio
+        loaded_at = time.perf_counter()
+        ids = torch.tensor(prefix + [t for c in chunks for t in c] + query, dtype=torch.long)
+        prefill = blend_prefill(self.model, kv, layout, ids, selector, result.ratio)
+        first = sample_next(prefill.logits, temperature, top_p, generator)
+        result.ttft_s = time.perf_counter() - start
+        result.load_s, result.blend_s = loaded_at - start, time.perf_counter() - loaded_at
+        result.first_logits = prefill.logits
+        result.tokens = [first]
+        result.recomputed_tokens = int(prefill.selected.numel())
+        result.prefilled_tokens = prefill.token_layers / len(self.model.layers) + computed_tokens
+        if store and self.client is not None and missing:
+            threading.Thread(target=self._store, name="blend-store", daemon=True,
+                             args=(missing, result.store_done)).start()
+        else:
+            result.store_done.set()
+        if first not in self.tokenizer.eos_token_ids and max_new_tokens > 1:
+            next_logits = self.model(torch.tensor([first], dtype=torch.long), kv, kv.length)[-1]
+            result.tokens += decode_loop(self.model, kv, next_logits, max_new_tokens - 1,
+                                         self.tokenizer.eos_token_ids, temperature, top_p, generator)
+        result.total_s = time.perf_counter() - start
+        return result

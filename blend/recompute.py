@@ -1,0 +1,128 @@
+"""Selective recompute: a prefill that recomputes only some rows on top of an assembled cache.
+
+Layer by layer (check = the selector's check layer; budget = round(ratio * chunk tokens))::
+
+    layers < check   every token, in full; fresh K/V overwrite the cache (exact from here down)
+    layer  check     fresh q, k, v for every token; the selector scores them against the cached
+                     K/V and keeps <= budget chunk tokens; fresh K/V are written for every token
+                     (computed anyway); attention and MLP run for the kept rows + query rows only
+    layers > check   q, k, v for the kept rows only; their K/V are written into the cache at their
+                     positions; they attend to the whole cache under a row-exact causal mask
+
+budget 0 skips the check (naive reuse: only the query is computed). A selector without a check
+layer (sinks) chooses before layer 0, and every layer is partial.
+
+The mask: kept rows are not contiguous, so the usual bottom-right causal mask (row i sees the
+first S-R+i keys) is wrong for them; row i sees keys 0..rows[i] exactly::
+
+    rows = [2, 5, 6]          keys 0 1 2 3 4 5 6 7
+    row 0 (position 2)             x x x . . . . .
+    row 1 (position 5)             x x x x x x . .
+    row 2 (position 6)             x x x x x x x .
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from blend.assemble import BlendLayout
+from blend.select import CheckLayerView, TokenSelector, kv_deviation
+from engine_adapter.model import KVCache, LlamaModel
+
+
+def row_causal_mask(rows: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Boolean [R, num_keys], True where the query at position rows[i] may attend (keys <= rows[i])."""
+    return torch.arange(num_keys, device=rows.device)[None, :] <= rows[:, None]
+
+
+@dataclass
+class BlendPrefill:
+    """Result of one blended prefill."""
+
+    logits: torch.Tensor                  # [vocab] float32, after the last query token
+    selected: torch.Tensor                # chunk positions recomputed on the last layer (sorted)
+    rows_per_layer: list[int] = field(default_factory=list)  # tokens computed on each layer
+
+    @property
+    def token_layers(self) -> int:
+        """Token-layers computed: sum of rows_per_layer (a full prefill is T * num_layers)."""
+        return sum(self.rows_per_layer)
+
+
+def _gather(rows: torch.Tensor, subset: torch.Tensor) -> torch.Tensor:
+    """Indices into ``rows`` (sorted) of the positions in ``subset`` (sorted, contained in rows)."""
+    return torch.searchsorted(rows, subset)
+
+
+@torch.inference_mode()
+def blend_prefill(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids: torch.Tensor,
+                  selector: TokenSelector, ratio: float) -> BlendPrefill:
+    """Prefill ``token_ids`` [T] over ``kv``, which holds the assembled cached KV of every
+    non-query segment. Writes recomputed K/V into ``kv`` and sets ``kv.length = T``."""
+    total = layout.total
+    if token_ids.shape != (total,):
+        raise ValueError(f"token_ids must be [{total}] for this layout, got {tuple(token_ids.shape)}")
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+    if kv.capacity < total:
+        kv.reserve(total)
+    device = model.device
+    chunk_pos = layout.chunk_positions.to(device)
+    query_pos = layout.query_positions.to(device)
+    budget = round(ratio * chunk_pos.numel())
+    check = selector.check_layer if budget > 0 else None
+    if check is not None and check >= len(model.layers):
+        raise ValueError(f"check layer {check} is past the model's {len(model.layers)} layers")
+
+    all_rows = torch.arange(total, device=device)
+    cos_all, sin_all = model.rope(all_rows)  # [T, D] each
+    if check is None:  # choose before layer 0: sinks, or nothing (naive reuse)
+        selected = selector.select(layout, None, budget).to(device) if budget > 0 else chunk_pos[:0]
+        rows = torch.cat((selected, query_pos)).sort().values
+    else:
+        selected, rows = chunk_pos, all_rows
+    h = model.embed(token_ids.to(device)[rows])  # [R, hidden]
+    out = BlendPrefill(logits=torch.empty(0), selected=selected)
+
+    for layer in model.layers:
+        i = layer.index
+        q, k, v = layer.qkv(h, cos_all[rows], sin_all[rows])  # [H, R, D], [KVH, R, D], [KVH, R, D]
+        full = rows.numel() == total
+        if check is not None and i == check:
+            cached_k, cached_v = kv.read(i, total)
+            view = CheckLayerView(layout, q, k, v, cached_k, cached_v)
+            selected = selector.select(layout, view, budget).to(device)
+            kv.write(i, 0, k, v)  # every token's fresh K/V: exact inputs, computed anyway
+            keep = torch.cat((selected, query_pos)).sort().values
+            index = _gather(rows, keep)
+            q, h, rows = q[:, index], h[index], keep
+        elif full:
+            kv.write(i, 0, k, v)
+        else:
+            step = i - check if check is not None else 0
+            if check is not None and selector.wants_refine(step) and selected.numel():
+                ctx = _gather(rows, selected)
+                deviation = kv_deviation(k[:, ctx], v[:, ctx], kv.keys[i][:, selected], kv.values[i][:, selected],
+                                         torch.arange(selected.numel(), device=device))
+                narrowed = selector.refine(step, selected, deviation, budget).to(device)
+            else:
+                narrowed = selected
+            kv.keys[i][:, rows] = k  # scatter the recomputed rows into the assembled cache
+            kv.values[i][:, rows] = v
+            if narrowed.numel() != selected.numel():
+                keep = torch.cat((narrowed, query_pos)).sort().values
+                index = _gather(rows, keep)
+                q, h, rows, selected = q[:, index], h[index], keep, narrowed
+        out.rows_per_layer.append(rows.numel())  # rows through attention + MLP (the check layer's
+        # q/k/v projections ran for every token)
+        keys, values = kv.read(i, total)
+        mask = None if rows.numel() == total else row_causal_mask(rows, total)
+        h = h + layer.attend(q, keys, values, mask)
+        h = h + layer.feed_forward(h)
+
+    kv.length = total
+    out.logits = model.final_logits(h[-1:])[0]
+    out.selected = selected
+    return out

@@ -1,0 +1,192 @@
+"""Token selectors: which chunk tokens a blended prefill recomputes.
+
+A selector sees the prompt's layout and, when it has a check layer, every token's fresh q, k, v at
+that layer beside the cached (re-rotated) k, v. It returns sorted positions of chunk tokens to
+recompute, at most ``budget`` of them (``budget = round(ratio * chunk tokens)``). Query tokens are
+always recomputed and the prefix never is (its cached KV is exact), so neither is the selector's to
+choose.
+
+    name           check layer  picks
+    kv_deviation   1            top-budget tokens by |K_fresh - K_cached|^2 + |V_fresh - V_cached|^2
+    gradual        1            2x budget at the check layer, then re-scored on each of the next
+                                layers and narrowed linearly to the budget (the paper's gradual filter)
+    sinks          none         the first tokens of each chunk, budget split by chunk length (EPIC)
+    query_aware    1            top-budget tokens by the attention the query pays them at the check layer
+
+Pick one with ``get_selector(name)``; unknown names raise ValueError listing the known ones.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from functools import cached_property
+
+import torch
+
+from blend.assemble import BlendLayout
+
+
+class CheckLayerView:
+    """What a selector may read at the check layer (all tensors cover every prompt token).
+
+    fresh_q [H, T, D], fresh_k / fresh_v [KVH, T, D]: recomputed from exact layer inputs.
+    cached_k / cached_v [KVH, T, D]: the assembled cache before this layer's write.
+    Scores are computed on first use and cached.
+    """
+
+    def __init__(self, layout: BlendLayout, fresh_q: torch.Tensor, fresh_k: torch.Tensor,
+                 fresh_v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor) -> None:
+        self.layout = layout
+        self.fresh_q, self.fresh_k, self.fresh_v = fresh_q, fresh_k, fresh_v
+        self.cached_k, self.cached_v = cached_k, cached_v
+
+    @cached_property
+    def kv_deviation(self) -> torch.Tensor:
+        """[N] squared KV deviation of each chunk token (N = len(layout.chunk_positions))."""
+        return kv_deviation(self.fresh_k, self.fresh_v, self.cached_k, self.cached_v, self.layout.chunk_positions)
+
+    @cached_property
+    def query_attention(self) -> torch.Tensor:
+        """[N] attention mass the query tokens put on each chunk token (fresh q and k, causal)."""
+        rows = self.layout.query_positions
+        q = self.fresh_q[:, rows].float()  # [H, Q, D]
+        k = self.fresh_k.float()  # [KVH, T, D]
+        group = q.shape[0] // k.shape[0]
+        k = k.repeat_interleave(group, dim=0)  # [H, T, D]
+        scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # [H, Q, T]
+        allowed = torch.arange(k.shape[1])[None, :] <= rows[:, None]  # [Q, T]
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)  # [H, Q, T]
+        return probs.sum((0, 1))[self.layout.chunk_positions]  # [N]
+
+
+def kv_deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """[len(positions)] sum over heads and dims of (fresh - cached)^2 for K and V at ``positions``.
+
+    fresh_* and cached_* are [KVH, T, D] over the same T tokens that ``positions`` index.
+    """
+    dk = (fresh_k[:, positions].float() - cached_k[:, positions].float()).pow(2).sum((0, 2))
+    dv = (fresh_v[:, positions].float() - cached_v[:, positions].float()).pow(2).sum((0, 2))
+    return dk + dv
+
+
+def top_positions(scores: torch.Tensor, positions: torch.Tensor, count: int) -> torch.Tensor:
+    """Sorted ``positions`` of the ``count`` highest ``scores`` (ties: lower position first)."""
+    count = max(0, min(count, positions.numel()))
+    order = torch.argsort(scores, descending=True, stable=True)[:count]
+    return positions[order].sort().values
+
+
+class TokenSelector(ABC):
+    """Chooses chunk tokens to recompute. Stateless between requests; one instance may serve many.
+
+    ``check_layer`` is the layer whose fresh KV the selector scores (every layer before it runs in
+    full); None means the choice needs no model state and is made before layer 0.
+    """
+
+    name: str = ""
+    check_layer: int | None = 1
+
+    @abstractmethod
+    def select(self, layout: BlendLayout, view: CheckLayerView | None, budget: int) -> torch.Tensor:
+        """Sorted positions [<= budget] among ``layout.chunk_positions``. ``view`` is None iff
+        ``check_layer`` is None."""
+
+    def refine(self, step: int, kept: torch.Tensor, deviation: torch.Tensor, budget: int) -> torch.Tensor:
+        """Positions to keep on the ``step``-th layer after the check layer (step >= 1), given the
+        currently kept chunk positions [K] and their KV deviation [K] at this layer. Returns a
+        sorted subset of ``kept``; the default keeps them all."""
+        return kept
+
+    def wants_refine(self, step: int) -> bool:
+        """Whether `refine` should be called on the step-th layer after the check layer."""
+        return False
+
+
+class KVDeviationSelector(TokenSelector):
+    name = "kv_deviation"
+
+    def __init__(self, check_layer: int = 1) -> None:
+        if check_layer < 0:
+            raise ValueError(f"check_layer must be >= 0, got {check_layer}")
+        self.check_layer = check_layer
+
+    def select(self, layout, view, budget):
+        return top_positions(view.kv_deviation, layout.chunk_positions, budget)
+
+
+class GradualFilterSelector(TokenSelector):
+    """KV deviation with the paper's gradual filtering: start wide, narrow over ``steps`` layers.
+
+        layer:   check    check+1 ...  check+steps
+        kept:    e*B  ->  linearly down ->  B        (e = expand, B = budget)
+    """
+
+    name = "gradual"
+
+    def __init__(self, check_layer: int = 1, expand: float = 2.0, steps: int = 3) -> None:
+        if check_layer < 0 or expand < 1.0 or steps < 1:
+            raise ValueError(f"need check_layer >= 0, expand >= 1, steps >= 1; got {check_layer}, {expand}, {steps}")
+        self.check_layer, self.expand, self.steps = check_layer, expand, steps
+
+    def _count(self, step: int, budget: int) -> int:
+        start = math.ceil(budget * self.expand)
+        return max(budget, round(start - (start - budget) * step / self.steps))
+
+    def select(self, layout, view, budget):
+        return top_positions(view.kv_deviation, layout.chunk_positions, self._count(0, budget))
+
+    def wants_refine(self, step):
+        return 1 <= step <= self.steps
+
+    def refine(self, step, kept, deviation, budget):
+        return top_positions(deviation, kept, self._count(step, budget))
+
+
+class ChunkSinkSelector(TokenSelector):
+    """The first tokens of every chunk (they act as attention sinks when computed alone; EPIC).
+
+    The budget is split in proportion to chunk lengths (largest remainder), so each chunk gets
+    about ratio * its length of its leading tokens.
+    """
+
+    name = "sinks"
+    check_layer = None
+
+    def select(self, layout, view, budget):
+        chunks = layout.chunks
+        total = sum(c.length for c in chunks)
+        if not chunks or budget <= 0:
+            return torch.zeros(0, dtype=torch.long)
+        shares = [budget * c.length / total for c in chunks]
+        counts = [min(c.length, math.floor(s)) for c, s in zip(chunks, shares)]
+        by_remainder = sorted(range(len(chunks)), key=lambda i: counts[i] - shares[i])
+        for i in by_remainder[: budget - sum(counts)]:
+            counts[i] = min(chunks[i].length, counts[i] + 1)
+        spans = [torch.arange(c.start, c.start + k) for c, k in zip(chunks, counts)]
+        return torch.cat(spans)
+
+
+class QueryAwareSelector(TokenSelector):
+    name = "query_aware"
+
+    def __init__(self, check_layer: int = 1) -> None:
+        if check_layer < 0:
+            raise ValueError(f"check_layer must be >= 0, got {check_layer}")
+        self.check_layer = check_layer
+
+    def select(self, layout, view, budget):
+        return top_positions(view.query_attention, layout.chunk_positions, budget)
+
+
+SELECTORS: dict[str, type[TokenSelector]] = {
+    cls.name: cls for cls in (KVDeviationSelector, GradualFilterSelector, ChunkSinkSelector, QueryAwareSelector)
+}
+
+
+def get_selector(name: str) -> TokenSelector:
+    """A selector with its default settings, by registry name."""
+    if name not in SELECTORS:
+        raise ValueError(f"unknown selector {name!r}; known: {sorted(SELECTORS)}")
+    return SELECTORS[name]()

@@ -1,0 +1,304 @@
+"""CacheBlend: layout, mask, selectors, selective recompute, controller, engine through the daemon.
+
+Tiny random models for the exactness tests (r = 1 equals a full prefill within 1e-4 in fp32; any
+set of recomputed rows over an exact cache equals it too, which pins the row-causal mask); the real
+SmolLM2 for one end-to-end run through a real daemon.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blend.assemble import BlendLayout, chunk_block, place_block
+from blend.controller import ControllerConfig, LoadingController
+from blend.engine import BlendEngine, split_prompt
+from blend.recompute import blend_prefill, row_causal_mask
+from blend.select import SELECTORS, TokenSelector, get_selector, top_positions
+from engine_adapter.client import KVStoreClient
+from engine_adapter.model import LlamaModel, ModelConfig, causal_mask
+
+TOL = 1e-4
+
+
+def tiny_model(seed: int = 0, layers: int = 4) -> LlamaModel:
+    torch.manual_seed(seed)
+    config = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=layers, num_heads=4,
+                         num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, attention_bias=False, max_position_embeddings=4096,
+                         bos_token_id=None, eos_token_ids=(0,), model_id=f"tiny-{seed}")
+    model = LlamaModel(config).eval()
+    with torch.no_grad():  # larger weights than the default init: attention that is far from uniform
+        for layer in model.layers:
+            layer.q_proj.weight.mul_(4)
+            layer.k_proj.weight.mul_(4)
+    return model
+
+
+def tiny_prompt(seed: int = 1, prefix: int = 5, chunks=(17, 9, 23), query: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda n: torch.randint(1, 97, (n,), generator=g).tolist()  # noqa: E731
+    return draw(prefix), [draw(n) for n in chunks], draw(query)
+
+
+def full_logits(model, ids) -> tuple[torch.Tensor, object]:
+    with torch.inference_mode():
+        kv = model.new_cache(len(ids))
+        return model(torch.tensor(ids), kv, 0)[-1], kv
+
+
+def assembled(model, layout, parts):
+    kv = model.new_cache(layout.total)
+    for segment, tokens in zip(layout.cached, parts):
+        place_block(model, kv, chunk_block(model, tokens), segment)
+    return kv
+
+
+def kl(p_logits, q_logits) -> float:
+    return float(F.kl_div(q_logits.log_softmax(-1), p_logits.log_softmax(-1), log_target=True, reduction="sum"))
+
+
+class FixedSelector(TokenSelector):
+    """Recomputes exactly the given positions (to test the recompute path, not a policy)."""
+
+    name = "fixed"
+
+    def __init__(self, positions, check_layer=1):
+        self.positions, self.check_layer = torch.tensor(sorted(positions), dtype=torch.long), check_layer
+
+    def select(self, layout, view, budget):
+        return self.positions
+
+
+# -- layout and mask -----------------------------------------------------------------------------
+
+
+def test_layout_positions():
+    layout = BlendLayout.from_lengths(3, [4, 2], 2)
+    assert [(s.kind, s.start, s.end) for s in layout.segments] == [
+        ("prefix", 0, 3), ("chunk", 3, 7), ("chunk", 7, 9), ("query", 9, 11)]
+    assert layout.chunk_positions.tolist() == [3, 4, 5, 6, 7, 8]
+    assert layout.query_positions.tolist() == [9, 10]
+    assert [s.kind for s in BlendLayout.from_lengths(0, [2], 1).segments] == ["chunk", "query"]
+    with pytest.raises(ValueError, match="query"):
+        BlendLayout.from_lengths(3, [4], 0)
+    with pytest.raises(ValueError, match="non-empty"):
+        BlendLayout.from_lengths(3, [0], 1)
+
+
+def test_row_causal_mask_for_non_contiguous_rows():
+    rows = torch.tensor([2, 5, 6])
+    mask = row_causal_mask(rows, 8)
+    expected = torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0],
+                             [1, 1, 1, 1, 1, 1, 0, 0],
+                             [1, 1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+    # the bottom-right mask (rows taken as the last R positions) lets position 2 see 3..5: wrong
+    assert not torch.equal(causal_mask(3, 8, torch.device("cpu")), expected)
+    # and for contiguous trailing rows the two agree
+    assert torch.equal(row_causal_mask(torch.arange(5, 8), 8), causal_mask(3, 8, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("positions,check", [([5, 6, 13, 30, 31, 50], 1), ([22], 0), ([], 2)])
+def test_any_rows_recomputed_over_an_exact_cache_give_the_full_prefill(positions, check):
+    # With the *exact* full-prefill KV as the cache, recomputing any set of rows must not change
+    # anything: a wrong mask (a kept row seeing later positions) would.
+    model = tiny_model()
+    prefix, chunks, query = tiny_prompt()
+    ids = prefix + sum(chunks, []) + query
+    expected, exact_kv = full_logits(model, ids)
+    layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query))
+    kv = model.new_cache(len(ids))
+    kv.load(exact_kv.export(0, layout.query.start), 0)
+    out = blend_prefill(model, kv, layout, torch.tensor(ids), FixedSelector(positions, check), ratio=0.5)
+    assert (out.logits - expected).abs().max() <= TOL
+    assert out.selected.tolist() == positions
+    assert out.rows_per_layer[check + 1:] == [len(positions) + len(query)] * (3 - check)
+
+
+# -- selective recompute -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("prefix_len", [0, 5])
+def test_ratio_one_reproduces_the_full_prefill(name, prefix_len):
+    model = tiny_model()
+    prefix, chunks, query = tiny_prompt(prefix=prefix_len)
+    ids = prefix + sum(chunks, []) + query
+    expected, _ = full_logits(model, ids)
+    layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query))
+    kv = assembled(model, layout, ([prefix] if prefix else []) + chunks)
+    out = blend_prefill(model, kv, layout, torch.tensor(ids), get_selector(name), ratio=1.0)
+    assert (out.logits - expected).abs().max() <= TOL
+    assert out.selected.tolist() == layout.chunk_positions.tolist()
+    # the decode that follows sees the full prefill's cache too
+    _, exact_kv = full_logits(model, ids)
+    assert (kv.export(0, len(ids)) - exact_kv.export(0, len(ids))).abs().max() <= TOL
+
+
+def test_ratio_zero_is_naive_reuse():
+    model = tiny_model()
+    prefix, chunks, query = tiny_prompt()
+    layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query))
+    naive = assembled(model, layout, [prefix] + chunks)
+    naive.length = layout.query.start
+    with torch.inference_mode():
+        expected = model(torch.tensor(query), naive, layout.query.start)[-1]
+    kv = assembled(model, layout, [prefix] + chunks)
+    out = blend_prefill(model, kv, layout, torch.tensor(prefix + sum(chunks, []) + query),
+                        get_selector("kv_deviation"), ratio=0.0)
+    assert torch.allclose(out.logits, expected, atol=1e-5)
+    assert out.rows_per_layer == [len(query)] * 4 and out.selected.numel() == 0
+
+
+def test_blending_moves_toward_the_full_prefill_as_ratio_grows():
+    model = tiny_model(layers=6)
+    prefix, chunks, query = tiny_prompt(chunks=(40, 40, 40))
+    ids = prefix + sum(chunks, []) + query
+    expected, _ = full_logits(model, ids)
+    layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query))
+    errors = []
+    for ratio in (0.0, 0.3, 0.7, 1.0):
+        kv = assembled(model, layout, [prefix] + chunks)
+        out = blend_prefill(model, kv, layout, torch.tensor(ids), get_selector("kv_deviation"), ratio)
+        errors.append(float((out.logits - expected).abs().max()))
+    assert errors[0] > errors[2] > errors[3] and errors[1] < errors[0]
+
+
+# -- selectors -----------------------------------------------------------------------------------
+
+
+def test_top_positions_and_registry():
+    assert top_positions(torch.tensor([0.1, 5.0, 3.0, 5.0]), torch.tensor([10, 11, 12, 13]), 2).tolist() == [11, 13]
+    assert top_positions(torch.tensor([1.0]), torch.tensor([4]), 0).numel() == 0
+    with pytest.raises(ValueError, match="known"):
+        get_selector("nope")
+
+
+def test_sinks_take_the_first_tokens_of_each_chunk_in_proportion():
+    layout = BlendLayout.from_lengths(2, [10, 30], 1)  # chunks at 2..11 and 12..41
+    picked = get_selector("sinks").select(layout, None, budget=8).tolist()
+    assert picked == [2, 3, 12, 13, 14, 15, 16, 17]
+
+
+def test_gradual_filter_narrows_to_the_budget():
+    model = tiny_model(layers=6)
+    prefix, chunks, query = tiny_prompt(chunks=(40, 40))
+    layout = BlendLayout.from_lengths(len(prefix), [40, 40], len(query))
+    kv = assembled(model, layout, [prefix] + chunks)
+    out = blend_prefill(model, kv, layout, torch.tensor(prefix + sum(chunks, []) + query), get_selector("gradual"), 0.1)
+    counts = [r - len(query) for r in out.rows_per_layer]
+    # layer 0 full; check layer keeps 2 x 8; then 13, 11, 8 and 8 to the end
+    assert counts[0] == layout.total - len(query) and counts[1] == 16
+    assert counts[2:] == [13, 11, 8, 8] and out.selected.numel() == 8
+
+
+def test_query_aware_prefers_what_the_query_reads():
+    model = tiny_model()
+    prefix, chunks, query = tiny_prompt()
+    layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query))
+    kv = assembled(model, layout, [prefix] + chunks)
+    out = blend_prefill(model, kv, layout, torch.tensor(prefix + sum(chunks, []) + query),
+                        get_selector("query_aware"), 0.2)
+    assert out.selected.numel() == round(0.2 * 49)
+    assert set(out.selected.tolist()) <= set(layout.chunk_positions.tolist())
+
+
+# -- controller ----------------------------------------------------------------------------------
+
+
+def test_controller_raises_the_ratio_only_when_the_load_leaves_room():
+    controller = LoadingController(num_layers=30, config=ControllerConfig(floor=0.15))
+    assert controller.choose(1000, {"cpu": 10**6}).reason == "unmeasured"
+    controller.observe_prefill(1000, 4.0)                # 4 ms per token: full prefill of 1000 = 4 s
+    controller.observe_load("cpu", 10**9, 0.5)           # 2 GB/s
+    controller.observe_load("s3", 10**8, 1.0)            # 100 MB/s
+    fast = controller.choose(1000, {"cpu": 46 * 10**6})  # 23 ms of load: recompute cannot hide
+    assert (fast.ratio, fast.reason) == (0.15, "floor")
+    slow = controller.choose(1000, {"s3": 120 * 10**6})  # 1.2 s of load: recompute ~27% under it
+    fixed = 1.3 / 30
+    assert slow.reason == "hidden" and slow.ratio == pytest.approx((1.2 - 4 * fixed) / (4 * (1 - fixed)))
+    assert slow.recompute_s == pytest.approx(slow.load_s)
+    assert controller.choose(1000, {"s3": 10**9}).reason == "ceiling"
+    with pytest.raises(ValueError, match="floor"):
+        ControllerConfig(floor=0.5, ceiling=0.2)
+
+
+# -- engine ----------------------------------------------------------------------------------------
+
+
+def tiny_tokenizer():
+    return SimpleNamespace(eos_token_ids=(0,))
+
+
+def test_engine_stores_missing_chunks_then_reuses_them(daemon):
+    model = tiny_model()
+    prefix, chunks, query = tiny_prompt()
+    ids = prefix + sum(chunks, []) + query
+    expected, _ = full_logits(model, ids)
+    with KVStoreClient(daemon.address) as client:
+        engine = BlendEngine(model, tiny_tokenizer(), client, ratio=0.3)
+        cold = engine.generate(prefix, chunks, query, max_new_tokens=4)
+        assert cold.computed_segments == 4 and cold.loaded_tokens == 0
+        assert cold.store_done.wait(30) and engine.errors == 0
+        warm = engine.generate(prefix, chunks[::-1], query, max_new_tokens=4)  # other order: same keys
+        assert warm.computed_segments == 0 and warm.tiers == ["cpu"] * 4
+        assert warm.loaded_tokens == len(ids) - len(query)
+        assert warm.loaded_bytes == engine.namespace.layout.block_bytes(warm.loaded_tokens)
+        again = engine.generate(prefix, chunks, query, max_new_tokens=4)
+        assert torch.allclose(again.first_logits, cold.first_logits, atol=1e-5) and again.tokens == cold.tokens
+        exact = engine.generate(prefix, chunks, query, max_new_tokens=1, ratio=1.0)
+        assert (exact.first_logits - expected).abs().max() <= TOL
+        assert engine.ingest(chunks + [[5, 6, 7]]) == (1, 3)
+
+
+def test_engine_without_a_daemon_computes_everything():
+    model = tiny_model()
+    prefix, chunks, query = tiny_prompt()
+    client = KVStoreClient("unix:/nonexistent/kvstore.sock", shared_memory=False, timeout=1)
+    engine = BlendEngine(model, tiny_tokenizer(), client, ratio=1.0)
+    result = engine.generate(prefix, chunks, query, max_new_tokens=2)
+    assert result.computed_segments == 4 and engine.errors >= 1 and result.store_done.wait(10)
+    expected, _ = full_logits(model, prefix + sum(chunks, []) + query)
+    assert (result.first_logits - expected).abs().max() <= TOL
+
+
+def test_split_prompt():
+    tokenizer = SimpleNamespace(encode=lambda text: [ord(c) for c in text])
+    prompt = split_prompt(tokenizer, "sys<|chunk|>ab<|chunk|><|chunk|>cd<|chunk|>q?")
+    assert prompt.prefix == [115, 121, 115] and prompt.chunks == [[97, 98], [99, 100]] and prompt.query == [113, 63]
+    with pytest.raises(ValueError, match="separator|no "):
+        split_prompt(tokenizer, "no separator here")
+
+
+# -- the real model, through the daemon ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_blend_through_the_daemon(daemon):
+    from engine_adapter.loader import find_smollm2_gguf, load_gguf
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_gguf(find_smollm2_gguf(), dtype=torch.float32)
+    document = json.loads(resources.files("engine_adapter").joinpath("data/musique_sample.json").read_text())["document"]
+    passages = [document[i : i + 700] for i in (0, 700, 1400)]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Answer from the passages.<|chunk|>"
+                                           + "<|chunk|>".join(passages) + "<|chunk|>Who developed the series?"}])
+    prompt = split_prompt(tokenizer, text)
+    ids = prompt.prefix + sum(prompt.chunks, []) + prompt.query
+    expected, _ = full_logits(model, ids)
+    with KVStoreClient(daemon.address) as client:
+        engine = BlendEngine(model, tokenizer, client)
+        assert engine.ingest([prompt.prefix, *prompt.chunks]) == (4, 0)
+        naive = engine.generate(prompt.prefix, prompt.chunks, prompt.query, max_new_tokens=1, ratio=0.0)
+        blended = engine.generate(prompt.prefix, prompt.chunks, prompt.query, max_new_tokens=1)
+        exact = engine.generate(prompt.prefix, prompt.chunks, prompt.query, max_new_tokens=1, ratio=1.0)
+    assert blended.tiers == ["cpu"] * 4 and blended.computed_segments == 0
+    assert blended.recomputed_tokens == round(0.15 * blended.chunk_tokens)
+    assert kl(expected, blended.first_logits) < kl(expected, naive.first_logits)
+    assert (exact.first_logits - expected).abs().max() <= 1e-3
