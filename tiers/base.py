@@ -22,11 +22,22 @@ class TierFullError(TierError):
     """No room for the block without eviction; the store evicts and retries."""
 
 
+class TierUnavailableError(TierError):
+    """The tier cannot be reached now (network down, circuit breaker open). For a read this is a
+    miss, not corruption: the block is kept and the store tries the tiers below."""
+
+
 class Tier(ABC):
     name: str
     capacity_bytes: int
     #: True when reads/writes touch a device (disk, network) and belong off the event loop.
     blocking_io: bool = False
+    #: Threads the store gives this tier's reads and writes (a network tier wants many requests in
+    #: flight); 0: the store's shared reader threads and its single writer thread.
+    io_threads: int = 0
+    #: True when other daemons write the same storage (S3): keys may appear that this daemon did
+    #: not put; see :meth:`take_new_keys` and :meth:`discover`.
+    shared: bool = False
 
     @abstractmethod
     def __contains__(self, key: bytes) -> bool: ...
@@ -71,6 +82,22 @@ class Tier(ABC):
     @abstractmethod
     def delete(self, key: bytes) -> int:
         """Remove a block; returns the bytes freed (0 if absent)."""
+
+    @property
+    def available(self) -> bool:
+        """False while the tier is known to be unreachable (its blocks then count as misses)."""
+        return True
+
+    def take_new_keys(self) -> list[bytes]:
+        """Keys the tier indexed by itself (a background listing, :meth:`discover`) since the last
+        call, for the store to adopt into its LRU. Thread-safe."""
+        return []
+
+    def discover(self, keys: list[bytes], timeout_s: float) -> list[bytes]:
+        """Find ``keys`` that other writers stored since this tier's index was built, waiting at
+        most about ``timeout_s``; index and return those found. Called from a worker thread.
+        Never raises for an unreachable tier (it finds nothing then)."""
+        return []
 
     def clear(self) -> None:
         for key in list(self.keys()):
