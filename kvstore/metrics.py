@@ -21,6 +21,16 @@ class Metrics:
         self.queue_dropped = Counter("kvstore_queue_dropped",
                                      "Write-through copies skipped because the queue was full", registry=r)
         self.queue_depth = Gauge("kvstore_queue_depth", "Pending lower-tier writes", registry=r)
+        self.tier_queue_depth = Gauge("kvstore_tier_queue_depth", "Pending writes into a lower tier, by target tier",
+                                      ["tier"], registry=r)
+        self.tier_queue_dropped = Counter("kvstore_tier_queue_dropped",
+                                          "Copies into a lower tier skipped because its queue was full", ["tier"],
+                                          registry=r)
+        self.unavailable = Counter("kvstore_tier_unavailable",
+                                   "Reads and writes that found a tier unreachable (served as misses)", ["tier"],
+                                   registry=r)
+        self.discovered = Counter("kvstore_discovered", "Blocks found in a shared tier that another host stored",
+                                  ["tier"], registry=r)
         self.used_bytes = Gauge("kvstore_used_bytes", "Bytes stored, by tier", ["tier"], registry=r)
         self.blocks = Gauge("kvstore_blocks", "Blocks stored, by tier", ["tier"], registry=r)
 

@@ -1,16 +1,26 @@
 """Placement: which tier holds which block, LRU eviction, demotion, promotion and pins.
 
-Tiers are ordered top (fastest) to bottom: ``[cpu, disk]`` today, ``[gpu, cpu, disk, s3]`` in time.
+Tiers are ordered top (fastest) to bottom: ``[gpu, cpu, disk, s3]``, each optional.
 
-    Put ──► top tier ──(write-through queue, bounded)──► lower tiers
+    Put ──► top tier ──queue[1]──► tier 1 ──queue[2]──► tier 2 ... (write-behind, one bounded
+                 │                                                   queue per lower tier)
                  │  full? evict LRU: a victim the next tier lacks is demoted first
     Get ◄── first tier holding the key; a lower-tier hit is promoted to the top in the background
-    Lookup: longest run of consecutive keys held by any tier (no side effects)
+    Lookup: longest run of consecutive keys held by any available tier; keys no tier holds are
+            first asked of shared tiers (S3), which may hold blocks other hosts stored
+
+Write-behind: a Put queues its key for tier 1 (a full queue drops the copy and counts it: the block
+still moves down when evicted). Each lower tier has worker tasks that copy a queued block from the
+highest tier holding it, re-encoded into the target's codec, then queue it for the tier below,
+waiting for room there: a slow tier (S3) backs its queue up into the one above, never into Put.
 
 Concurrency: everything runs on one asyncio loop. Index changes and evictions hold ``_lock``;
 reads from the in-memory top tier are synchronous (no await between finding and copying a block),
 so they need no lock. Blocking tiers (disk) are read in worker threads and written by one writer
-thread. A block found corrupt is deleted, counted, and reported as a miss.
+thread; network tiers (S3) get a thread pool of their own (``Tier.io_threads``). Write-behind
+copies read the block under ``_lock`` but write it without, so a slow tier never holds up Put; a
+Delete that lands during such a write undoes it afterwards. A block found corrupt is deleted,
+counted, and reported as a miss; a tier that is unreachable costs misses, never errors.
 """
 
 from __future__ import annotations
@@ -27,13 +37,15 @@ from kvstore.block import BlockHeader, CorruptBlockError
 from kvstore.keys import KVLayout
 from kvstore.metrics import Metrics
 from kvstore.transcode import transcode
-from tiers.base import Tier, TierError, TierFullError
+from tiers.base import Tier, TierError, TierFullError, TierUnavailableError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Worker threads for blocking-tier reads (promotions, demotions and Gets).
 READER_THREADS = 4
+#: Longest a Lookup waits for shared tiers to answer about keys no tier holds.
+DISCOVER_TIMEOUT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -50,7 +62,8 @@ class GetResult:
 
 class BlockStore:
     def __init__(self, tiers: list[Tier], metrics: Metrics | None = None, write_through: bool = True,
-                 queue_depth: int = 256, promote_on_get: bool = True, codecs: list[str | None] | None = None) -> None:
+                 queue_depth: int = 256, promote_on_get: bool = True, codecs: list[str | None] | None = None,
+                 discover_timeout_s: float = DISCOVER_TIMEOUT_S) -> None:
         if not tiers:
             raise ValueError("BlockStore needs at least one tier")
         names = [t.name for t in tiers]
@@ -64,6 +77,7 @@ class BlockStore:
         self.metrics = metrics or Metrics()
         self.write_through = write_through
         self.promote_on_get = promote_on_get
+        self.discover_timeout_s = discover_timeout_s
         self._lru: list[OrderedDict[bytes, None]] = [OrderedDict.fromkeys(t.keys()) for t in tiers]
         self._pinned: set[bytes] = set()
         self._layouts: dict[bytes, KVLayout] = {}
@@ -72,45 +86,60 @@ class BlockStore:
                 header = tier.header(key)
                 self._layouts.setdefault(header.namespace, header.layout)
         self._lock = asyncio.Lock()
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=queue_depth)
-        #: Keys queued for a lower-tier copy -> still wanted (Delete/Clear cancel it).
-        self._pending: dict[bytes, bool] = {}
+        #: Write-behind queue of each lower tier (keyed by its level), holding keys to copy into it.
+        self._queues: dict[int, asyncio.Queue[bytes]] = {
+            level: asyncio.Queue(maxsize=queue_depth) for level in range(1, len(tiers))}
+        self._queued: set[tuple[int, bytes]] = set()  # (level, key) now in a queue: no duplicates
+        #: Keys being written into a lower tier outside ``_lock`` -> still wanted (Delete/Clear
+        #: set False, and the writer deletes the copy it just made).
+        self._inflight: dict[bytes, bool] = {}
         self._promoting: set[bytes] = set()
         self._background: set[asyncio.Task] = set()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-writer")
         self._readers = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="kvstore-reader")
+        #: Tiers that want many requests in flight (S3) get threads of their own for reads and writes.
+        self._pools = {t.name: ThreadPoolExecutor(t.io_threads, thread_name_prefix=f"kvstore-{t.name}")
+                       for t in tiers if t.io_threads}
         #: Executor calls one batched Get splits its blocking reads into: one per core, since a
         #: disk read from the page cache is a CPU-bound copy and hash (more would only contend).
         self.read_lanes = max(1, min(READER_THREADS, os.cpu_count() or 1))
-        self._worker: asyncio.Task | None = None
+        self._workers: list[asyncio.Task] = []
         self.write_errors = 0
         self._refresh_gauges()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._worker is None and len(self.tiers) > 1:
-            self._worker = asyncio.get_running_loop().create_task(self._write_lower_tiers())
+        if self._workers:
+            return
+        loop = asyncio.get_running_loop()
+        for level in self._queues:
+            # One worker per single-writer tier (disk); a few for tiers that take parallel writes.
+            workers = max(1, self.tiers[level].io_threads // 4)
+            self._workers += [loop.create_task(self._write_behind(level)) for _ in range(workers)]
 
     async def close(self, flush: bool = True) -> None:
         """Stop background work; with ``flush``, first finish queued lower-tier writes."""
-        if flush and self._worker is not None:
-            await self._queue.join()
-        if self._worker is not None:
-            self._worker.cancel()
-            await asyncio.gather(self._worker, return_exceptions=True)
-            self._worker = None
+        if flush and self._workers:
+            await self.flush()
+        for task in self._workers:
+            task.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers = []
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
         for tier in self.tiers:
             tier.close()
 
     async def flush(self) -> None:
-        """Wait until every queued lower-tier write is done."""
-        await self._queue.join()
+        """Wait until every queued lower-tier write is done (each tier's queue feeds the next)."""
+        for level in sorted(self._queues):
+            await self._queues[level].join()
 
     async def demote_all(self) -> int:
         """Copy every block the lowest tier lacks down to it (write-back shutdown). Returns blocks copied."""
@@ -135,13 +164,50 @@ class BlockStore:
         return None
 
     def lookup(self, keys: list[bytes]) -> LookupResult:
+        self._adopt_new_keys()
         tiers: list[str] = []
         for key in keys:
-            level = self.locate(key)
-            if level is None:
+            tier = next((t for t in self.tiers if key in t and t.available), None)
+            if tier is None:
                 break
-            tiers.append(self.tiers[level].name)
+            tiers.append(tier.name)
         return LookupResult(len(tiers), tuple(tiers))
+
+    async def discover(self, keys: list[bytes]) -> int:
+        """Ask shared tiers (S3) about the keys no tier here holds, from the first such key on:
+        another host may have stored them since this daemon indexed the bucket. Waits at most
+        ``discover_timeout_s``; returns how many were found (now indexed, so a Lookup hits)."""
+        shared = [(level, t) for level, t in enumerate(self.tiers) if t.shared and t.available]
+        first = next((i for i, k in enumerate(keys) if self.locate(k) is None), None)
+        if not shared or first is None:
+            return 0
+        missing = [k for k in keys[first:] if self.locate(k) is None]
+        loop = asyncio.get_running_loop()
+        found = 0
+        for level, tier in shared:
+            try:
+                keys_found = await asyncio.wait_for(
+                    loop.run_in_executor(None, tier.discover, missing, self.discover_timeout_s),
+                    self.discover_timeout_s + 0.25)
+            except asyncio.TimeoutError:
+                continue
+            found += len(keys_found)
+            self.metrics.discovered.labels(tier.name).inc(len(keys_found))
+        self._adopt_new_keys()
+        return found
+
+    def _adopt_new_keys(self) -> None:
+        """Take into the LRU the keys shared tiers indexed on their own (listing, discovery), as
+        least recently used: this daemon has not used them yet."""
+        for level, tier in enumerate(self.tiers):
+            if not tier.shared:
+                continue
+            for key in tier.take_new_keys():
+                if key not in self._lru[level]:
+                    self._lru[level][key] = None
+                    self._lru[level].move_to_end(key, last=False)
+                    header = tier.header(key)
+                    self._layouts.setdefault(header.namespace, header.layout)
 
     def header(self, key: bytes) -> BlockHeader | None:
         level = self.locate(key)
@@ -165,14 +231,22 @@ class BlockStore:
         async with self._lock:
             await self._store_in(0, header, payload)
             self._layouts.setdefault(header.namespace, header.layout)
-        if self.write_through and len(self.tiers) > 1 and header.key not in self._pending:
-            try:
-                self._queue.put_nowait(header.key)
-                self._pending[header.key] = True
-            except asyncio.QueueFull:
-                # The block still reaches the lower tier when evicted (demotion).
-                self.metrics.queue_dropped.inc()
+        if self.write_through:
+            self._enqueue(1, header.key)
         self._refresh_gauges()
+
+    def _enqueue(self, level: int, key: bytes) -> None:
+        """Queue a write-behind copy of ``key`` into tier ``level`` without waiting; a full queue
+        drops it and counts it (the block still reaches that tier when evicted above)."""
+        if level not in self._queues or (level, key) in self._queued:
+            return
+        try:
+            self._queues[level].put_nowait(key)
+        except asyncio.QueueFull:
+            self.metrics.queue_dropped.inc()
+            self.metrics.tier_queue_dropped.labels(self.tiers[level].name).inc()
+            return
+        self._queued.add((level, key))
 
     async def _store_in(self, level: int, header: BlockHeader, payload: memoryview) -> None:
         """Write one block into tier ``level``, evicting LRU blocks to make room. Holds ``_lock``."""
@@ -182,7 +256,7 @@ class BlockStore:
             self._lru[level].move_to_end(header.key)
             return
         if header.key in tier:
-            tier.delete(header.key)
+            await self._run(tier, tier.delete, header.key)
             self._lru[level].pop(header.key, None)
         await self._make_room(level, header.block_len)
         await self._run(tier, tier.put, header, payload)
@@ -203,7 +277,7 @@ class BlockStore:
         if level + 1 < len(self.tiers) and key not in self.tiers[level + 1]:
             if await self._copy_down(level, key):
                 self.metrics.demotions.labels(self.tiers[level + 1].name).inc()
-        self.tiers[level].delete(key)
+        await self._run(self.tiers[level], self.tiers[level].delete, key)
         self._lru[level].pop(key, None)
         self.metrics.evictions.labels(self.tiers[level].name).inc()
 
@@ -218,11 +292,18 @@ class BlockStore:
                     self._readers, transcode, header, payload, spec)
             await self._store_in(level + 1, header, payload)
         except (TierError, CorruptBlockError, KeyError) as exc:
-            self.write_errors += 1
-            self.metrics.write_errors.labels(target.name).inc()
-            log.warning("demoting %s from %s to %s failed: %s", key.hex(), source.name, target.name, exc)
+            self._count_write_error(target, f"demoting {key.hex()} from {source.name}", exc)
             return False
         return True
+
+    def _count_write_error(self, target: Tier, what: str, exc: Exception) -> None:
+        self.write_errors += 1
+        self.metrics.write_errors.labels(target.name).inc()
+        if isinstance(exc, TierUnavailableError):
+            self.metrics.unavailable.labels(target.name).inc()
+            log.debug("%s to %s failed: %s", what, target.name, exc)
+        else:
+            log.warning("%s to %s failed: %s", what, target.name, exc)
 
     async def _read_whole(self, level: int, key: bytes) -> tuple[BlockHeader, memoryview]:
         tier = self.tiers[level]
@@ -234,28 +315,77 @@ class BlockStore:
         await self._run(tier, tier.read_payload_into, key, buffer, reader=True)
         return header, buffer
 
-    async def _write_lower_tiers(self) -> None:
-        """Write-through worker: copy queued blocks from the top tier to the next one."""
+    async def _write_behind(self, level: int) -> None:
+        """Worker of tier ``level``'s queue: copy each block in, then queue it for the tier below,
+        waiting for room there (backpressure from a slower tier stops here, not at Put)."""
+        queue = self._queues[level]
         while True:
-            key = await self._queue.get()
+            key = await queue.get()
             try:
-                wanted = self._pending.pop(key, False)
-                if wanted and key in self.tiers[0] and key not in self.tiers[1]:
-                    async with self._lock:
-                        if key in self.tiers[0] and key not in self.tiers[1]:
-                            await self._copy_down(0, key)
-            except Exception:  # never let the worker die
-                log.exception("write-through of %s failed", key.hex())
+                self._queued.discard((level, key))
+                if await self._copy_behind(level, key) and level + 1 in self._queues \
+                        and (level + 1, key) not in self._queued:
+                    self._queued.add((level + 1, key))
+                    await self._queues[level + 1].put(key)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let a worker die
+                log.exception("write-behind of %s into %s failed", key.hex(), self.tiers[level].name)
             finally:
-                self._queue.task_done()
-                self.metrics.queue_depth.set(self._queue.qsize())
+                queue.task_done()
+                self._refresh_queue_gauges()
+
+    async def _copy_behind(self, level: int, key: bytes) -> bool:
+        """Copy ``key`` into tier ``level`` from the highest tier above holding it; True if the
+        tier holds it afterwards. Reads under ``_lock``, writes without it (see the module doc)."""
+        target = self.tiers[level]
+        if key in target:
+            return True
+        async with self._lock:
+            source = self.locate(key)
+            if source is None or source > level or key in target:
+                return key in target
+            if not target.available:
+                self._count_write_error(target, f"write-behind of {key.hex()}",
+                                        TierUnavailableError(f"{target.name} is unreachable"))
+                return False
+            try:
+                header, payload = await self._read_whole(source, key)
+                if not self.tiers[source].blocking_io:
+                    payload = memoryview(bytes(payload))  # arena bytes are reused once the lock is free
+                await self._make_room(level, header.block_len)
+            except (TierError, CorruptBlockError, KeyError) as exc:
+                self._count_write_error(target, f"write-behind of {key.hex()}", exc)
+                return False
+            self._inflight[key] = True
+        try:
+            spec = self.codecs[level]
+            if spec is not None and spec != header.codec:
+                header, payload = await asyncio.get_running_loop().run_in_executor(
+                    self._readers, transcode, header, payload, spec)
+            await self._run(target, target.put, header, payload)
+        except (TierError, CorruptBlockError, ValueError) as exc:
+            self._inflight.pop(key, None)
+            self._count_write_error(target, f"write-behind of {key.hex()}", exc)
+            return False
+        async with self._lock:
+            if not self._inflight.pop(key, True):  # deleted while we wrote: undo
+                await self._run(target, target.delete, key)
+                return False
+            self._lru[level][key] = None
+            self._lru[level].move_to_end(key)
+            self.metrics.bytes_in.labels(target.name).inc(header.block_len)
+        self._refresh_gauges()
+        return True
 
     # -- reads --------------------------------------------------------------------------------
 
-    async def get_into(self, key: bytes, dest: memoryview) -> GetResult | None:
-        """Copy the payload of ``key`` into ``dest``; None on a miss. Corrupt copies are dropped."""
+    async def get_into(self, key: bytes, dest: memoryview, first_level: int = 0) -> GetResult | None:
+        """Copy the payload of ``key`` into ``dest`` from the highest tier at or below
+        ``first_level`` holding it; None on a miss. Corrupt copies are dropped; unreachable tiers skipped."""
+        self._adopt_new_keys()
         for level, tier in enumerate(self.tiers):
-            if key not in tier:
+            if level < first_level or key not in tier:
                 continue
             try:
                 if tier.blocking_io:
@@ -263,9 +393,14 @@ class BlockStore:
                 else:
                     header = tier.read_payload_into(key, dest)
             except KeyError:
-                continue  # deleted underneath us: try the next tier
+                self._forget_vanished(level, key)  # deleted underneath us: try the next tier
+                continue
             except CorruptBlockError as exc:
                 await self._drop_corrupt(level, key, exc)
+                continue
+            except TierUnavailableError as exc:
+                self.metrics.unavailable.labels(tier.name).inc()
+                log.debug("%s", exc)
                 continue
             return self._hit(level, key, header)
         self.metrics.misses.inc()
@@ -279,6 +414,7 @@ class BlockStore:
         that turns out corrupt or vanished there falls back to :meth:`get_into`, which drops the
         corrupt copy and tries the tiers below.
         """
+        self._adopt_new_keys()
         results: list[GetResult | None] = [None] * len(requests)
         blocking: dict[int, list[int]] = {}  # tier level -> indices into requests
         for i, (key, dest) in enumerate(requests):
@@ -292,11 +428,13 @@ class BlockStore:
         loop = asyncio.get_running_loop()
         calls, lanes_of = [], []
         for level, indices in blocking.items():
-            lanes = min(self.read_lanes, len(indices))
+            tier = self.tiers[level]
+            # A network tier reads one block per thread, all in flight at once; disk, one lane per core.
+            lanes = min(tier.io_threads or self.read_lanes, len(indices))
+            pool = self._pools.get(tier.name, self._readers)
             for lane in range(lanes):
                 lane_indices = indices[lane::lanes]
-                calls.append(loop.run_in_executor(self._readers, _read_lane, self.tiers[level],
-                                                  [requests[i] for i in lane_indices]))
+                calls.append(loop.run_in_executor(pool, _read_lane, tier, [requests[i] for i in lane_indices]))
                 lanes_of.append((level, lane_indices))
         outcomes = await asyncio.gather(*calls)
         for (level, lane_indices), lane_outcomes in zip(lanes_of, outcomes):
@@ -307,7 +445,11 @@ class BlockStore:
                     continue
                 if isinstance(outcome, CorruptBlockError):
                     await self._drop_corrupt(level, key, outcome)
-                results[i] = await self.get_into(key, dest)  # the tiers below, or a counted miss
+                elif isinstance(outcome, TierUnavailableError):
+                    self.metrics.unavailable.labels(self.tiers[level].name).inc()
+                elif isinstance(outcome, KeyError):
+                    self._forget_vanished(level, key)
+                results[i] = await self.get_into(key, dest, level + 1)  # the tiers below, or a counted miss
         return results
 
     def _hit(self, level: int, key: bytes, header: BlockHeader) -> GetResult:
@@ -343,9 +485,15 @@ class BlockStore:
                     await self._drop_corrupt(level, key, exc)
                     return
                 except KeyError:
+                    self._forget_vanished(level, key)
                     return
                 await self._store_in(0, header, payload)
                 self.metrics.promotions.labels(self.tiers[0].name).inc()
+            if self.write_through and level > 1:
+                self._enqueue(1, key)  # fill the tiers between (disk under cpu) behind it
+        except TierUnavailableError as exc:
+            self.metrics.unavailable.labels(self.tiers[-1].name).inc()
+            log.debug("promotion of %s skipped: %s", key.hex(), exc)
         except TierFullError as exc:
             log.info("promotion of %s skipped: %s", key.hex(), exc)
         finally:
@@ -356,10 +504,15 @@ class BlockStore:
         tier = self.tiers[level]
         log.warning("%s: block %s is corrupt (%s); deleted", tier.name, key.hex(), exc)
         self.metrics.corrupt.labels(tier.name).inc()
-        tier.delete(key)
+        await self._run(tier, tier.delete, key)
         self._lru[level].pop(key, None)
         if self.locate(key) is None:
             self._pinned.discard(key)
+
+    def _forget_vanished(self, level: int, key: bytes) -> None:
+        """A block its tier no longer holds (removed underneath, e.g. by another host): unindex it."""
+        if key not in self.tiers[level]:
+            self._lru[level].pop(key, None)
 
     # -- maintenance --------------------------------------------------------------------------
 
@@ -371,12 +524,12 @@ class BlockStore:
                 found = False
                 for level, tier in enumerate(self.tiers):
                     if key in tier:
-                        tier.delete(key)
+                        await self._run(tier, tier.delete, key)
                         self._lru[level].pop(key, None)
                         found = True
                 self._pinned.discard(key)
-                if key in self._pending:
-                    self._pending[key] = False
+                if key in self._inflight:
+                    self._inflight[key] = False
                 deleted += found
         self._refresh_gauges()
         return deleted
@@ -406,17 +559,18 @@ class BlockStore:
                 if tier_names and tier.name not in tier_names:
                     continue
                 for key in list(self._lru[level]):
-                    tier.delete(key)
+                    await self._run(tier, tier.delete, key)
                     cleared += 1
                 self._lru[level].clear()
-            for key in self._pending:
-                self._pending[key] = False
+                for key in self._inflight:
+                    self._inflight[key] = False
             self._pinned = {k for k in self._pinned if self.locate(k) is not None}
         self._refresh_gauges()
         return cleared
 
     def check_integrity(self) -> None:
         """Every tier's own invariants, and the LRU index equal to what each tier holds."""
+        self._adopt_new_keys()
         for level, tier in enumerate(self.tiers):
             tier.check_integrity()
             if set(self._lru[level]) != set(tier.keys()):
@@ -432,28 +586,37 @@ class BlockStore:
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        """Pending write-behind copies, all lower tiers together."""
+        return sum(q.qsize() for q in self._queues.values())
 
     def _refresh_gauges(self) -> None:
+        self._adopt_new_keys()
         for tier in self.tiers:
             self.metrics.used_bytes.labels(tier.name).set(tier.used_bytes)
             self.metrics.blocks.labels(tier.name).set(len(tier))
-        self.metrics.queue_depth.set(self._queue.qsize())
+        self._refresh_queue_gauges()
+
+    def _refresh_queue_gauges(self) -> None:
+        for level, queue in self._queues.items():
+            self.metrics.tier_queue_depth.labels(self.tiers[level].name).set(queue.qsize())
+        self.metrics.queue_depth.set(self.queue_depth)
 
     async def _run(self, tier: Tier, fn: Callable[..., T], *args, reader: bool = False) -> T:
+        """Call a tier: directly for memory tiers, else in the tier's own pool, the reader pool
+        (``reader``) or the single writer thread (which keeps a disk's puts and deletes in order)."""
         if not tier.blocking_io:
             return fn(*args)
-        pool = self._readers if reader else self._writer
+        pool = self._pools.get(tier.name) or (self._readers if reader else self._writer)
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
 
 def _read_lane(tier: Tier, requests: list[tuple[bytes, memoryview]]) -> list[BlockHeader | Exception]:
-    """Read blocks one after another in a worker thread: each a header, or the KeyError or
-    CorruptBlockError that made it a miss in this tier (other errors propagate)."""
+    """Read blocks one after another in a worker thread: each a header, or the KeyError,
+    CorruptBlockError or TierUnavailableError that made it a miss in this tier (others propagate)."""
     outcomes: list[BlockHeader | Exception] = []
     for key, dest in requests:
         try:
             outcomes.append(tier.read_payload_into(key, dest))
-        except (KeyError, CorruptBlockError) as exc:
+        except (KeyError, CorruptBlockError, TierUnavailableError) as exc:
             outcomes.append(exc)
     return outcomes
