@@ -16,6 +16,7 @@ import os
 import sys
 
 from kvstore.config import ENV_PREFIX, DaemonConfig, default_listen, load_config
+from tiers.base import TierError
 
 _FIELD_HELP = {
     "listen": "gRPC address: unix:/path/to.sock (mode 0600, the default) or host:port for TCP",
@@ -27,7 +28,16 @@ _FIELD_HELP = {
     "disk_o_direct": "read disk blocks with O_DIRECT, bypassing the page cache (true/false)",
     "disk_codec": "codec of blocks moved down to disk: raw, int8, int4, int8+shuffle+zstd, ... (docs/compression.md)",
     "write_policy": "write-through (every put also goes down) or write-back (only on eviction)",
-    "queue_depth": "bound of the queue of pending lower-tier writes",
+    "s3_bucket": "S3 tier bucket ('' disables the tier); credentials from boto3's chain (AWS_ACCESS_KEY_ID, AWS_PROFILE, role)",
+    "s3_endpoint": "S3-compatible endpoint URL, e.g. http://minio:9000 ('' for AWS S3)",
+    "s3_prefix": "key prefix in the bucket; hosts sharing a cache use the same bucket and prefix",
+    "s3_region": "S3 region ('' takes AWS_REGION or us-east-1)",
+    "s3_capacity": "bytes this daemon keeps in S3 before LRU eviction, e.g. 1TiB (0 = unbounded)",
+    "s3_codec": "codec of blocks written to S3: raw (keep as they arrive), int8, int4, ...",
+    "s3_part_size": "objects larger than this use multipart PUT and parallel ranged GETs (min 5MiB)",
+    "s3_concurrency": "S3 requests in flight at once",
+    "s3_timeout": "seconds an S3 request may wait for a response",
+    "queue_depth": "bound of each lower tier's write-behind queue (full: the copy waits for eviction)",
     "promote_on_get": "copy lower-tier hits up to the top tier (true/false)",
     "max_message_bytes": "largest gRPC message, e.g. 256MiB",
     "metrics_listen": "Prometheus /metrics address host:port ('' disables it)",
@@ -138,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the cache daemon",
                            description="Run the cache daemon in the foreground until SIGINT/SIGTERM; on stop it "
-                                       "drains queued writes to disk. Defaults: unix socket in $XDG_RUNTIME_DIR "
+                                       "drains queued writes to the lower tiers. Defaults: unix socket in $XDG_RUNTIME_DIR "
                                        "or ~/.cache/kvstore, CPU tier 2 GiB, disk tier 10 GiB in "
                                        "~/.cache/kvstore/blocks.")
     _add_config_flags(serve)
@@ -184,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvstore: {exc}", file=sys.stderr)
         return 2
+    except TierError as exc:  # a tier that cannot start: the message says what to fix
+        print(f"kvstore: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:
         import grpc
 

@@ -80,7 +80,27 @@ class DaemonConfig:
     #: write-through: every put is also queued for the lower tiers; write-back: blocks move down
     #: only when evicted.
     write_policy: str = "write-through"
-    #: Bound of the queue of pending lower-tier writes; when full, writes wait for eviction.
+    #: S3 tier: bucket name; "" disables the tier. Credentials come from boto3's standard chain
+    #: (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, instance or pod role).
+    s3_bucket: str = ""
+    #: S3-compatible endpoint URL (MinIO, Ceph RGW, ...); "" for AWS S3.
+    s3_endpoint: str = ""
+    #: Key prefix in the bucket; daemons that share blocks use the same bucket and prefix.
+    s3_prefix: str = "kvstore"
+    #: "" takes the region from boto3's chain (AWS_REGION), else us-east-1.
+    s3_region: str = ""
+    #: Bytes this daemon keeps in the bucket before evicting (LRU); 0 = unbounded.
+    s3_capacity: int = 0
+    #: Codec blocks are re-encoded into when written to S3; "raw" keeps them as they arrive.
+    s3_codec: str = "raw"
+    #: Objects larger than this go up as multipart uploads and come down as parallel ranged GETs.
+    s3_part_size: int = 8 * 2**20
+    #: S3 requests in flight at once.
+    s3_concurrency: int = 16
+    #: Seconds an S3 request may wait for a response (connecting: at most 1 s).
+    s3_timeout: float = 5.0
+    #: Bound of each lower tier's write-behind queue; when full, Put skips the copy (counted) and
+    #: the block moves down on eviction instead.
     queue_depth: int = 256
     #: Copy a block found in a lower tier up into the top tier on Get.
     promote_on_get: bool = True
@@ -99,14 +119,17 @@ class DaemonConfig:
             raise ValueError(f"cpu_capacity must be 0 (off) or at least 1MiB, got {self.cpu_capacity}")
         if self.disk_path and self.disk_capacity < 2**20:
             raise ValueError(f"disk_capacity must be at least 1MiB, got {self.disk_capacity}")
-        if not self.cpu_capacity and not self.disk_path:
-            raise ValueError("no tier configured: set cpu_capacity > 0 or a disk_path")
+        if not self.cpu_capacity and not self.disk_path and not self.s3_bucket:
+            raise ValueError("no tier configured: set cpu_capacity > 0, a disk_path or an s3_bucket")
+        if self.s3_bucket:
+            self.s3_config  # ValueError naming the bad S3 setting
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
-        if self.disk_codec != "raw":
-            from kvstore.transcode import canonical_codec
+        for codec in (self.disk_codec, self.s3_codec):
+            if codec != "raw":
+                from kvstore.transcode import canonical_codec
 
-            canonical_codec(self.disk_codec)  # ValueError naming the known codecs
+                canonical_codec(codec)  # ValueError naming the known codecs
         if self.queue_depth < 1:
             raise ValueError(f"queue_depth must be at least 1, got {self.queue_depth}")
         if self.max_message_bytes < 2**20:
@@ -122,6 +145,15 @@ class DaemonConfig:
     def socket_path(self) -> Path | None:
         return Path(self.listen[len("unix:"):]) if self.listen.startswith("unix:") else None
 
+    @property
+    def s3_config(self):
+        """The S3 tier's settings (``tiers.s3.S3Config``), validated."""
+        from tiers.s3 import S3Config
+
+        return S3Config(bucket=self.s3_bucket, prefix=self.s3_prefix, endpoint_url=self.s3_endpoint,
+                        region=self.s3_region, capacity_bytes=self.s3_capacity, part_bytes=self.s3_part_size,
+                        concurrency=self.s3_concurrency, read_timeout_s=self.s3_timeout)
+
     def replace(self, **changes: Any) -> "DaemonConfig":
         return dataclasses.replace(self, **changes)
 
@@ -132,6 +164,11 @@ def _coerce(name: str, value: Any) -> Any:
         return parse_size(value)
     if kind == "bool":
         return _parse_bool(value)
+    if kind == "float":
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
     return str(value)
 
 

@@ -31,6 +31,7 @@ from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from tiers.base import Tier, TierError, TierFullError
 from tiers.cpu import CpuTier
 from tiers.disk import DiskTier
+from tiers.s3 import S3Tier
 
 log = logging.getLogger("kvstore.server")
 
@@ -127,12 +128,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        result = self.store.lookup(_check_keys(request.keys))
+        keys = _check_keys(request.keys)
+        await self.store.discover(keys)  # blocks other hosts put in a shared tier since we looked
+        result = self.store.lookup(keys)
         return pb.LookupResponse(hits=result.hits, tiers=result.tiers)
 
     @_rpc
     async def Prefetch(self, request: pb.KeysRequest, context) -> pb.CountResponse:
         keys = _check_keys(request.keys)
+        await self.store.discover(keys)
         return pb.CountResponse(count=sum(self.store.schedule_promotion(k) for k in keys))
 
     @_rpc
@@ -162,6 +166,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     async def Get(self, request: pb.GetRequest, context) -> pb.GetResponse:
         keys = _check_keys([item.key for item in request.items], "items")
+        await self.store.discover(keys)
         if not request.allow_missing:
             missing = self.store.missing(keys)
             if missing:
@@ -283,6 +288,8 @@ def build_tiers(config: DaemonConfig) -> list[Tier]:
     if config.disk_path:
         tiers.append(DiskTier(config.disk_path, config.disk_capacity, fsync=config.disk_fsync,
                               o_direct=config.disk_o_direct))
+    if config.s3_bucket:
+        tiers.append(S3Tier(config.s3_config))  # TierError saying what to fix when unusable
     return tiers
 
 
@@ -298,7 +305,9 @@ class Daemon:
             if corrupt:
                 self.metrics.corrupt.labels(tier.name).inc(corrupt)
         # The top tier keeps what clients send; lower tiers re-encode into their codec ("raw": keep).
-        codecs = [None if t is tiers[0] or config.disk_codec == "raw" else config.disk_codec for t in tiers]
+        configured = {"disk": config.disk_codec, "s3": config.s3_codec}
+        codecs = [None if t is tiers[0] or configured.get(t.name, "raw") == "raw" else configured[t.name]
+                  for t in tiers]
         self.store = BlockStore(tiers, self.metrics, write_through=config.write_policy == "write-through",
                                 queue_depth=config.queue_depth, promote_on_get=config.promote_on_get,
                                 codecs=codecs)
@@ -335,7 +344,8 @@ class Daemon:
         if socket_path is None and address.endswith(":0"):
             address = address[:-2] + f":{port}"
         log.info("kvstore serving on %s with tiers %s", address,
-                 ", ".join(f"{t.name} ({t.capacity_bytes / 2**30:.2f} GiB)" for t in self.store.tiers))
+                 ", ".join(f"{t.name} ({t.capacity_bytes / 2**30:.2f} GiB)" if t.capacity_bytes
+                           else f"{t.name} (unbounded)" for t in self.store.tiers))
         return address
 
     def _start_metrics(self) -> None:
