@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -56,7 +56,7 @@ from engine_adapter.cached import fetch_slot_bytes, fetched_tensor, model_namesp
 from engine_adapter.client import KVStoreClient  # noqa: E402
 from engine_adapter.generate import decode_loop, sample_next  # noqa: E402
 from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
-from kvstore.keys import chunk_key, prefix_keys  # noqa: E402
+from kvstore.keys import prefix_keys  # noqa: E402
 
 MUSIQUE_DEV = ROOT.parent / "shared" / "data" / "musique" / "dev.json"
 SEP = "\u2063KVSTORE-CHUNK\u2063"
