@@ -1,0 +1,406 @@
+"""Codec quality on a real model: what each block codec costs in next-token distributions and task F1.
+
+For each MuSiQue dev question (the 10 passages joined as the document, ``document_prompt`` layout)
+SmolLM2-135M-Instruct (fp32 compute, CPU) prefills the context once; its KV is stored as float16,
+the block dtype the store keeps, and cached on disk (``--cache-dir``) between runs. The reference
+("fp16") is that stored KV loaded back unchanged: what an uncompressed fp16 tier returns. For each
+codec the context KV is cut into 256-token chunks, each chunk encoded and decoded, and the decoded
+chunks loaded into a fresh cache; then the question is prefilled on top::
+
+    |<chat header><document .........................>|<question><assistant>|<answer ...>|
+     chunk 0 | chunk 1 | ... | chunk n-1 (tail < 256)   '-- question_ids --' '-- <= 32 --'
+     '---- encoded + decoded by the codec, loaded ----'  '----- one forward, logits at every row -----'
+
+The reference answer is the greedy continuation on the fp16 KV (at most 32 tokens, stop at EOS).
+One forward over question + answer tokens (teacher forcing) gives the next-token logits at every
+answer position, for the reference and for each codec:
+
+- ratio     fp16 bytes of the context's chunks / encoded bytes of the same chunks (tail included);
+- KL        KL(p_fp16 || p_codec) per answer position, in nats, mean over all positions;
+- agree     fraction of positions whose argmax equals the reference's argmax;
+- exact     fraction of questions whose greedy answer equals the reference's (answer text: the
+            continuation up to the first newline, EOS dropped);
+- F1        SQuAD token F1 (lower-case, no punctuation or articles) of the greedy answer, max over
+            the gold answers; dF1 is against the reference's F1 on the same questions.
+
+The codec's greedy answer costs nothing while it agrees with the reference: it is the reference's
+tokens up to the first position p where the codec's argmax differs, then a greedy decode from p on
+the codec's KV (the teacher-forced forward already holds the KV of question + answer[:p]).
+
+A 135M model answers few MuSiQue questions right, so F1 moves by whole questions; KL and agreement
+are the sensitive measures.
+
+    python bench/codec_quality.py [--limit 20] [--seed 0] [--codecs raw int8 ...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import re
+import string
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from compression import get_codec  # noqa: E402
+from engine_adapter.generate import decode_loop, prefill  # noqa: E402
+from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
+from engine_adapter.model import KVCache, LlamaModel  # noqa: E402
+from engine_adapter.prompts import document_prompt  # noqa: E402
+
+MUSIQUE_DEV = ROOT.parent / "shared" / "data" / "musique" / "dev.json"
+DEFAULT_CODECS = (
+    "raw",
+    "int8",
+    "int8+shuffle+zstd",
+    "int4-g32",
+    "int4-g64",
+    "int4-g32+shuffle+zstd",
+    "int4-g64+shuffle+zstd",
+    "int2-g32",
+    "int2-g32+shuffle+zstd",
+    "int2-g64+shuffle+zstd",
+)
+CHUNK_TOKENS = 256
+STORE_DTYPE = torch.float16
+REFERENCE = ("fp16: the context KV computed in fp32, stored as float16 (the store's block dtype) and "
+             "loaded back unchanged")
+
+
+# -- questions ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Question:
+    index: int  # position in dev.json
+    question: str
+    answers: list[str]
+    context_ids: list[int]
+    question_ids: list[int]
+
+
+def load_questions(path: Path, tokenizer, limit: int, seed: int) -> list[Question]:
+    """``limit`` dev questions picked with ``seed`` (in file order when seed < 0)."""
+    items = json.loads(path.read_text())
+    order = list(range(len(items)))
+    if seed >= 0:
+        random.Random(seed).shuffle(order)
+    picked = sorted(order[:limit])
+    questions = []
+    for i in picked:
+        item = items[i]
+        document = "\n\n".join(p["text"] for p in item["ctxs"])
+        context_ids, question_ids = document_prompt(tokenizer, document, item["question"])
+        questions.append(Question(i, item["question"], list(item["answers"]), context_ids, question_ids))
+    return questions
+
+
+# -- the context KV, cached on disk -----------------------------------------------------------------------
+
+
+def context_block(model: LlamaModel, context_ids: list[int], cache_dir: Path) -> tuple[torch.Tensor, float]:
+    """The context's KV as one float16 block [L, 2, KVH, T, D], and the prefill seconds (0 if cached)."""
+    digest = hashlib.sha256(model.config.model_id.encode() + torch.tensor(context_ids).numpy().tobytes())
+    path = cache_dir / f"ctx-{digest.hexdigest()[:20]}.pt"
+    if path.is_file():
+        return torch.load(path), 0.0
+    start = time.perf_counter()
+    kv = model.new_cache(len(context_ids))
+    prefill(model, context_ids, kv, start_pos=0)
+    block = kv.export(0, len(context_ids)).to(STORE_DTYPE)
+    seconds = time.perf_counter() - start
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(block, tmp)
+    tmp.rename(path)
+    return block, seconds
+
+
+def chunk_bounds(n_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) of each 256-token chunk; the last one may be shorter.
+
+        tokens: 0 ..... 255 | 256 ..... 511 | ... | 256k ... n-1
+        chunk:  0           | 1             | ... | k (tail)
+    """
+    return [(s, min(s + CHUNK_TOKENS, n_tokens)) for s in range(0, n_tokens, CHUNK_TOKENS)]
+
+
+def load_through_codec(kv: KVCache, block: torch.Tensor, codec) -> tuple[int, int]:
+    """Reset kv to the context passed chunk by chunk through ``codec``; -> (fp16 bytes, encoded bytes)."""
+    kv.truncate(0)
+    fp16_bytes = encoded_bytes = 0
+    for start, end in chunk_bounds(block.shape[3]):
+        chunk = block[:, :, :, start:end].contiguous()  # [L, 2, KVH, t, D] float16
+        if codec is None:
+            decoded = chunk
+        else:
+            encoded = codec.encode(chunk)
+            decoded = codec.decode(encoded.payload, encoded.params, tuple(chunk.shape), chunk.dtype)
+            encoded_bytes += encoded.nbytes
+        fp16_bytes += chunk.numel() * chunk.element_size()
+        kv.load(decoded, start)
+    return fp16_bytes, encoded_bytes
+
+
+# -- scoring -------------------------------------------------------------------------------------------------
+
+
+def normalize_answer(text: str) -> str:
+    text = "".join(c for c in text.lower() if c not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    common = sum((Counter(pred) & Counter(ref)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def best_f1(prediction: str, answers: list[str]) -> float:
+    return max(token_f1(prediction, a) for a in answers)
+
+
+def answer_text(tokenizer, tokens: list[int]) -> str:
+    """The continuation up to its first newline, EOS dropped."""
+    tokens = [t for t in tokens if t not in tokenizer.eos_token_ids]
+    return tokenizer.decode(tokens).split("\n")[0].strip()
+
+
+@torch.inference_mode()
+def teacher_forced_logits(model: LlamaModel, kv: KVCache, context_len: int, question_ids: list[int],
+                          answer: list[int]) -> torch.Tensor:
+    """Next-token logits [len(answer), vocab] at each answer position, one forward over question + answer.
+
+    Row i predicts answer[i]: it is the output at question[-1] (i = 0) or answer[i-1].
+    """
+    ids = torch.tensor(question_ids + answer[:-1], dtype=torch.long)
+    logits = model(ids, kv, context_len)  # [Tq + Ta - 1, vocab]
+    return logits[len(question_ids) - 1:]
+
+
+@torch.inference_mode()
+def greedy_from(model: LlamaModel, kv: KVCache, context_len: int, question_ids: list[int], reference: list[int],
+                ref_argmax: torch.Tensor, logits: torch.Tensor, max_new_tokens: int, eos: tuple[int, ...]
+                ) -> list[int]:
+    """The codec's greedy continuation, given its teacher-forced ``logits`` over ``reference``.
+
+    Same as the reference up to the first position p whose argmax differs; from p it is decoded
+    on ``kv``, which holds the question + reference[:p] after truncating the forward's extra rows.
+    """
+    argmax = logits.argmax(-1)
+    differ = (argmax != ref_argmax).nonzero()
+    if differ.numel() == 0:
+        return list(reference)
+    p = int(differ[0])
+    kv.truncate(context_len + len(question_ids) + p)
+    return reference[:p] + decode_loop(model, kv, logits[p], max_new_tokens - p, eos)
+
+
+# -- one run -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CodecScore:
+    codec: str
+    fp16_bytes: int = 0
+    encoded_bytes: int = 0
+    kl: list[float] = field(default_factory=list)  # every answer position of every question
+    agree: list[bool] = field(default_factory=list)
+    exact: list[bool] = field(default_factory=list)  # per question
+    f1: list[float] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)
+    codec_s: float = 0.0  # encode + decode, all chunks
+
+    @property
+    def ratio(self) -> float:
+        return self.fp16_bytes / self.encoded_bytes if self.encoded_bytes else 1.0
+
+    def summary(self, ref_f1: float) -> dict:
+        kl = torch.tensor(self.kl, dtype=torch.float64)
+        f1 = sum(self.f1) / len(self.f1)
+        return {"codec": self.codec, "ratio": self.ratio, "kl_mean": float(kl.mean()),
+                "kl_p95": float(kl.quantile(0.95)), "kl_max": float(kl.max()),
+                "agree": sum(self.agree) / len(self.agree), "exact": sum(self.exact) / len(self.exact),
+                "f1": f1, "delta_f1": f1 - ref_f1, "positions": len(self.kl),
+                "encode_decode_gbps": self.fp16_bytes / self.codec_s / 1e9 if self.codec_s else None}
+
+
+def kl_per_position(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(p_ref || p) in nats for each row of logits [N, vocab]."""
+    log_p = F.log_softmax(ref_logits.double(), dim=-1)
+    log_q = F.log_softmax(logits.double(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def check_targets(rows: list[dict]) -> list[dict]:
+    def quant(spec: str) -> str:
+        return spec.split("+")[0].split("-g")[0]
+
+    def pick(candidates: list[dict], ok) -> dict | None:
+        passing = [r for r in candidates if ok(r)]
+        pool = passing or candidates
+        return max(pool, key=lambda r: r["ratio"]) if pool else None
+
+    targets = []
+    int8 = [r for r in rows if quant(r["codec"]) == "int8"]
+    ok8 = lambda r: r["ratio"] >= 1.9 and r["agree"] >= 0.99  # noqa: E731
+    r = pick(int8, ok8)
+    targets.append(dict(name="int8 >= 1.9x smaller than fp16 with greedy agreement >= 99%",
+                        passed=None if r is None else ok8(r), codec=r and r["codec"],
+                        detail="no int8 codec measured" if r is None else
+                        f"{r['codec']}: {r['ratio']:.2f}x, agreement {100 * r['agree']:.1f}%"))
+    int4 = [r for r in rows if quant(r["codec"]) == "int4"]
+    ok4 = lambda r: r["ratio"] >= 3.5 and r["delta_f1"] >= -0.01  # noqa: E731
+    r = pick(int4, ok4)
+    targets.append(dict(name="a 4-bit codec >= 3.5x smaller with F1 no more than 0.01 below fp16",
+                        passed=None if r is None else ok4(r), codec=r and r["codec"],
+                        detail="no int4 codec measured" if r is None else
+                        f"{r['codec']}: {r['ratio']:.2f}x, dF1 {r['delta_f1']:+.3f}, KL {r['kl_mean']:.4f}, "
+                        f"agreement {100 * r['agree']:.1f}%"))
+    ok7 = lambda r: r["ratio"] >= 7 and r["delta_f1"] >= -0.02  # noqa: E731
+    r = pick(rows, ok7)
+    targets.append(dict(name="best codec >= 7x smaller with F1 no more than 0.02 below fp16",
+                        passed=None if r is None else ok7(r), codec=r and r["codec"],
+                        detail="no codec measured" if r is None else
+                        f"{r['codec']}: {r['ratio']:.2f}x, dF1 {r['delta_f1']:+.3f}, KL {r['kl_mean']:.4f}, "
+                        f"agreement {100 * r['agree']:.1f}%"))
+    return targets
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=MUSIQUE_DEV, help=f"MuSiQue dev.json (default {MUSIQUE_DEV})")
+    parser.add_argument("--limit", type=int, default=20, help="questions (contexts) to use (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="which questions: a seeded shuffle (default 0; -1 = "
+                                                              "the first --limit in file order)")
+    parser.add_argument("--codecs", nargs="+", default=list(DEFAULT_CODECS),
+                        help=f"codec specs (default {' '.join(DEFAULT_CODECS)})")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="answer tokens scored (default 32)")
+    parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/kvstore-codec-quality"),
+                        help="where each context's fp16 KV is kept between runs (default /tmp/kvstore-codec-quality)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: 2 threads on these shared cores measured 2x slower)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args()
+    if args.limit < 1 or args.max_new_tokens < 1:
+        parser.error("--limit and --max-new-tokens must be >= 1")
+    codecs = {spec: get_codec(spec) for spec in args.codecs}  # ValueError names the known codecs
+    torch.set_num_threads(args.threads)
+
+    log = lambda msg: tqdm.write(msg, file=sys.stderr)  # noqa: E731
+    log("loading SmolLM2-135M-Instruct (fp32) ...")
+    model, tokenizer = load_gguf(find_smollm2_gguf(), dtype=torch.float32)
+    eos = tokenizer.eos_token_ids
+    questions = load_questions(args.data, tokenizer, args.limit, args.seed)
+    scores = {spec: CodecScore(codecs[spec].name) for spec in codecs}
+    reference = CodecScore("fp16 (reference)")
+    prefill_s, started = [], time.perf_counter()
+
+    with tqdm(total=len(questions) * (len(codecs) + 1), desc="codec x question", unit="run", file=sys.stderr) as bar:
+        for q in questions:
+            bar.set_postfix_str(f"q{q.index} context KV")
+            block, seconds = context_block(model, q.context_ids, args.cache_dir)
+            if seconds:
+                prefill_s.append(seconds)
+            n_ctx = len(q.context_ids)
+            kv = model.new_cache(n_ctx + len(q.question_ids) + args.max_new_tokens + 1)
+
+            # reference: the fp16 KV as stored
+            bar.set_postfix_str(f"q{q.index} fp16")
+            fp16_bytes, _ = load_through_codec(kv, block, None)
+            first = prefill(model, q.question_ids, kv, n_ctx)
+            answer = decode_loop(model, kv, first, args.max_new_tokens, eos)
+            kv.truncate(n_ctx)
+            ref_logits = teacher_forced_logits(model, kv, n_ctx, q.question_ids, answer)
+            ref_argmax = ref_logits.argmax(-1)
+            ref_text = answer_text(tokenizer, answer)
+            reference.fp16_bytes += fp16_bytes
+            reference.answers.append(ref_text)
+            reference.f1.append(best_f1(ref_text, q.answers))
+            bar.update(1)
+
+            for spec, codec in codecs.items():
+                bar.set_postfix_str(f"q{q.index} {spec}")
+                start = time.perf_counter()
+                fp16_bytes, encoded_bytes = load_through_codec(kv, block, codec)
+                score = scores[spec]
+                score.codec_s += time.perf_counter() - start  # includes the (cheap) copy into the cache
+                score.fp16_bytes += fp16_bytes
+                score.encoded_bytes += encoded_bytes
+                logits = teacher_forced_logits(model, kv, n_ctx, q.question_ids, answer)
+                score.kl += kl_per_position(ref_logits, logits).tolist()
+                score.agree += (logits.argmax(-1) == ref_argmax).tolist()
+                tokens = greedy_from(model, kv, n_ctx, q.question_ids, answer, ref_argmax, logits,
+                                     args.max_new_tokens, eos)
+                text = answer_text(tokenizer, tokens)
+                score.answers.append(text)
+                score.exact.append(text == ref_text)
+                score.f1.append(best_f1(text, q.answers))
+                bar.update(1)
+            del kv, block
+
+    # -- the report
+    ref_f1 = sum(reference.f1) / len(reference.f1)
+    rows = [scores[spec].summary(ref_f1) for spec in codecs]
+    ctx_tokens = [len(q.context_ids) for q in questions]
+    positions = rows[0]["positions"] if rows else 0
+    print(f"\nmodel SmolLM2-135M-Instruct, fp32 compute on CPU, {args.threads} torch threads; "
+          f"{len(questions)} MuSiQue dev questions from {args.data.name} "
+          f"(seed {args.seed}: indices {[q.index for q in questions]})")
+    print(f"context {min(ctx_tokens)}-{max(ctx_tokens)} tokens (mean {sum(ctx_tokens) / len(ctx_tokens):.0f}), "
+          f"{CHUNK_TOKENS}-token chunks (the tail chunk too); {positions} answer positions scored "
+          f"(greedy reference answers, <= {args.max_new_tokens} tokens, stop at EOS)")
+    print(f"reference: {REFERENCE}; reference F1 {ref_f1:.3f}")
+    if prefill_s:
+        print(f"context prefills this run: {len(prefill_s)}, mean {sum(prefill_s) / len(prefill_s):.1f} s "
+              f"(cached in {args.cache_dir})")
+    print(f"wall time {time.perf_counter() - started:.0f} s\n")
+    print("| codec | ratio vs fp16 | KL mean (nats) | KL p95 | agreement % | exact % | F1 | dF1 vs fp16 |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| fp16 (reference) | 1.00x | 0 | 0 | 100.0 | 100.0 | {ref_f1:.3f} | 0 |")
+    for r in rows:
+        print(f"| {r['codec']} | {r['ratio']:.2f}x | {r['kl_mean']:.4f} | {r['kl_p95']:.4f} | "
+              f"{100 * r['agree']:.1f} | {100 * r['exact']:.1f} | {r['f1']:.3f} | {r['delta_f1']:+.3f} |")
+    print("\nKL and agreement are the sensitive measures: with a 135M model F1 moves in steps of one "
+          f"question (1/{len(questions)} = {1 / len(questions):.3f} of F1 per fully flipped answer).")
+
+    targets = check_targets(rows)
+    print()
+    for t in targets:
+        verdict = "n/a " if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
+        print(f"{verdict}  {t['name']}: {t['detail']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "model": "SmolLM2-135M-Instruct", "compute_dtype": "float32", "store_dtype": "float16",
+            "reference": REFERENCE, "threads": args.threads, "chunk_tokens": CHUNK_TOKENS,
+            "max_new_tokens": args.max_new_tokens, "data": str(args.data), "seed": args.seed,
+            "questions": [{"index": q.index, "question": q.question, "answers": q.answers,
+                           "context_tokens": len(q.context_ids), "question_tokens": len(q.question_ids),
+                           "reference_answer": reference.answers[i], "reference_f1": reference.f1[i],
+                           "codec_answers": {s: scores[s].answers[i] for s in codecs}}
+                          for i, q in enumerate(questions)],
+            "reference_f1": ref_f1, "rows": rows, "targets": targets,
+            "per_codec": {s: {k: v for k, v in asdict(scores[s]).items() if k != "answers"} for s in codecs},
+        }, indent=2))
+        print(f"json: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

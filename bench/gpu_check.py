@@ -1,0 +1,364 @@
+"""One prepared check for a lent GPU: Triton quant kernels compiled for real, against the torch references.
+
+Sections (each in its own try/except; each prints its result and lands in the JSON):
+
+1. env        torch / triton versions, device, TRITON_INTERPRET (must be unset on a GPU);
+2. cpu smoke  the codecs' CPU path (torch references) round-trips a small block within its error bound;
+   --- without CUDA the script stops here: "no CUDA device: nothing to check", exit 0 ---
+3. copy       device-to-device ``dst.copy_(src)`` bandwidth on the same bytes as each block: the ceiling;
+4. match      Triton vs torch reference (reference run on CPU copies) on one SmolLM2-135M-shaped block
+              [30, 2, 3, 256, 64] fp16 and an irregular block [7, 2, 3, 250, 64] (tail groups), every
+              kernel; on a batch of 64 such blocks (stacked along layers), int8 and int4-g32: codes,
+              packed bytes, scales and zeros bit-exact; dequantized values within one ulp of the
+              output dtype (|a - b| <= 2^-10 |b| + 2^-24 for fp16: the GPU may contract
+              q * scale + zero into an FMA);
+5. speed      each kernel timed with CUDA events (3 warmup, median of 20) on the block and the batch;
+              GB/s = bytes read + written per second, also as a fraction of the copy ceiling
+              (which also reads and writes), and fp16 GB/s = fp16 block bytes per second;
+6. codecs     ``get_codec(spec)`` on a CUDA block: payload bit-identical to the CPU encode, decode on
+              the GPU within ``error_bound``;
+7. pytest     ``python -m pytest -q -m cuda`` when any test is marked cuda.
+
+Rows are laid out as the codecs lay them out: int8 rows are (layer, k/v, head, token) over head_dim;
+low-bit keys are (layer, head, channel) over tokens (a transposed copy, made before timing), values
+(layer, head, token) over head_dim.
+
+    python bench/gpu_check.py [--json PATH]     # default $OUT/gpu_check.json when $OUT is set
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from compression import get_codec  # noqa: E402
+from kernels import quant_ref  # noqa: E402
+
+BLOCK_SHAPE = (30, 2, 3, 256, 64)  # SmolLM2-135M: [layers, 2, kv_heads, tokens, head_dim]
+BATCH_BLOCKS = 64
+IRREGULAR_SHAPE = (7, 2, 3, 250, 64)  # 250 tokens: key rows end in a tail group
+LOWBIT = ((4, 32), (4, 64), (2, 32), (2, 64))  # (bits, group_size)
+CODEC_SPECS = ("int8", "int4-g32", "int2-g64", "int4-g32+shuffle+zstd")
+ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-23}
+WARMUP, ITERS = 3, 20
+
+
+def kv_block(shape: tuple[int, ...], seed: int, device: str = "cpu") -> torch.Tensor:
+    """fp16 block with KV-like statistics: lognormal channel scales, outlier key channels, offsets."""
+    g = torch.Generator().manual_seed(seed)
+    n_layers, _, n_heads, n_tokens, head_dim = shape
+    chan = torch.exp(0.8 * torch.randn(n_layers, 1, n_heads, 1, head_dim, generator=g))
+    chan[:, :, :, :, torch.randint(0, head_dim, (3,), generator=g)] *= 8.0
+    block = torch.randn(shape, generator=g) * chan + 0.3 * torch.randn(n_layers, 2, n_heads, 1, head_dim, generator=g)
+    return block.to(torch.float16).to(device)
+
+
+def int8_rows(block: torch.Tensor) -> torch.Tensor:
+    return block.reshape(-1, block.shape[-1])  # [L*2*H*T, D]
+
+
+def lowbit_rows(block: torch.Tensor) -> dict[str, torch.Tensor]:
+    n_tokens, head_dim = block.shape[3], block.shape[4]
+    return {"k": block[:, 0].transpose(-1, -2).reshape(-1, n_tokens).contiguous(),  # [L*H*D, T]
+            "v": block[:, 1].reshape(-1, head_dim).contiguous()}  # [L*H*T, D]
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def cuda_time(fn: Callable[[], object]) -> float:
+    """Median seconds of fn over ITERS runs after WARMUP, by CUDA events."""
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(ITERS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def ulp_close(got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
+    """(every |got - ref| <= one ulp of the dtype at |ref| (+ 2^-24), max |got - ref|)."""
+    got, ref_d = got.double().cpu(), ref.double().cpu()
+    diff = (got - ref_d).abs()
+    ok = bool((diff <= ULP[ref.dtype] * ref_d.abs() + 2.0**-24).all())
+    return ok, float(diff.max())
+
+
+# -- sections ----------------------------------------------------------------------------------------------
+
+
+def section_env() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "cuda_available": torch.cuda.is_available(),
+           "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
+           "KVSTORE_KERNELS": os.environ.get("KVSTORE_KERNELS")}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError as e:
+        out["triton"] = f"not importable: {e}"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        out.update(device=props.name, capability=f"{props.major}.{props.minor}",
+                   memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    print("env: " + ", ".join(f"{k}={v}" for k, v in out.items()))
+    if out["TRITON_INTERPRET"] and torch.cuda.is_available():
+        print("  WARNING: TRITON_INTERPRET is set: kernels would run in the interpreter, not compiled")
+    return out
+
+
+def section_cpu_smoke() -> dict:
+    block = kv_block((2, 2, 3, 40, 64), seed=1)
+    rows = []
+    for spec in ("int8", "int4-g32", "int2-g64+shuffle+zstd"):
+        codec = get_codec(spec)
+        encoded = codec.encode(block)
+        decoded = codec.decode(encoded.payload, encoded.params, tuple(block.shape), block.dtype)
+        err = float((decoded.float() - block.float()).abs().max())
+        bound = codec.error_bound(block)
+        rows.append({"codec": spec, "max_err": err, "bound": bound, "ok": err <= bound})
+        print(f"  cpu smoke {spec}: max err {err:.4g} <= bound {bound:.4g}: {'ok' if err <= bound else 'FAIL'}")
+    return {"ok": all(r["ok"] for r in rows), "rows": rows}
+
+
+def section_copy(sizes: dict[str, torch.Tensor]) -> dict:
+    out = {}
+    for name, block in sizes.items():
+        dest = torch.empty_like(block)
+        seconds = cuda_time(lambda: dest.copy_(block))
+        traffic = 2 * nbytes(block)
+        out[name] = {"bytes": nbytes(block), "seconds": seconds, "traffic_gbps": traffic / seconds / 1e9}
+        print(f"  copy {name}: {nbytes(block) / 1e6:.1f} MB in {seconds * 1e6:.1f} us = "
+              f"{out[name]['traffic_gbps']:.0f} GB/s read+write")
+    return out
+
+
+def check_int8(quant, block_gpu: torch.Tensor, block_cpu: torch.Tensor) -> dict:
+    got = quant.quantize_int8(int8_rows(block_gpu))
+    ref = quant_ref.quantize_int8(int8_rows(block_cpu))
+    codes = torch.equal(got.q.cpu(), ref.q)
+    scales = torch.equal(got.scale.cpu(), ref.scale)
+    out_ok, out_diff = ulp_close(quant.dequantize_int8(got.q, got.scale, torch.float16),
+                                 quant_ref.dequantize_int8(ref.q, ref.scale, torch.float16))
+    return {"codes_equal": codes, "scales_equal": scales, "dequant_within_ulp": out_ok,
+            "dequant_max_diff": out_diff, "ok": codes and scales and out_ok}
+
+
+def check_lowbit(quant, block_gpu: torch.Tensor, block_cpu: torch.Tensor, bits: int, group: int) -> dict:
+    result = {"ok": True}
+    rows_gpu, rows_cpu = lowbit_rows(block_gpu), lowbit_rows(block_cpu)
+    for kind in "kv":
+        x_gpu, x_cpu = rows_gpu[kind], rows_cpu[kind]
+        got = quant.quantize_lowbit(x_gpu, bits, group, torch.float16)
+        ref = quant_ref.quantize_lowbit(x_cpu, bits, group, torch.float16)
+        packed = torch.equal(got.packed.cpu(), ref.packed)
+        meta = torch.equal(got.scale.cpu(), ref.scale) and torch.equal(got.zero.cpu(), ref.zero)
+        n_cols = x_cpu.shape[1]
+        out_ok, out_diff = ulp_close(
+            quant.dequantize_lowbit(got.packed, got.scale, got.zero, bits, group, n_cols, torch.float16),
+            quant_ref.dequantize_lowbit(ref.packed, ref.scale, ref.zero, bits, group, n_cols, torch.float16))
+        result[kind] = {"packed_equal": packed, "scale_zero_equal": meta, "dequant_within_ulp": out_ok,
+                        "dequant_max_diff": out_diff}
+        result["ok"] = result["ok"] and packed and meta and out_ok
+    return result
+
+
+def section_match(quant, blocks: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    out = {}
+    for name, (block_gpu, block_cpu) in blocks.items():
+        ops = ["int8"] + [f"int{b}-g{g}" for b, g in LOWBIT]
+        if name.startswith("batch"):  # same kernels on a bigger grid; the CPU reference is the slow side
+            ops = ["int8", "int4-g32"]
+        for op in ops:
+            key = f"{name}/{op}"
+            try:
+                if op == "int8":
+                    out[key] = check_int8(quant, block_gpu, block_cpu)
+                else:
+                    bits, group = (int(p) for p in op[3:].split("-g"))
+                    out[key] = check_lowbit(quant, block_gpu, block_cpu, bits, group)
+            except Exception as e:  # one op failing must not hide the others
+                out[key] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            detail = out[key].get("error") or ", ".join(
+                f"{k}={v}" for k, v in out[key].items() if k != "ok" and not isinstance(v, dict))
+            if not detail:
+                detail = "; ".join(f"{kind}: " + ", ".join(f"{k}={v}" for k, v in out[key][kind].items())
+                                   for kind in "kv" if kind in out[key])
+            print(f"  match {key}: {'ok' if out[key]['ok'] else 'FAIL'} ({detail})")
+    return out
+
+
+def section_speed(quant, blocks: dict[str, torch.Tensor], copy: dict) -> dict:
+    out = {}
+    for name, block in blocks.items():
+        ceiling = copy[name]["traffic_gbps"]
+        fp16 = nbytes(block)
+        timings: dict[str, tuple[float, int]] = {}  # op -> (seconds, bytes read + written)
+        rows = int8_rows(block)
+        q8 = quant.quantize_int8(rows)
+        timings["int8 quantize"] = (cuda_time(lambda: quant.quantize_int8(rows)), nbytes(rows, *q8))
+        timings["int8 dequantize"] = (cuda_time(lambda: quant.dequantize_int8(q8.q, q8.scale, torch.float16)),
+                                      nbytes(rows, *q8))
+        lrows = lowbit_rows(block)
+        for bits, group in LOWBIT:
+            parts = {kind: quant.quantize_lowbit(x, bits, group, torch.float16) for kind, x in lrows.items()}
+            io = nbytes(*lrows.values()) + sum(nbytes(*p) for p in parts.values())
+
+            def enc(bits=bits, group=group):
+                for x in lrows.values():
+                    quant.quantize_lowbit(x, bits, group, torch.float16)
+
+            def dec(bits=bits, group=group, parts=parts):
+                for kind, p in parts.items():
+                    quant.dequantize_lowbit(p.packed, p.scale, p.zero, bits, group, lrows[kind].shape[1],
+                                            torch.float16)
+
+            timings[f"int{bits}-g{group} quantize (k+v)"] = (cuda_time(enc), io)
+            timings[f"int{bits}-g{group} dequantize (k+v)"] = (cuda_time(dec), io)
+        out[name] = {}
+        for op, (seconds, io) in timings.items():
+            gbps = io / seconds / 1e9
+            out[name][op] = {"seconds": seconds, "io_bytes": io, "gbps": gbps, "of_copy": gbps / ceiling,
+                             "fp16_gbps": fp16 / seconds / 1e9}
+        print(f"  speed {name} ({fp16 / 1e6:.1f} MB fp16; copy ceiling {ceiling:.0f} GB/s read+write):")
+        print(f"    {'op':<28} {'us':>9} {'GB/s r+w':>9} {'of copy':>8} {'fp16 GB/s':>10}")
+        for op, r in out[name].items():
+            print(f"    {op:<28} {r['seconds'] * 1e6:>9.1f} {r['gbps']:>9.1f} {r['of_copy']:>7.1%} {r['fp16_gbps']:>10.1f}")
+    return out
+
+
+def section_codecs(block_gpu: torch.Tensor, block_cpu: torch.Tensor) -> dict:
+    out = {}
+    for spec in CODEC_SPECS:
+        try:
+            codec = get_codec(spec)
+            enc_gpu, enc_cpu = codec.encode(block_gpu), codec.encode(block_cpu)
+            same = enc_gpu.payload == enc_cpu.payload and enc_gpu.params == enc_cpu.params
+            decoded = codec.decode(enc_gpu.payload, enc_gpu.params, tuple(block_gpu.shape), block_gpu.dtype, "cuda")
+            err = float((decoded.float() - block_gpu.float()).abs().max())
+            bound = codec.error_bound(block_cpu)
+            out[spec] = {"payload_equal_cpu": same, "max_err": err, "bound": bound, "on_cuda": decoded.is_cuda,
+                         "ok": same and err <= bound and decoded.is_cuda}
+        except Exception as e:
+            out[spec] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        r = out[spec]
+        print(f"  codec {spec}: {'ok' if r['ok'] else 'FAIL'} ("
+              + (r.get("error") or f"payload == CPU encode: {r['payload_equal_cpu']}, decoded on cuda: "
+                 f"{r['on_cuda']}, max err {r['max_err']:.4g} <= bound {r['bound']:.4g}") + ")")
+    return out
+
+
+def section_pytest(timeout_s: int = 90) -> dict:
+    """Run the cuda-marked tests, if any; pytest exit 5 means none were collected."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+    if proc.returncode == 5:
+        print("  pytest -m cuda: no cuda-marked tests; skipped")
+        return {"ran": False, "ok": True, "detail": "no tests marked cuda", "tail": tail}
+    print(f"  pytest -m cuda: exit {proc.returncode}: {tail[-1] if tail else ''}")
+    return {"ran": True, "ok": proc.returncode == 0, "returncode": proc.returncode, "tail": tail}
+
+
+# -- main -----------------------------------------------------------------------------------------------------
+
+
+def run_section(report: dict, name: str, fn: Callable[[], dict]) -> dict | None:
+    print(f"[{name}]")
+    start = time.perf_counter()
+    try:
+        result = fn()
+    except Exception as e:
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+        print(f"  {name}: ERROR {result['error']}")
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    report["sections"][name] = result
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default_json = str(Path(os.environ["OUT"]) / "gpu_check.json") if os.environ.get("OUT") else None
+    parser.add_argument("--json", default=default_json, help="where to write the report (default $OUT/gpu_check.json)")
+    parser.add_argument("--batch", type=int, default=BATCH_BLOCKS, help=f"blocks in the batch (default {BATCH_BLOCKS})")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    report: dict = {"sections": {}}
+
+    def finish(status: str) -> int:
+        report["status"] = status
+        report["seconds"] = round(time.perf_counter() - started, 1)
+        failed = [n for n, s in report["sections"].items() if not s.get("ok", True)]
+        report["failed_sections"] = failed
+        print(f"\n{status}; {'failed: ' + ', '.join(failed) if failed else 'no section failed'}; "
+              f"{report['seconds']} s")
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+            print(f"json: {args.json}")
+        return 0
+
+    env = run_section(report, "env", section_env)
+    run_section(report, "cpu_smoke", section_cpu_smoke)
+    if not torch.cuda.is_available():
+        print("\nno CUDA device: nothing to check")
+        return finish("no CUDA device: nothing to check")
+    if env.get("TRITON_INTERPRET"):
+        os.environ.pop("TRITON_INTERPRET")  # before kernels.quant is imported: its kernels then compile
+
+    quant_holder: dict = {}
+
+    def import_kernels() -> dict:
+        from kernels import quant
+
+        quant_holder["quant"] = quant
+        return {"ok": True, "module": quant.__name__}
+
+    if not run_section(report, "import_triton_kernels", import_kernels).get("ok"):
+        return finish("Triton kernels did not import")
+    quant = quant_holder["quant"]
+
+    single_cpu = kv_block(BLOCK_SHAPE, seed=0)
+    batch_shape = (BLOCK_SHAPE[0] * args.batch, *BLOCK_SHAPE[1:])  # blocks stacked along layers
+    batch_cpu = kv_block(batch_shape, seed=1)
+    irregular_cpu = kv_block(IRREGULAR_SHAPE, seed=2)
+    gpu = {name: b.cuda() for name, b in (("block", single_cpu), (f"batch{args.batch}", batch_cpu),
+                                           ("irregular", irregular_cpu))}
+    cpu = {"block": single_cpu, f"batch{args.batch}": batch_cpu, "irregular": irregular_cpu}
+    timed = {name: gpu[name] for name in ("block", f"batch{args.batch}")}
+
+    copy = run_section(report, "copy", lambda: {"ok": True, **section_copy(timed)})
+    run_section(report, "match", lambda: (lambda r: {"ok": all(v["ok"] for v in r.values()), **r})(
+        section_match(quant, {n: (gpu[n], cpu[n]) for n in gpu})))
+    if copy.get("ok"):
+        run_section(report, "speed", lambda: {"ok": True, **section_speed(quant, timed, copy)})
+    run_section(report, "codecs", lambda: (lambda r: {"ok": all(v["ok"] for v in r.values()), **r})(
+        section_codecs(gpu["block"], cpu["block"])))
+    run_section(report, "pytest_cuda", section_pytest)
+    return finish("GPU checks done")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
