@@ -69,12 +69,17 @@ def payload_view(payload: Any) -> memoryview:
 class KVStoreClient:
     def __init__(self, address: str | None = None, *, shared_memory: bool | None = None,
                  arena_bytes: int = 256 * 2**20, token: str | None = None, timeout: float = 60.0,
-                 max_message_bytes: int = 256 * 2**20) -> None:
+                 max_message_bytes: int = 256 * 2**20, tls_ca: str | bytes | None = None) -> None:
         self.address = address or default_listen()
         self.timeout = timeout
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
-        self._channel = grpc.insecure_channel(self.address, options=options)
+        if tls_ca is not None:
+            ca = tls_ca if isinstance(tls_ca, bytes) else open(tls_ca, "rb").read()
+            self._channel = grpc.secure_channel(self.address, grpc.ssl_channel_credentials(root_certificates=ca),
+                                                options=options)
+        else:
+            self._channel = grpc.insecure_channel(self.address, options=options)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._arena: Arena | None = None
@@ -177,8 +182,12 @@ class KVStoreClient:
         return self._call(self._stub.Prefetch, pb.KeysRequest(keys=keys)).count
 
     def put(self, namespace: Namespace, blocks: Sequence[tuple[bytes, int, Any]], codec: str = "raw",
-            codec_params: dict[str, Any] | None = None) -> int:
-        """Store ``(key, tokens, payload)`` blocks of one namespace; returns how many were stored."""
+            codec_params: dict[str, Any] | None = None, durable: bool = False) -> int:
+        """Store ``(key, tokens, payload)`` blocks of one namespace; returns how many were stored.
+
+        ``durable``: return only once a durable tier (fsynced disk, S3) holds them; otherwise a
+        Put is acknowledged once the daemon's top tier holds them (see docs/guarantees.md).
+        """
         layout = namespace.layout
         params = json.dumps(codec_params) if codec_params else ""
         views = [payload_view(payload) for _, _, payload in blocks]
@@ -191,7 +200,7 @@ class KVStoreClient:
                      for i in batch]
             if self._arena is None:
                 items = [pb.PutItem(meta=meta, inline=views[i].tobytes()) for meta, i in zip(metas, batch)]
-                stored += self._call(self._stub.Put, pb.PutRequest(items=items)).stored
+                stored += self._call(self._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
                 continue
             with self._slices([len(views[i]) for i in batch]) as offsets:
                 items = []
@@ -200,7 +209,7 @@ class KVStoreClient:
                     self._arena.buffer[offset : offset + n] = views[i]
                     items.append(pb.PutItem(meta=meta, slice=pb.ArenaSlice(arena_id=self._arena_id,
                                                                           offset=offset, length=n)))
-                stored += self._call(self._stub.Put, pb.PutRequest(items=items)).stored
+                stored += self._call(self._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
         return stored
 
     @contextlib.contextmanager

@@ -42,6 +42,11 @@ _FIELD_HELP = {
     "max_message_bytes": "largest gRPC message, e.g. 256MiB",
     "metrics_listen": "Prometheus /metrics address host:port ('' disables it)",
     "auth_token": "bearer token every client must send (required for non-loopback TCP)",
+    "tenants_file": "TOML file of [[tenant]] name/token/quota: isolated tenants with byte quotas",
+    "tls_cert": "PEM certificate chain for TLS on TCP (with --tls-key)",
+    "tls_key": "PEM private key for TLS on TCP",
+    "gpu_capacity": "GPU tier size, e.g. 8GiB (0: no GPU tier)",
+    "gpu_device": "torch device of the GPU tier, e.g. cuda or cuda:1",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
 }
 
@@ -63,7 +68,7 @@ def _client(args):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvstore.server import run_daemon
+    from kvstore.daemon import run_daemon
 
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(DaemonConfig)}
     config = load_config(args.config, overrides)

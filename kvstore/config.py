@@ -110,6 +110,15 @@ class DaemonConfig:
     metrics_listen: str = ""
     #: When set, every call must carry ``authorization: Bearer TOKEN``.
     auth_token: str = field(default="", repr=False)
+    #: TOML file of tenants (name, token, quota); every call then needs a tenant's token and sees
+    #: only that tenant's blocks (kvstore/auth.py).
+    tenants_file: str = ""
+    #: PEM certificate chain and private key: TCP listening with TLS.
+    tls_cert: str = ""
+    tls_key: str = ""
+    #: GPU tier size (0: no GPU tier) and its torch device ("cuda", "cuda:1"; "cpu" for testing).
+    gpu_capacity: int = 0
+    gpu_device: str = "cuda"
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -137,9 +146,13 @@ class DaemonConfig:
         if self.metrics_listen and ":" not in self.metrics_listen:
             raise ValueError(f"metrics_listen must be 'host:port' or empty, got {self.metrics_listen!r}")
         if not self.listen.startswith("unix:") and not self.listen.startswith(("127.", "localhost", "[::1]")) \
-                and not self.auth_token:
-            raise ValueError(f"listening on {self.listen} (not loopback) needs auth_token: set "
+                and not (self.auth_token or self.tenants_file):
+            raise ValueError(f"listening on {self.listen} (not loopback) needs auth_token or tenants_file: set "
                              f"KVSTORE_AUTH_TOKEN or --auth-token, or listen on a unix socket")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both tls_cert and tls_key (PEM files)")
+        if self.tls_cert and self.listen.startswith("unix:"):
+            raise ValueError("TLS applies to TCP listening; a unix socket is already private (mode 0600)")
 
     @property
     def socket_path(self) -> Path | None:

@@ -80,6 +80,8 @@ class BlockStore:
         self.discover_timeout_s = discover_timeout_s
         self._lru: list[OrderedDict[bytes, None]] = [OrderedDict.fromkeys(t.keys()) for t in tiers]
         self._pinned: set[bytes] = set()
+        #: Tenant of each top-tier block put under a quota; pruned at each quota put.
+        self._owners: dict[bytes, str] = {}
         self._layouts: dict[bytes, KVLayout] = {}
         for tier in tiers:
             for key in tier.keys():
@@ -221,19 +223,56 @@ class BlockStore:
             raise ValueError(f"layout {header.layout} does not match namespace {header.namespace.hex()}, "
                              f"whose blocks have layout {known}")
 
-    async def put(self, header: BlockHeader, payload: memoryview) -> None:
+    async def put(self, header: BlockHeader, payload: memoryview, owner: str = "", quota: int = 0,
+                  durable: bool = False) -> None:
         """Store a block in the top tier (evicting as needed) and queue its copy to lower tiers.
 
-        Raises ValueError for a layout that contradicts the namespace and TierFullError when the
-        block cannot fit even after evicting every unpinned block.
+        ``owner`` with ``quota`` > 0: the owner may hold at most ``quota`` bytes in the top tier;
+        its own least recently used blocks are evicted (demoted) first. ``durable``: return only
+        once a durable tier (fsynced disk, S3) holds the block. Raises ValueError for a layout
+        that contradicts the namespace or a durable put without a durable tier, TierFullError when
+        the block cannot fit even after evicting every unpinned block, TierError when the durable
+        copy failed.
         """
         self.check_namespace(header)
+        durable_level = self._durable_level() if durable else 0
         async with self._lock:
+            if quota:
+                await self._enforce_quota(owner, quota, header.block_len)
             await self._store_in(0, header, payload)
+            if quota:
+                self._owners[header.key] = owner
             self._layouts.setdefault(header.namespace, header.layout)
+        for level in range(1, durable_level + 1):
+            if not await self._copy_behind(level, header.key):
+                raise TierError(f"the block could not be made durable in {self.tiers[durable_level].name}")
         if self.write_through:
-            self._enqueue(1, header.key)
+            self._enqueue(durable_level + 1 if durable else 1, header.key)
         self._refresh_gauges()
+
+    def _durable_level(self) -> int:
+        level = next((i for i, tier in enumerate(self.tiers) if tier.durable), None)
+        if level is None:
+            raise ValueError("a durable put needs a durable tier: a disk tier with disk_fsync on, or S3")
+        return level
+
+    async def _enforce_quota(self, owner: str, quota: int, nbytes: int) -> None:
+        """Evict ``owner``'s LRU top-tier blocks until ``nbytes`` more fit in its quota. Holds ``_lock``."""
+        if nbytes > quota:
+            raise TierFullError(f"a {nbytes}-byte block exceeds tenant {owner!r}'s quota of {quota} bytes")
+        top = self.tiers[0]
+        for key in [k for k in self._owners if k not in top]:
+            del self._owners[key]  # blocks that left the top tier since the last quota put
+        owned = [k for k in self._lru[0] if self._owners.get(k) == owner]  # LRU order
+        used = sum(top.header(k).block_len for k in owned)
+        for key in owned:
+            if used + nbytes <= quota:
+                return
+            if key not in self._pinned:
+                used -= top.header(key).block_len
+                await self._evict(0, key)
+        if used + nbytes > quota:
+            raise TierFullError(f"tenant {owner!r} holds {used} bytes (pinned) of its {quota}-byte quota")
 
     def _enqueue(self, level: int, key: bytes) -> None:
         """Queue a write-behind copy of ``key`` into tier ``level`` without waiting; a full queue

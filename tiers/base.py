@@ -35,6 +35,9 @@ class Tier(ABC):
     #: Threads the store gives this tier's reads and writes (a network tier wants many requests in
     #: flight); 0: the store's shared reader threads and its single writer thread.
     io_threads: int = 0
+    #: True when an acknowledged put survives a crash of the daemon and of the host (fsynced disk,
+    #: S3); durable Puts return only once a durable tier holds the block.
+    durable: bool = False
     #: True when other daemons write the same storage (S3): keys may appear that this daemon did
     #: not put; see :meth:`take_new_keys` and :meth:`discover`.
     shared: bool = False

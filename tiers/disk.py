@@ -52,6 +52,7 @@ class DiskTier(Tier):
         self.root = Path(root).expanduser()
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
+        self.durable = fsync
         self.o_direct = o_direct
         self._lock = threading.Lock()  # guards _blocks/_used against reader threads
         self._blocks: dict[bytes, BlockHeader] = {}
@@ -137,6 +138,8 @@ class DiskTier(Tier):
             finally:
                 os.close(fd)
             os.replace(tmp, path)
+            if self.fsync:
+                _fsync_dir(path.parent)  # the rename itself must survive a power cut
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             if exc.errno == 28:  # ENOSPC: the device is fuller than our capacity says
@@ -225,6 +228,14 @@ class DiskTier(Tier):
                                f"missing on disk, {len(extra)} files not indexed, or sizes differ")
         if sum(indexed.values()) != self._used:
             raise RuntimeError(f"{self.name}: used bytes {self._used} != sum of blocks {sum(indexed.values())}")
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:

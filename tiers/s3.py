@@ -175,6 +175,7 @@ class _Retryable(Exception):
 
 class S3Tier(Tier):
     blocking_io = True
+    durable = True
     #: Several daemons may write the same bucket: keys may appear that this one did not put.
     shared = True
 

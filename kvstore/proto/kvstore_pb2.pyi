@@ -83,10 +83,12 @@ class PutItem(_message.Message):
     def __init__(self, meta: _Optional[_Union[BlockMeta, _Mapping]] = ..., inline: _Optional[bytes] = ..., slice: _Optional[_Union[ArenaSlice, _Mapping]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "durable")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[PutItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ...) -> None: ...
+    durable: bool
+    def __init__(self, items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("stored",)

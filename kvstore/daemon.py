@@ -1,0 +1,187 @@
+"""The daemon process: tiers from config, the gRPC server with auth and TLS, health, metrics, and
+an orderly shutdown that drains queued writes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvstore.auth import TenantDirectory
+from kvstore.config import DaemonConfig
+from kvstore.metrics import Metrics
+from kvstore.placement import BlockStore
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.server import SERVICE_NAME, KVStoreService
+from tiers.base import Tier
+from tiers.cpu import CpuTier
+from tiers.disk import DiskTier
+from tiers.gpu import GpuTier
+from tiers.s3 import S3Tier
+
+log = logging.getLogger("kvstore.daemon")
+
+
+class _BearerToken(grpc.aio.ServerInterceptor):
+    """Refuse every call but health checks unless it carries a known tenant's bearer token."""
+
+    def __init__(self, tenants: TenantDirectory) -> None:
+        self._tenants = tenants
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        if self._tenants.resolve(details.invocation_metadata) is not None:
+            return await continuation(details)
+        return self._deny
+
+
+def build_tiers(config: DaemonConfig) -> list[Tier]:
+    tiers: list[Tier] = []
+    if config.gpu_capacity:
+        tiers.append(GpuTier(config.gpu_capacity, device=config.gpu_device))
+    if config.cpu_capacity:
+        tiers.append(CpuTier(config.cpu_capacity, pin=config.cpu_pin))
+    if config.disk_path:
+        tiers.append(DiskTier(config.disk_path, config.disk_capacity, fsync=config.disk_fsync,
+                              o_direct=config.disk_o_direct))
+    if config.s3_bucket:
+        tiers.append(S3Tier(config.s3_config))  # TierError saying what to fix when unusable
+    return tiers
+
+
+class Daemon:
+    """One running cache daemon: store, gRPC server, health and metrics."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        tiers = build_tiers(config)
+        for tier in tiers:
+            corrupt = getattr(tier, "corrupt_on_start", 0)
+            if corrupt:
+                self.metrics.corrupt.labels(tier.name).inc(corrupt)
+        # The top tier keeps what clients send; lower tiers re-encode into their codec ("raw": keep).
+        configured = {"disk": config.disk_codec, "s3": config.s3_codec}
+        codecs = [None if t is tiers[0] or configured.get(t.name, "raw") == "raw" else configured[t.name]
+                  for t in tiers]
+        self.store = BlockStore(tiers, self.metrics, write_through=config.write_policy == "write-through",
+                                queue_depth=config.queue_depth, promote_on_get=config.promote_on_get,
+                                codecs=codecs)
+        self.tenants = TenantDirectory.from_config(config.tenants_file, config.auth_token)
+        self.service = KVStoreService(self.store, self.tenants)
+        self.server: grpc.aio.Server | None = None
+
+    async def start(self) -> str:
+        options = [("grpc.max_receive_message_length", self.config.max_message_bytes),
+                   ("grpc.max_send_message_length", self.config.max_message_bytes)]
+        interceptors = [_BearerToken(self.tenants)] if self.tenants.required else []
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
+        pb_grpc.add_KVStoreServicer_to_server(self.service, self.server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
+        address = self.config.listen
+        socket_path = self.config.socket_path
+        if socket_path is not None:
+            socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            socket_path.unlink(missing_ok=True)
+        old_umask = os.umask(0o177)  # the socket is born 0600
+        try:
+            if self.config.tls_cert:
+                credentials = grpc.ssl_server_credentials([(Path(self.config.tls_key).read_bytes(),
+                                                             Path(self.config.tls_cert).read_bytes())])
+                port = self.server.add_secure_port(address, credentials)
+            else:
+                port = self.server.add_insecure_port(address)
+        finally:
+            os.umask(old_umask)
+        if socket_path is None and port == 0:
+            raise OSError(f"cannot listen on {address}")
+        await self.server.start()
+        if socket_path is not None:
+            os.chmod(socket_path, 0o600)
+        self.store.start()
+        await _set_serving(health_servicer)
+        if self.config.metrics_listen:
+            self._start_metrics()
+        if socket_path is None and address.endswith(":0"):
+            address = address[:-2] + f":{port}"
+        log.info("kvstore serving on %s with tiers %s", address,
+                 ", ".join(f"{t.name} ({t.capacity_bytes / 2**30:.2f} GiB)" if t.capacity_bytes
+                           else f"{t.name} (unbounded)" for t in self.store.tiers))
+        return address
+
+    def _start_metrics(self) -> None:
+        from prometheus_client import start_http_server
+
+        host, _, port = self.config.metrics_listen.rpartition(":")
+        try:
+            start_http_server(int(port), addr=host or "127.0.0.1", registry=self.metrics.registry)
+        except OSError as exc:
+            log.warning("metrics endpoint %s not started: %s", self.config.metrics_listen, exc)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace)
+        if self.config.write_policy == "write-back" and len(self.store.tiers) > 1:
+            copied = await self.store.demote_all()
+            log.info("write-back shutdown: %d blocks written to %s", copied, self.store.tiers[-1].name)
+        await self.store.close(flush=True)
+        for arena in self.service.arenas.values():
+            arena.close()
+        if self.config.socket_path is not None:
+            self.config.socket_path.unlink(missing_ok=True)
+
+
+async def _set_serving(servicer) -> None:
+    for name in ("", SERVICE_NAME):
+        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+def keep_freed_memory() -> None:
+    """Make glibc reuse freed large buffers instead of unmapping them.
+
+    The daemon allocates multi-MB buffers per request (inline payloads, disk reads); by default
+    glibc serves each from a fresh mmap, and every first touch of those pages is a page fault, which
+    on virtual machines costs more than the copy itself. Called once by ``kvstore serve`` (the
+    daemon owns its process); never at import.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    libc = ctypes.CDLL(name)
+    if not hasattr(libc, "mallopt"):
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 512 * 2**20)
+    libc.mallopt(m_trim_threshold, 1024 * 2**20)
+
+
+async def run_daemon(config: DaemonConfig, ready: Callable[[str], None] | None = None) -> None:
+    """Serve until SIGINT or SIGTERM, then drain queued writes and exit."""
+    keep_freed_memory()
+    daemon = Daemon(config)
+    address = await daemon.start()
+    if ready is not None:
+        ready(address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining %d queued writes", daemon.store.queue_depth)
+    await daemon.stop()
