@@ -298,7 +298,16 @@ class BlockStore:
             await self._run(tier, tier.delete, header.key)
             self._lru[level].pop(header.key, None)
         await self._make_room(level, header.block_len)
-        await self._run(tier, tier.put, header, payload)
+        for attempt in range(8):
+            try:
+                await self._run(tier, tier.put, header, payload)
+                break
+            except TierFullError:
+                # The device filled up before our byte count said so (disk full): evict and retry.
+                victim = next((k for k in self._lru[level] if k not in self._pinned), None)
+                if victim is None or attempt == 7:
+                    raise
+                await self._evict(level, victim)
         self._lru[level][header.key] = None
         self._lru[level].move_to_end(header.key)
         self.metrics.bytes_in.labels(tier.name).inc(header.block_len)
