@@ -465,12 +465,20 @@ class BlockStore:
         self._adopt_new_keys()
         results: list[GetResult | None] = [None] * len(requests)
         blocking: dict[int, list[int]] = {}  # tier level -> indices into requests
+        batched: dict[int, list[int]] = {}   # memory tiers that copy a whole batch at once (GPU)
         for i, (key, dest) in enumerate(requests):
             level = self.locate(key)
             if level is not None and self.tiers[level].blocking_io:
                 blocking.setdefault(level, []).append(i)
+            elif level is not None and hasattr(self.tiers[level], "read_many_into"):
+                batched.setdefault(level, []).append(i)
             else:
                 results[i] = await self.get_into(key, dest)  # memory tier or miss: no await inside
+        for level, indices in batched.items():
+            # One call: one copy per run of pool- and destination-adjacent blocks (no await inside).
+            headers = self.tiers[level].read_many_into([requests[i] for i in indices])
+            for i, header in zip(indices, headers):
+                results[i] = self._hit(level, requests[i][0], header)
         if not blocking:
             return results
         loop = asyncio.get_running_loop()

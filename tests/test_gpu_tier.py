@@ -96,3 +96,37 @@ def test_cuda_ipc_handle_maps_in_another_process():
 
 def _child_sum(tensor, queue):
     queue.put(int(tensor.sum()))
+
+
+def test_batched_reads_into_one_arena_copy_once():
+    import mmap
+
+    blocks = [make_block(200 + i, tokens=32) for i in range(3)]
+    size = blocks[0][0].payload_len
+    tier = GpuTier(8 * size, device="cpu")
+    for header, payload in blocks:
+        tier.put(header, payload)
+    arena = memoryview(mmap.mmap(-1, 4 * size))
+    copies = []
+    original = tier._copy
+    tier._copy = lambda dst, src: (copies.append(dst.numel()), original(dst, src))
+    # Blocks 0 and 1 land next to each other in the arena; block 2 goes after a gap.
+    dests = [arena[0:size], arena[size:2 * size], arena[3 * size:4 * size]]
+    tier.read_many_into([(h.key, d) for (h, _), d in zip(blocks, dests)])
+    assert copies == [2 * size, size]
+    for (header, payload), dest in zip(blocks, dests):
+        assert bytes(dest) == bytes(payload)
+
+
+def test_daemon_with_a_gpu_tier_on_device_cpu(daemon_factory):
+    from engine_adapter.client import KVStoreClient
+    from tests.test_daemon import BLOCK, NS, make_blocks
+
+    d = daemon_factory(gpu_capacity="1MiB", gpu_device="cpu", cpu_capacity="2MiB", write_policy="write-back")
+    keys, payloads = make_blocks(20, seed=40)
+    with KVStoreClient(d.address) as client:
+        client.put(NS, [(k, 64, p) for k, p in zip(keys, payloads)])
+        tiers = client.lookup(keys).tiers
+        assert tiers[-1] == "gpu" and "cpu" in tiers and "disk" in tiers
+        assert client.get(keys, BLOCK) == [p.tobytes() for p in payloads]
+        assert set(client.stats()["tiers"]) == {"gpu", "cpu", "disk"}

@@ -18,8 +18,10 @@ through CUDA IPC (``torch.multiprocessing`` reductions) to an engine on the same
 
 from __future__ import annotations
 
+import warnings
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from kvstore.block import BlockHeader
@@ -76,7 +78,12 @@ class GpuTier(Tier):
         return self.pool[offset : offset + header.payload_len]
 
     def put(self, header: BlockHeader, payload: memoryview | torch.Tensor) -> None:
-        source = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(payload, dtype=torch.uint8)
+        if isinstance(payload, torch.Tensor):
+            source = payload
+        else:
+            with warnings.catch_warnings():  # read-only payloads are only read
+                warnings.simplefilter("ignore", UserWarning)
+                source = torch.frombuffer(payload, dtype=torch.uint8)
         if source.numel() != header.payload_len or source.dtype != torch.uint8:
             raise ValueError(f"payload is {source.numel()} {source.dtype} values, header says {header.payload_len} bytes")
         offset = self._allocator.allocate(header.payload_len)
@@ -90,25 +97,17 @@ class GpuTier(Tier):
         return self.read_many_into([(key, dest)])[0]
 
     def read_many_into(self, requests: list[tuple[bytes, memoryview | torch.Tensor]]) -> list[BlockHeader]:
-        """Copy several payloads out, one copy per run of pool-adjacent blocks whose destinations
-        are adjacent too; returns their headers in order. Raises KeyError for a missing key."""
+        """Copy several payloads out, one copy per run of blocks adjacent both in the pool and in
+        the destination (slices of one host buffer, e.g. a client's arena); returns the headers
+        in order. Raises KeyError for a missing key, ValueError for a destination too small."""
         entries = [(self._blocks[key], dest) for key, dest in requests]
-        targets = []
-        for (offset, header), dest in entries:
-            target = dest if isinstance(dest, torch.Tensor) else torch.frombuffer(dest, dtype=torch.uint8)
-            if target.numel() < header.payload_len:
-                raise ValueError(f"destination of {target.numel()} bytes is smaller than the "
-                                 f"{header.payload_len}-byte payload")
-            targets.append(target[: header.payload_len])
-        for run in _runs([(offset, header.payload_len) for (offset, header), _ in entries], targets):
+        targets = [_Destination.of(dest, header.payload_len) for (_, header), dest in entries]
+        extents = [(offset, header.payload_len) for (offset, header), _ in entries]
+        for run in _runs(extents, targets):
             first, last = run[0], run[-1]
-            pool_start = entries[first][0][0]
-            pool_end = entries[last][0][0] + entries[last][0][1].payload_len
-            if len(run) == 1:
-                self._copy(targets[first], self.pool[pool_start:pool_end])
-            else:
-                slab = _joined(targets[first], targets[last])
-                self._copy(slab, self.pool[pool_start:pool_end])
+            pool_start = extents[first][0]
+            pool_end = extents[last][0] + extents[last][1]
+            self._copy(_Destination.join(targets[first], targets[last]), self.pool[pool_start:pool_end])
         self._sync()
         return [header for (_, header), _ in entries]
 
@@ -149,25 +148,53 @@ class GpuTier(Tier):
             self._stream.synchronize()
 
 
-def _runs(extents: list[tuple[int, int]], targets: list[torch.Tensor]) -> list[list[int]]:
+class _Destination:
+    """A copy target: its tensor, its start address, and the buffer it is a slice of."""
+
+    def __init__(self, tensor: torch.Tensor, address: int, parent: object, parent_address: int) -> None:
+        self.tensor, self.address, self.parent, self.parent_address = tensor, address, parent, parent_address
+
+    @classmethod
+    def of(cls, dest: memoryview | torch.Tensor, nbytes: int) -> "_Destination":
+        size = dest.numel() if isinstance(dest, torch.Tensor) else len(dest)
+        if size < nbytes:
+            raise ValueError(f"destination of {size} bytes is smaller than the {nbytes}-byte payload")
+        if isinstance(dest, torch.Tensor):
+            tensor = dest[:nbytes]
+            storage = tensor.untyped_storage()
+            return cls(tensor, tensor.data_ptr(), storage, storage.data_ptr())
+        view = dest[:nbytes]
+        address = np.frombuffer(view, dtype=np.uint8).ctypes.data if nbytes else 0
+        parent = view.obj
+        parent_address = np.frombuffer(parent, dtype=np.uint8).ctypes.data if len(memoryview(parent)) else 0
+        with warnings.catch_warnings():  # read-only sources are fine: we only write into writable ones
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.frombuffer(view, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        return cls(tensor, address, parent, parent_address)
+
+    def adjacent_to(self, before: "_Destination") -> bool:
+        return self.parent is before.parent and before.address + before.tensor.numel() == self.address
+
+    @staticmethod
+    def join(first: "_Destination", last: "_Destination") -> torch.Tensor:
+        """One tensor from ``first``'s start to ``last``'s end (they share a parent buffer)."""
+        if first is last:
+            return first.tensor
+        start = first.address - first.parent_address
+        end = last.address + last.tensor.numel() - first.parent_address
+        if isinstance(first.parent, torch.UntypedStorage):
+            return torch.as_strided(first.tensor, (end - start,), (1,))
+        return torch.frombuffer(memoryview(first.parent).cast("B")[start:end], dtype=torch.uint8)
+
+
+def _runs(extents: list[tuple[int, int]], targets: list[_Destination]) -> list[list[int]]:
     """Group request indices into runs adjacent both in the pool and in the destinations."""
     runs: list[list[int]] = []
-    for i, (offset, length) in enumerate(extents):
+    for i, (offset, _) in enumerate(extents):
         if runs:
             j = runs[-1][-1]
-            prev_offset, prev_length = extents[j]
-            adjacent_pool = prev_offset + prev_length == offset
-            adjacent_dest = (targets[j].device == targets[i].device
-                             and targets[j].untyped_storage().data_ptr() == targets[i].untyped_storage().data_ptr()
-                             and targets[j].data_ptr() + targets[j].numel() == targets[i].data_ptr())
-            if adjacent_pool and adjacent_dest:
+            if extents[j][0] + extents[j][1] == offset and targets[i].adjacent_to(targets[j]):
                 runs[-1].append(i)
                 continue
         runs.append([i])
     return runs
-
-
-def _joined(first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """One uint8 tensor spanning from ``first``'s start to ``last``'s end (adjacent storage)."""
-    length = last.data_ptr() + last.numel() - first.data_ptr()
-    return torch.as_strided(first, (length,), (1,))
