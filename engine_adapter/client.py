@@ -238,6 +238,61 @@ class KVStoreClient:
             yield [_fetched(k, r, self._arena.buffer[o : o + r.meta.payload_len]) if r.found else None
                    for k, r, o in zip(keys, reply.results, offsets)]
 
+    @contextlib.contextmanager
+    def fetch_layers(self, keys: Sequence[bytes], max_payload_bytes: int,
+                     allow_missing: bool = True) -> Iterator["LayerStream"]:
+        """Like :meth:`fetch`, but the daemon reports each layer as soon as it is in place.
+
+            with client.fetch_layers(keys, slot) as stream:
+                blocks = stream.blocks            # FetchedBlock or None, as for fetch
+                for layer in stream:              # 0, 1, ... as each layer of every block lands
+                    start_layer(layer)            # payload[layer * size:(layer + 1) * size] is valid
+
+        Needs the shared-memory data plane (a unix socket).
+        """
+        if self._arena is None:
+            raise ValueError("a layer-wise fetch needs the shared-memory data plane (connect over a unix socket)")
+        with self._slices([max_payload_bytes] * len(keys)) as offsets:
+            items = [pb.GetItem(key=k, dest=pb.ArenaSlice(arena_id=self._arena_id, offset=o, length=max_payload_bytes))
+                     for k, o in zip(keys, offsets)]
+            replies = self._stub.GetLayers(pb.GetRequest(items=items, allow_missing=allow_missing),
+                                           timeout=self.timeout, metadata=self._metadata)
+            try:
+                first = next(replies)
+                blocks = [_fetched(k, r, self._arena.buffer[o : o + r.meta.payload_len]) if r.found else None
+                          for k, r, o in zip(keys, first.results, offsets)]
+                yield LayerStream(blocks, (reply.layer for reply in replies))
+            finally:
+                replies.cancel()
+
+    def map_gpu_pool(self):
+        """Map the daemon's GPU pool into this process once (CUDA IPC); returns the pool tensor.
+
+        The handle is unpickled: only map the pool of a daemon you trust (your own, on this host).
+        """
+        if getattr(self, "_gpu_pool", None) is None:
+            import pickle
+
+            reply = self._call(self._stub.ExportGpuPool, pb.ExportGpuPoolRequest())
+            rebuild, args = pickle.loads(reply.handle)
+            self._gpu_pool = rebuild(*args)
+        return self._gpu_pool
+
+    @contextlib.contextmanager
+    def fetch_gpu(self, keys: Sequence[bytes]) -> Iterator[list[Any]]:
+        """Device views (uint8 tensors into the mapped pool) of blocks in the daemon's GPU tier,
+        None for blocks elsewhere; they stay in place until the ``with`` block ends."""
+        pool = self.map_gpu_pool()
+        reply = self._call(self._stub.Get, pb.GetRequest(items=[pb.GetItem(key=k) for k in keys],
+                                                         allow_missing=True, gpu_direct=True))
+        on_gpu = [k for k, r in zip(keys, reply.results) if r.on_gpu]
+        try:
+            yield [pool[r.gpu_offset : r.gpu_offset + r.meta.payload_len] if r.on_gpu else None
+                   for r in reply.results]
+        finally:
+            if on_gpu:
+                self._call(self._stub.Release, pb.KeysRequest(keys=on_gpu))
+
     def max_fetch_blocks(self, max_payload_bytes: int) -> int:
         """How many blocks one :meth:`fetch` can carry through the arena."""
         if self._allocator is None:
@@ -271,6 +326,17 @@ class KVStoreClient:
                  for t in reply.tiers}
         top = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields if f.name != "tiers"}
         return {"tiers": tiers, **top}
+
+
+class LayerStream:
+    """The blocks of a layer-wise fetch and an iterator of the layers as they become ready."""
+
+    def __init__(self, blocks: list[FetchedBlock | None], layers: Iterator[int]) -> None:
+        self.blocks = blocks
+        self._layers = layers
+
+    def __iter__(self) -> Iterator[int]:
+        return self._layers
 
 
 def _fetched(key: bytes, result: pb.GetResult, payload: memoryview) -> FetchedBlock:

@@ -28,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
+import warnings
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import AsyncIterator, Callable, TypeVar
 
 from kvstore.block import BlockHeader, CorruptBlockError
 from kvstore.keys import KVLayout
@@ -80,6 +82,8 @@ class BlockStore:
         self.discover_timeout_s = discover_timeout_s
         self._lru: list[OrderedDict[bytes, None]] = [OrderedDict.fromkeys(t.keys()) for t in tiers]
         self._pinned: set[bytes] = set()
+        #: Blocks handed to a client by reference (gpu_direct Get) -> lease expiry (monotonic s).
+        self._leases: dict[bytes, float] = {}
         #: Tenant of each top-tier block put under a quota; pruned at each quota put.
         self._owners: dict[bytes, str] = {}
         self._layouts: dict[bytes, KVLayout] = {}
@@ -315,7 +319,7 @@ class BlockStore:
     async def _make_room(self, level: int, nbytes: int) -> None:
         tier = self.tiers[level]
         while not tier.can_fit(nbytes):
-            victim = next((k for k in self._lru[level] if k not in self._pinned), None)
+            victim = next((k for k in self._lru[level] if k not in self._pinned and not self._leased(k)), None)
             if victim is None:
                 raise TierFullError(f"{tier.name}: {nbytes} bytes do not fit and every stored block is pinned "
                                     f"(capacity {tier.capacity_bytes} bytes)")
@@ -427,6 +431,64 @@ class BlockStore:
         return True
 
     # -- reads --------------------------------------------------------------------------------
+
+    def gpu_pool(self):
+        """The pool tensor of a top GPU tier, or None."""
+        return getattr(self.tiers[0], "pool", None)
+
+    def gpu_offset(self, key: bytes) -> int | None:
+        """Offset of ``key``'s payload in the GPU pool, when the top tier is a GPU tier holding it."""
+        offset_of = getattr(self.tiers[0], "payload_offset", None)
+        return offset_of(key) if offset_of is not None and key in self.tiers[0] else None
+
+    def lease(self, key: bytes, seconds: float) -> None:
+        """Keep ``key`` from eviction for ``seconds`` (a client is copying it by reference)."""
+        self._leases[key] = time.monotonic() + seconds
+
+    def release(self, keys: list[bytes]) -> int:
+        return sum(self._leases.pop(k, None) is not None for k in keys)
+
+    def _leased(self, key: bytes) -> bool:
+        expiry = self._leases.get(key)
+        if expiry is None:
+            return False
+        if expiry < time.monotonic():
+            del self._leases[key]
+            return False
+        return True
+
+    async def get_layerwise(self, requests: list[tuple[bytes, memoryview]]
+                            ) -> AsyncIterator[tuple[int, list[GetResult | None] | None]]:
+        """Yield ``(-1, results)``, then ``(layer, None)`` once that layer of every block is in
+        its destination. Raw blocks in memory tiers are copied layer by layer; other blocks
+        (encoded, or in a disk or S3 tier: verified whole first) arrive before layer 0. Holds
+        ``_lock`` throughout, so no block moves while it is being copied::
+
+            payload  [L0 K|V][L1 K|V] ... [Ln-1 K|V]    one layer = payload_len / num_layers
+        """
+        async with self._lock:
+            results: list[GetResult | None] = []
+            layered: list[tuple[memoryview, object, BlockHeader]] = []
+            for key, dest in requests:
+                level = self.locate(key)
+                tier = self.tiers[level] if level is not None else None
+                source = None
+                if tier is not None and not tier.blocking_io and tier.header(key).codec == "raw":
+                    view = getattr(tier, "payload_view", None) or getattr(tier, "payload_tensor", None)
+                    source = view(key) if view is not None else None
+                if source is None:
+                    results.append(await self.get_into(key, dest))
+                    continue
+                header = tier.header(key)
+                results.append(self._hit(level, key, header))
+                layered.append((dest, source, header))
+            yield -1, results
+            for layer in range(max((h.layout.num_layers for _, _, h in layered), default=0)):
+                for dest, source, header in layered:
+                    if layer < header.layout.num_layers:
+                        size = header.payload_len // header.layout.num_layers
+                        _copy_range(dest, source, layer * size, size)
+                yield layer, None
 
     async def get_into(self, key: bytes, dest: memoryview, first_level: int = 0) -> GetResult | None:
         """Copy the payload of ``key`` into ``dest`` from the highest tier at or below
@@ -664,6 +726,19 @@ class BlockStore:
             return fn(*args)
         pool = self._pools.get(tier.name) or (self._readers if reader else self._writer)
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+
+def _copy_range(dest: memoryview, source: object, start: int, size: int) -> None:
+    """dest[start:start+size] = source[start:start+size], for a host view or a (device) tensor."""
+    if isinstance(source, memoryview):
+        dest[start : start + size] = source[start : start + size]
+        return
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        target = torch.frombuffer(dest[start : start + size], dtype=torch.uint8)
+    target.copy_(source[start : start + size])
 
 
 def _read_lane(tier: Tier, requests: list[tuple[bytes, memoryview]]) -> list[BlockHeader | Exception]:

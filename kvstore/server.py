@@ -31,6 +31,7 @@ log = logging.getLogger("kvstore.server")
 
 MAX_KEYS_PER_CALL = 65536
 MAX_ARENAS = 1024
+GPU_LEASE_SECONDS = 30.0
 SERVICE_NAME = "kvstore.v1.KVStore"
 
 
@@ -174,8 +175,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                  durable=request.durable)
         return pb.PutResponse(stored=len(prepared))
 
-    @_rpc
-    async def Get(self, request: pb.GetRequest, context) -> pb.GetResponse:
+    async def _plan_get(self, request: pb.GetRequest, context, need_dest: bool
+                        ) -> tuple[list[bytes], list[tuple[bytes, BlockHeader | None, memoryview | None]]]:
+        """Stored keys and, per item, the header found and the validated destination slice."""
         keys = self._stored_keys([item.key for item in request.items], context, "items")
         await self.store.discover(keys)
         if not request.allow_missing:
@@ -183,11 +185,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if missing:
                 raise BadRequest(grpc.StatusCode.NOT_FOUND,
                                  f"{len(missing)} of {len(keys)} keys are not stored "
-                                 f"(first: items[{keys.index(missing[0])}]); "
-                                 f"set allow_missing to get the others")
-        # Validate every destination first, then read all blocks in one batch (disk reads overlap).
+                                 f"(first: items[{keys.index(missing[0])}]); set allow_missing to get the others")
         plan: list[tuple[bytes, BlockHeader | None, memoryview | None]] = []
         for i, (key, item) in enumerate(zip(keys, request.items)):
+            if need_dest and not item.HasField("dest"):
+                raise ValueError(f"items[{i}] has no dest: a layer-wise Get writes into a registered arena")
             header = self.store.header(key)
             dest = None
             if header is not None and item.HasField("dest"):
@@ -195,18 +197,67 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 if len(dest) < header.payload_len:
                     raise ValueError(f"items[{i}].dest has {len(dest)} bytes; the block needs {header.payload_len}")
             plan.append((key, header, dest))
+        return keys, plan
+
+    @_rpc
+    async def Get(self, request: pb.GetRequest, context) -> pb.GetResponse:
+        keys, plan = await self._plan_get(request, context, need_dest=False)
+        results: list[pb.GetResult | None] = [None] * len(plan)
+        if request.gpu_direct:
+            for i, (key, header, _) in enumerate(plan):
+                offset = self.store.gpu_offset(key) if header is not None else None
+                if offset is not None:  # stays put until Release or the lease ends
+                    self.store.lease(key, GPU_LEASE_SECONDS)
+                    meta = meta_from_header(header)
+                    meta.key = request.items[i].key
+                    results[i] = pb.GetResult(found=True, meta=meta, tier="gpu", gpu_offset=offset, on_gpu=True)
+        # Read every other block in one batch (disk reads overlap; GPU runs copy once).
         reads: list[tuple[bytes, memoryview]] = []
         buffers: list[bytearray | None] = []  # inline replies: the payload travels in the message
-        for key, header, dest in plan:
-            if header is None:
-                continue
+        pending = [i for i, (_, header, _) in enumerate(plan) if header is not None and results[i] is None]
+        for i in pending:
+            key, header, dest = plan[i]
             buffer = bytearray(header.payload_len) if dest is None else None
             reads.append((key, memoryview(buffer) if dest is None else dest))
             buffers.append(buffer)
-        found = iter(zip(await self.store.get_many_into(reads), buffers))
-        return pb.GetResponse(results=[self._get_one(item.key, *next(found)) if header is not None
-                                       else pb.GetResult(found=False)
-                                       for item, (_, header, _) in zip(request.items, plan)])
+        for i, found, buffer in zip(pending, await self.store.get_many_into(reads), buffers):
+            results[i] = self._get_one(request.items[i].key, found, buffer)
+        return pb.GetResponse(results=[r if r is not None else pb.GetResult(found=False) for r in results])
+
+    async def GetLayers(self, request: pb.GetRequest, context):
+        try:
+            _, plan = await self._plan_get(request, context, need_dest=True)
+            stream = self.store.get_layerwise([(key, dest) for key, header, dest in plan if header is not None])
+            async for layer, found in stream:
+                if found is None:
+                    yield pb.LayerReady(layer=layer)
+                    continue
+                found_iter = iter(found)
+                yield pb.LayerReady(layer=-1, results=[
+                    self._get_one(item.key, next(found_iter), None) if header is not None else pb.GetResult(found=False)
+                    for item, (_, header, _) in zip(request.items, plan)])
+        except BadRequest as exc:
+            await context.abort(exc.code, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    @_rpc
+    async def ExportGpuPool(self, request: pb.ExportGpuPoolRequest, context) -> pb.ExportGpuPoolResponse:
+        self._tenant(context)
+        pool = self.store.gpu_pool()
+        if pool is None or pool.device.type != "cuda":
+            raise BadRequest(grpc.StatusCode.FAILED_PRECONDITION,
+                             "this daemon has no GPU tier on a CUDA device (set gpu_capacity)")
+        import pickle
+
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return pb.ExportGpuPoolResponse(handle=pickle.dumps(reduce_tensor(pool)), size=pool.numel(),
+                                        device=str(pool.device))
+
+    @_rpc
+    async def Release(self, request: pb.KeysRequest, context) -> pb.CountResponse:
+        return pb.CountResponse(count=self.store.release(self._stored_keys(request.keys, context)))
 
     @staticmethod
     def _get_one(client_key: bytes, found: GetResult | None, buffer: bytearray | None) -> pb.GetResult:

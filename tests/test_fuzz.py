@@ -15,7 +15,8 @@ from engine_adapter.client import KVStoreClient
 from kvstore.proto import kvstore_pb2 as pb
 from tests.conftest import DaemonProcess
 
-ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
+ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+           grpc.StatusCode.FAILED_PRECONDITION}
 CASES = {"count": 0}
 
 keys = st.one_of(st.binary(min_size=16, max_size=16), st.binary(max_size=40))
@@ -45,10 +46,13 @@ def target():
     daemon.stop()
 
 
-def _call(fn, request):
+def _call(fn, request, stream: bool = False):
     CASES["count"] += 1
     try:
-        fn(request, timeout=10)
+        reply = fn(request, timeout=10)
+        if stream:
+            for _ in reply:
+                pass
     except grpc.RpcError as exc:
         assert exc.code() in ALLOWED, f"{exc.code()}: {exc.details()}"
 
@@ -77,20 +81,23 @@ def test_fuzz_put(target, items):
 
 @fuzz
 @given(items=st.lists(st.tuples(keys, st.one_of(st.none(), st.tuples(st.booleans(), offsets, offsets))), max_size=4),
-       allow_missing=st.booleans())
-def test_fuzz_get(target, items, allow_missing):
+       allow_missing=st.booleans(), gpu_direct=st.booleans(), layers=st.booleans())
+def test_fuzz_get(target, items, allow_missing, gpu_direct, layers):
     daemon, client = target
-    request = pb.GetRequest(allow_missing=allow_missing)
+    request = pb.GetRequest(allow_missing=allow_missing, gpu_direct=gpu_direct)
     for key, dest in items:
         item = request.items.add(key=key)
         if dest is not None:
             ok, offset, length = dest
             item.dest.CopyFrom(pb.ArenaSlice(arena_id=client._arena_id if ok else 12345, offset=offset, length=length))
-    _call(client._stub.Get, request)
+    if layers:
+        _call(client._stub.GetLayers, request, stream=True)
+    else:
+        _call(client._stub.Get, request)
 
 
 @fuzz
-@given(method=st.sampled_from(["Lookup", "Prefetch", "Delete", "Pin", "Unpin"]), ks=st.lists(keys, max_size=5))
+@given(method=st.sampled_from(["Lookup", "Prefetch", "Delete", "Pin", "Unpin", "Release"]), ks=st.lists(keys, max_size=5))
 def test_fuzz_key_calls(target, method, ks):
     daemon, client = target
     request = pb.LookupRequest(keys=ks) if method == "Lookup" else pb.KeysRequest(keys=ks)
@@ -108,6 +115,7 @@ def test_fuzz_arena_clear_stats(target, name, size, arena_id, tiers):
     if "disk" not in tiers and "cpu" not in tiers:
         _call(client._stub.Clear, pb.ClearRequest(tiers=tiers))
     _call(client._stub.Stats, pb.StatsRequest())
+    _call(client._stub.ExportGpuPool, pb.ExportGpuPoolRequest())
 
 
 def test_daemon_survived_the_fuzzing(target):

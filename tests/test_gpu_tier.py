@@ -130,3 +130,46 @@ def test_daemon_with_a_gpu_tier_on_device_cpu(daemon_factory):
         assert tiers[-1] == "gpu" and "cpu" in tiers and "disk" in tiers
         assert client.get(keys, BLOCK) == [p.tobytes() for p in payloads]
         assert set(client.stats()["tiers"]) == {"gpu", "cpu", "disk"}
+
+
+@pytest.mark.parametrize("top", ["gpu", "cpu"])
+def test_layerwise_get_delivers_every_layer_in_order(daemon_factory, top):
+    from engine_adapter.client import KVStoreClient
+    from tests.test_daemon import BLOCK, LAYOUT, NS, make_blocks
+
+    settings = dict(gpu_capacity="4MiB", gpu_device="cpu") if top == "gpu" else {}
+    d = daemon_factory(cpu_capacity="2MiB", write_policy="write-back", promote_on_get="false", **settings)
+    keys, payloads = make_blocks(24, seed=41)  # more than the memory tiers: some come from disk
+    layer_bytes = BLOCK // LAYOUT.num_layers
+    with KVStoreClient(d.address) as client:
+        client.put(NS, [(k, 64, p) for k, p in zip(keys, payloads)])
+        tiers = client.lookup(keys).tiers
+        assert "disk" in tiers and top in tiers
+        with client.fetch_layers(keys + [b"\x01" * 16], BLOCK) as stream:
+            assert stream.blocks[-1] is None
+            assert [b.tier for b in stream.blocks[:-1]] == list(tiers)
+            seen = []
+            for layer in stream:
+                seen.append(layer)
+                for block, payload in zip(stream.blocks, payloads):  # this layer is in place now
+                    start = layer * layer_bytes
+                    assert bytes(block.payload[start:start + layer_bytes]) == payload.tobytes()[start:start + layer_bytes]
+            assert seen == list(range(LAYOUT.num_layers))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_data_plane_maps_the_daemon_pool_and_copies_device_to_device(daemon_factory):
+    from engine_adapter.client import KVStoreClient
+    from tests.test_daemon import NS, make_blocks
+
+    d = daemon_factory(gpu_capacity="64MiB", gpu_device="cuda")
+    keys, payloads = make_blocks(4, seed=42)
+    with KVStoreClient(d.address) as client:
+        client.put(NS, [(k, 64, p) for k, p in zip(keys, payloads)])
+        with client.fetch_gpu(keys + [b"\x02" * 16]) as views:
+            assert views[-1] is None
+            for view, payload in zip(views, payloads):
+                copy = torch.empty_like(view)
+                copy.copy_(view)  # device to device
+                assert bytes(copy.cpu().numpy()) == payload.tobytes()

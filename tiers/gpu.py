@@ -72,6 +72,9 @@ class GpuTier(Tier):
 
     # -- data -----------------------------------------------------------------------------------
 
+    def payload_offset(self, key: bytes) -> int:
+        return self._blocks[key][0]
+
     def payload_tensor(self, key: bytes) -> torch.Tensor:
         """The device bytes of a block (a view into the pool; valid until it is deleted)."""
         offset, header = self._blocks[key]

@@ -105,24 +105,52 @@ class GetItem(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., dest: _Optional[_Union[ArenaSlice, _Mapping]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("items", "allow_missing")
+    __slots__ = ("items", "allow_missing", "gpu_direct")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_MISSING_FIELD_NUMBER: _ClassVar[int]
+    GPU_DIRECT_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[GetItem]
     allow_missing: bool
-    def __init__(self, items: _Optional[_Iterable[_Union[GetItem, _Mapping]]] = ..., allow_missing: _Optional[bool] = ...) -> None: ...
+    gpu_direct: bool
+    def __init__(self, items: _Optional[_Iterable[_Union[GetItem, _Mapping]]] = ..., allow_missing: _Optional[bool] = ..., gpu_direct: _Optional[bool] = ...) -> None: ...
 
 class GetResult(_message.Message):
-    __slots__ = ("found", "meta", "tier", "inline")
+    __slots__ = ("found", "meta", "tier", "inline", "gpu_offset", "on_gpu")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     INLINE_FIELD_NUMBER: _ClassVar[int]
+    GPU_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ON_GPU_FIELD_NUMBER: _ClassVar[int]
     found: bool
     meta: BlockMeta
     tier: str
     inline: bytes
-    def __init__(self, found: _Optional[bool] = ..., meta: _Optional[_Union[BlockMeta, _Mapping]] = ..., tier: _Optional[str] = ..., inline: _Optional[bytes] = ...) -> None: ...
+    gpu_offset: int
+    on_gpu: bool
+    def __init__(self, found: _Optional[bool] = ..., meta: _Optional[_Union[BlockMeta, _Mapping]] = ..., tier: _Optional[str] = ..., inline: _Optional[bytes] = ..., gpu_offset: _Optional[int] = ..., on_gpu: _Optional[bool] = ...) -> None: ...
+
+class LayerReady(_message.Message):
+    __slots__ = ("layer", "results")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    results: _containers.RepeatedCompositeFieldContainer[GetResult]
+    def __init__(self, layer: _Optional[int] = ..., results: _Optional[_Iterable[_Union[GetResult, _Mapping]]] = ...) -> None: ...
+
+class ExportGpuPoolRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExportGpuPoolResponse(_message.Message):
+    __slots__ = ("handle", "size", "device")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    size: int
+    device: str
+    def __init__(self, handle: _Optional[bytes] = ..., size: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("results",)

@@ -54,6 +54,21 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.GetRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.GetResponse.FromString,
                 _registered_method=True)
+        self.GetLayers = channel.unary_stream(
+                '/kvstore.v1.KVStore/GetLayers',
+                request_serializer=kvstore__pb2.GetRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.LayerReady.FromString,
+                _registered_method=True)
+        self.ExportGpuPool = channel.unary_unary(
+                '/kvstore.v1.KVStore/ExportGpuPool',
+                request_serializer=kvstore__pb2.ExportGpuPoolRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.ExportGpuPoolResponse.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/kvstore.v1.KVStore/Release',
+                request_serializer=kvstore__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.CountResponse.FromString,
+                _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/kvstore.v1.KVStore/Delete',
                 request_serializer=kvstore__pb2.KeysRequest.SerializeToString,
@@ -116,6 +131,29 @@ class KVStoreServicer:
 
     def Get(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLayers(self, request, context):
+        """Get into arena slices layer by layer: the first message carries the results (layer -1), then
+        one message per layer once that layer of every block is in place, so the engine can start
+        layer 0 while later layers are still copying.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportGpuPool(self, request, context):
+        """CUDA data plane: an IPC handle of the GPU tier's pool, for an engine on the same GPU to map once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Blocks handed out by a gpu_direct Get stay in place until released (or their lease ends).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -185,6 +223,21 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Get,
                     request_deserializer=kvstore__pb2.GetRequest.FromString,
                     response_serializer=kvstore__pb2.GetResponse.SerializeToString,
+            ),
+            'GetLayers': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetLayers,
+                    request_deserializer=kvstore__pb2.GetRequest.FromString,
+                    response_serializer=kvstore__pb2.LayerReady.SerializeToString,
+            ),
+            'ExportGpuPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportGpuPool,
+                    request_deserializer=kvstore__pb2.ExportGpuPoolRequest.FromString,
+                    response_serializer=kvstore__pb2.ExportGpuPoolResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvstore__pb2.KeysRequest.FromString,
+                    response_serializer=kvstore__pb2.CountResponse.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
@@ -330,6 +383,87 @@ class KVStore:
             '/kvstore.v1.KVStore/Get',
             kvstore__pb2.GetRequest.SerializeToString,
             kvstore__pb2.GetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/GetLayers',
+            kvstore__pb2.GetRequest.SerializeToString,
+            kvstore__pb2.LayerReady.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportGpuPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ExportGpuPool',
+            kvstore__pb2.ExportGpuPoolRequest.SerializeToString,
+            kvstore__pb2.ExportGpuPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Release',
+            kvstore__pb2.KeysRequest.SerializeToString,
+            kvstore__pb2.CountResponse.FromString,
             options,
             channel_credentials,
             insecure,
