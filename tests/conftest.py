@@ -20,6 +20,8 @@ import pytest
 
 from kvstore.spawn import DaemonProcess as SpawnedDaemon
 
+ROOT = Path(__file__).resolve().parent.parent
+
 if os.environ.get("KVSTORE_TEST_COMPILED_KERNELS") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
