@@ -138,6 +138,45 @@ class CachedEngine:
             kv.truncate(loaded * n)
         return loaded * n
 
+    def _prefill_layerwise(self, keys: list[bytes], prompt_ids: list[int], kv, tiers: list[str]
+                           ) -> torch.Tensor | None:
+        """Prefill with the reused run arriving layer by layer; the last position's logits, or
+        None to fall back (no shared memory, a run too long for one fetch, a daemon failure)."""
+        client, n, layout = self.client, self.namespace.chunk_tokens, self.namespace.layout
+        if client is None or not keys or not client.shared_memory:
+            return None
+        slot = fetch_slot_bytes(layout, n)
+        try:
+            hits = client.lookup(keys).hits
+            if hits == 0 or hits > client.max_fetch_blocks(slot):
+                return None
+            with client.fetch_layers(keys[:hits], slot) as stream:
+                run = []
+                for block in stream.blocks:
+                    if block is None or block.tokens != n or block.layout != layout:
+                        break  # a gap ends the run
+                    run.append(fetched_tensor(block))  # raw: views that fill in layer by layer
+                reused = len(run) * n
+                model = self.model
+                h = model.embed(torch.tensor(prompt_ids[reused:], dtype=torch.long, device=model.device))
+                cos, sin = model.rope(torch.arange(reused, len(prompt_ids), device=model.device))
+                kv.reserve(len(prompt_ids))
+                ready = iter(stream)
+                for index, layer in enumerate(model.layers):
+                    if next(ready) != index:
+                        raise RuntimeError("layers arrived out of order")
+                    for c, block in enumerate(run):  # [layers, 2, kv_heads, n, head_dim]
+                        kv.write(index, c * n, block[index, 0], block[index, 1])
+                    h = layer(h, cos, sin, kv, reused)
+                kv.length = len(prompt_ids)
+                tiers.extend(b.tier for b in stream.blocks[: len(run)])
+                return model.final_logits(h[-1:])[-1]
+        except Exception as exc:  # noqa: BLE001 - any daemon failure: fall back to the plain path
+            self._daemon_failed("layer-wise get", exc)
+            tiers.clear()
+            kv.truncate(0)
+            return None
+
     def _store_chunks(self, keys: list[bytes], kv, first: int, last: int, done: threading.Event) -> None:
         """Export chunks first..last-1 from ``kv`` and Put them (runs in a background thread)."""
         n = self.namespace.chunk_tokens
@@ -157,8 +196,12 @@ class CachedEngine:
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, generator: torch.Generator | None = None, use_cache: bool = True,
-                 store: bool = True) -> GenerationResult:
-        """Generate after ``prompt_ids``, reusing and storing prefix KV through the daemon."""
+                 store: bool = True, layerwise: bool = False) -> GenerationResult:
+        """Generate after ``prompt_ids``, reusing and storing prefix KV through the daemon.
+
+        ``layerwise``: load the reused blocks layer by layer (``GetLayers``) and run each layer of
+        the prefill as soon as that layer's KV is in place, overlapping the load with compute.
+        """
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
         start = time.perf_counter()
@@ -167,9 +210,14 @@ class CachedEngine:
         keys = prefix_keys(self.namespace, prompt_ids[: len(prompt_ids) - 1])  # the last token is computed
         kv = self.model.new_cache(len(prompt_ids) + max(max_new_tokens, 1))
         tiers: list[str] = []
-        reused = self._load_prefix(keys, kv, tiers) if use_cache else 0
-        loaded_at = time.perf_counter()
-        logits = self.model(torch.tensor(prompt_ids[reused:], dtype=torch.long), kv, reused, last_only=True)[-1]
+        logits = self._prefill_layerwise(keys, prompt_ids, kv, tiers) if use_cache and layerwise else None
+        if logits is not None:
+            reused = len(tiers) * n
+            loaded_at = start  # load and compute overlap: prefill_s is the whole
+        else:
+            reused = self._load_prefix(keys, kv, tiers) if use_cache else 0
+            loaded_at = time.perf_counter()
+            logits = self.model(torch.tensor(prompt_ids[reused:], dtype=torch.long), kv, reused, last_only=True)[-1]
         first = sample_next(logits, temperature, top_p, generator)
         ttft = time.perf_counter() - start
         result = GenerationResult(tokens=[first], ttft_s=ttft, prompt_tokens=len(prompt_ids), reused_tokens=reused,

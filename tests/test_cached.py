@@ -78,3 +78,18 @@ def test_a_daemon_that_is_down_costs_misses_not_requests(smollm2, document, daem
     assert result.store_done.wait(30)
     assert result.reused_tokens == 0 and len(result.tokens) >= 1 and engine.errors >= 1
     assert result.tokens == generate(model, tokenizer, context + question, max_new_tokens=4)
+
+
+def test_layerwise_loading_gives_the_same_tokens(smollm2, document, daemon):
+    model, tokenizer = smollm2
+    context, question = document_prompt(tokenizer, document, "what is hannibal?")
+    prompt = context + question
+    with KVStoreClient(daemon.address) as client:
+        engine = CachedEngine(model, tokenizer, client)
+        cold = engine.generate(prompt, max_new_tokens=8)
+        assert cold.store_done.wait(60)
+        plain = engine.generate(prompt, max_new_tokens=8, store=False)
+        layered = engine.generate(prompt, max_new_tokens=8, store=False, layerwise=True)
+        assert layered.reused_tokens == plain.reused_tokens >= 512 and engine.errors == 0
+        assert layered.tiers == plain.tiers
+        assert layered.tokens == plain.tokens == cold.tokens
