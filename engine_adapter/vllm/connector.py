@@ -1,0 +1,401 @@
+"""KVStoreConnector: vLLM's v1 KV connector backed by the kvstore daemon.
+
+Start vLLM with it (README: "Using kvstore with vLLM")::
+
+    LLM(model=folder, dtype="bfloat16", kv_transfer_config=KVTransferConfig(
+        kv_connector="KVStoreConnector", kv_connector_module_path="engine_adapter.vllm.connector",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"address": "unix:/run/kvstore.sock"}))
+
+vLLM builds two instances: the scheduler side (in the engine-core process) and the worker side
+(in each worker process). A request's path through them:
+
+    1. keys     get_num_new_matched_tokens  prefix keys of prompt[:-1], as the reference engine
+    2. lookup                               daemon Lookup (side-effect free); returns the hit
+                                            tokens beyond vLLM's own prefix-cache hit
+    3. plan     update_state_after_alloc    which chunk rows go to which vLLM pages (plan.py)
+                build_connector_meta        this step's loads, and the chunks it completes
+    4. load     start_load_kv               Get through the shared-memory arena, scatter into the
+                                            pages (layout.py), before the forward (a sync load)
+    5. compute  vLLM's forward              only the tokens after the hit
+    6. save     wait_for_save               gather each completed chunk from the pages (a copy of a
+                                            few MB), hand it to a thread that Puts it: decode
+                                            never waits on the daemon
+
+A daemon that is down, slow or wrong costs misses, never a failed request: every call is guarded,
+counted and logged once, and a failed connection is retried after ``retry_s``. A block that
+vanishes between Lookup and Get is reported to vLLM as a failed load
+(``get_block_ids_with_load_errors``); with ``kv_load_failure_policy="recompute"`` vLLM then
+computes those tokens (its default, "fail", fails the request).
+
+Limits: one KV-cache group of full attention (Llama-family models), tensor and pipeline
+parallelism 1 (a block holds every layer and head), KV cache dtype "auto".
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from engine_adapter.cached import fetch_slot_bytes, fetched_tensor
+from engine_adapter.client import KVStoreClient
+from engine_adapter.loader import hf_rope
+from engine_adapter.vllm.layout import PagedKV, PageLayout, measure_page_layout
+from engine_adapter.vllm.plan import ChunkLoad, Planner, StepPlan
+from kvstore.config import default_listen
+from kvstore.keys import KVLayout, Namespace
+
+if TYPE_CHECKING:
+    from vllm.attention.backends.abstract import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """``kv_connector_extra_config`` keys, validated."""
+
+    address: str = ""            # daemon address, e.g. "unix:/run/kvstore.sock"; default: kvstore's default socket
+    model_id: str = ""           # namespace model id; default: the model folder's name (the GGUF stem)
+    tenant: str = ""             # namespace tenant salt
+    chunk_tokens: int = 256      # tokens per block; must match the other engines sharing the cache
+    arena_bytes: int = 64 << 20  # worker's shared-memory arena
+    timeout_s: float = 5.0       # per daemon call
+    retry_s: float = 10.0        # after a failed call, serve without the daemon this long
+    save_queue_chunks: int = 16  # completed chunks waiting for Put; beyond it they are dropped (counted)
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys {unknown} for KVStoreConnector; "
+                             f"known keys: {sorted(known)}")
+        values: dict[str, Any] = {}
+        for name, value in extra.items():
+            kind = type(known[name].default)
+            try:
+                values[name] = kind(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"kv_connector_extra_config[{name!r}] must be a {kind.__name__}, "
+                                 f"got {value!r}") from None
+        settings = cls(**values)
+        for name in ("chunk_tokens", "arena_bytes", "save_queue_chunks"):
+            if getattr(settings, name) <= 0:
+                raise ValueError(f"kv_connector_extra_config[{name!r}] must be positive, got {getattr(settings, name)}")
+        if settings.timeout_s <= 0 or settings.retry_s < 0:
+            raise ValueError("kv_connector_extra_config 'timeout_s' must be > 0 and 'retry_s' >= 0")
+        return settings
+
+
+def vllm_namespace(vllm_config: "VllmConfig", settings: ConnectorSettings) -> Namespace:
+    """The namespace of this vLLM instance's KV; equals the reference engine's ``model_namespace``
+    (and ``hf_namespace``) for the same weights, dtype, model id and tenant."""
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError("KVStoreConnector needs tensor_parallel_size=1 and pipeline_parallel_size=1 "
+                         "(a kvstore block holds every layer and KV head)")
+    if vllm_config.cache_config.cache_dtype != "auto":
+        raise ValueError(f"KVStoreConnector stores the model dtype's KV; set kv_cache_dtype='auto' "
+                         f"(got {vllm_config.cache_config.cache_dtype!r})")
+    if model_config.dtype not in _DTYPE_NAMES:
+        raise ValueError(f"model dtype {model_config.dtype} has no kvstore layout; use one of {list(_DTYPE_NAMES)}")
+    layout = KVLayout(model_config.get_num_layers(parallel), model_config.get_num_kv_heads(parallel),
+                      model_config.get_head_size(), _DTYPE_NAMES[model_config.dtype])
+    theta, scaling = hf_rope(model_config.hf_config.to_dict())
+    rope = Namespace.rope_params(theta=theta, scaling=scaling)
+    model_id = settings.model_id or Path(model_config.model).name
+    return Namespace(model_id, layout, rope=rope, tenant=settings.tenant, chunk_tokens=settings.chunk_tokens)
+
+
+class DaemonLink:
+    """A lazily connected ``KVStoreClient`` that steps aside for ``retry_s`` after any failure."""
+
+    def __init__(self, settings: ConnectorSettings, shared_memory: bool) -> None:
+        self.settings = settings
+        self.address = settings.address or default_listen()
+        self.shared_memory = shared_memory
+        self.errors = 0
+        self._client: KVStoreClient | None = None
+        self._down_until = 0.0
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def client(self) -> KVStoreClient | None:
+        """The connected client, or None while the daemon is considered down."""
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            if time.monotonic() < self._down_until:
+                return None
+            try:
+                self._client = KVStoreClient(self.address, shared_memory=self.shared_memory,
+                                             arena_bytes=self.settings.arena_bytes, timeout=self.settings.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a daemon that is down is a miss
+                self._fail_locked("connect", exc)
+            return self._client
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        with self._lock:
+            self._fail_locked(what, exc)
+
+    def _fail_locked(self, what: str, exc: BaseException) -> None:
+        self.errors += 1
+        self._down_until = time.monotonic() + self.settings.retry_s
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._client = None
+        if not self._warned:
+            log.warning("kvstore daemon at %s: %s failed (%s); vLLM serves without it (retrying every %.0f s)",
+                        self.address, what, exc, self.settings.retry_s)
+            self._warned = True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+def cpu_cache_write(isa: str):
+    """vLLM's CPU cache-write op for ``isa`` in :func:`measure_page_layout`'s signature."""
+    from vllm import _custom_ops as ops
+
+    def write(key: torch.Tensor, value: torch.Tensor, plane: torch.Tensor, slots: torch.Tensor) -> None:
+        pages, heads, page_tokens, _ = plane.shape
+        key_cache, value_cache = plane.view(pages, heads, 2 * page_tokens, -1).chunk(2, dim=2)  # as CPU_ATTN does
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+    return write
+
+
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """One step's :class:`StepPlan`, sent from the scheduler to the workers."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """Prefix KV from and to the kvstore daemon; see the module docstring for the hooks' roles."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = ConnectorSettings.from_extra_config(
+            dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
+        self.namespace = vllm_namespace(vllm_config, self.settings)
+        self.page_tokens = vllm_config.cache_config.block_size
+        self.link = DaemonLink(self.settings, shared_memory=role == KVConnectorRole.WORKER)
+        log.info("KVStoreConnector (%s): model %s, %s, address %s", role.name, self.namespace.model_id,
+                 self.namespace.layout, self.link.address)
+        if role == KVConnectorRole.SCHEDULER:
+            self.planner = Planner(self.namespace, self.page_tokens)
+        else:
+            self.paged: PagedKV | None = None
+            self.loaded_chunks = 0
+            self.saved_chunks = 0
+            self.dropped_chunks = 0  # completed chunks not saved (daemon down, or the queue full)
+            self._failed_pages: set[int] = set()
+            self._saves: queue.Queue = queue.Queue(maxsize=self.settings.save_queue_chunks)
+            self._saver = threading.Thread(target=self._save_loop, name="kvstore-save", daemon=True)
+            self._saver.start()
+
+    # ==== scheduler side ======================================================================
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        prompt = request.prompt_token_ids
+        if not prompt:
+            return 0, False
+        keys = self.planner.keys_of(request.request_id, prompt)
+        hits = 0
+        client = self.link.client() if keys else None
+        if client is not None:
+            try:
+                hits = client.lookup(keys).hits
+            except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
+                self.link.failed("lookup", exc)
+        return self.planner.record_hit(request.request_id, hits, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self.planner.plan_load(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        scheduled = [(req.req_id, req.num_computed_tokens) for req in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
+        counts = scheduler_output.num_scheduled_tokens
+        block_state = scheduler_output.kv_connector_block_state
+
+        def page_ids_of(request_id: str) -> list[int]:
+            block_ids = block_state.get_block_ids(request_id) if block_state is not None else None
+            if block_ids is None:
+                raise RuntimeError(f"vLLM gave no page table for request {request_id}")
+            return block_ids[0]
+
+        plan = self.planner.plan_step([(rid, before, counts.get(rid, 0)) for rid, before in scheduled], page_ids_of)
+        return KVStoreConnectorMetadata(plan)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.planner.forget(request.request_id)
+        return False, None  # saves copy their pages within the step: vLLM may free them now
+
+    # ==== worker side =========================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+        from vllm.platforms import current_platform
+
+        layout = self.namespace.layout
+        names = sorted(kv_caches, key=extract_layer_index)
+        if len(names) != layout.num_layers:
+            raise ValueError(f"vLLM has {len(names)} KV-cache layers, the namespace {layout.num_layers}")
+        caches = [kv_caches[name] for name in names]
+        if caches[0].dtype != self.namespace_dtype:
+            raise ValueError(f"vLLM's KV cache is {caches[0].dtype}, the namespace says {layout.dtype}")
+        kernel_tokens = caches[0].shape[2]
+        if current_platform.is_cpu():
+            if not all(cache.is_contiguous() for cache in caches):
+                raise ValueError("KVStoreConnector expects CPU KV caches laid out [pages, kv_heads, page_tokens, 2*head_dim]")
+            isa = self._cpu_isa(names[0], kernel_tokens)
+            page_layout = measure_page_layout(cpu_cache_write(isa), layout.num_kv_heads, kernel_tokens,
+                                              layout.head_dim, caches[0].dtype)
+            log.info("KVStoreConnector: CPU attention ISA %s, page layout measured", isa)
+        else:
+            page_layout = PageLayout.split(kernel_tokens, layout.head_dim)
+        self.paged = PagedKV(caches, page_layout, layout.num_kv_heads, self.page_tokens)
+
+    def _cpu_isa(self, layer_name: str, kernel_tokens: int) -> str:
+        """The ISA the CPU attention backend chose for this model (it packs pages by it)."""
+        layer = self._vllm_config.compilation_config.static_forward_context.get(layer_name)
+        isa = getattr(layer, "isa", None)
+        if isa is None:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = _get_attn_isa(self.namespace_dtype, kernel_tokens, self.namespace.layout.head_dim,
+                                self._vllm_config.cache_config.cache_dtype)
+        return isa
+
+    @property
+    def namespace_dtype(self) -> torch.dtype:
+        return {name: dtype for dtype, name in _DTYPE_NAMES.items()}[self.namespace.layout.dtype]
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        plan: StepPlan = self._get_connector_metadata().plan
+        for chunks in plan.loads.values():
+            self._load(chunks)
+
+    def _load(self, chunks: list[ChunkLoad]) -> None:
+        """Load one request's chunks in order; the pages of any chunk not loaded are reported failed."""
+        n, layout = self.namespace.chunk_tokens, self.namespace.layout
+        loaded = 0
+        client = self.link.client()
+        if client is not None and self.paged is not None:
+            slot = fetch_slot_bytes(layout, n)
+            step = client.max_fetch_blocks(slot)
+            try:
+                for start in range(0, len(chunks), step):
+                    batch = chunks[start : start + step]
+                    with client.fetch([c.key for c in batch], slot) as blocks:
+                        for chunk, block in zip(batch, blocks):
+                            if block is None or block.tokens != n or block.layout != layout:
+                                raise LookupError(f"block {chunk.key.hex()} vanished or has another layout")
+                            tensor = fetched_tensor(block)  # [L, 2, H, n, D]; a view of the arena for raw
+                            self.paged.scatter(tensor[:, :, :, chunk.lo : chunk.hi], chunk.span)
+                            loaded += 1
+            except Exception as exc:  # noqa: BLE001
+                self.link.failed("get", exc)
+        self.loaded_chunks += loaded
+        for chunk in chunks[loaded:]:
+            self._failed_pages.update(chunk.span.page_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_pages = self._failed_pages, set()
+        return failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        return  # chunks are saved whole, after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata() or self.paged is None:
+            return
+        saves = self._get_connector_metadata().plan.saves
+        if not saves:
+            return
+        if self.link.client() is None:
+            self.dropped_chunks += len(saves)
+            return
+        for save in saves:
+            try:
+                self._saves.put_nowait((save.key, self.paged.gather(save.span)))  # a copy: pages may be reused
+            except queue.Full:
+                self.dropped_chunks += 1
+
+    def _save_loop(self) -> None:
+        n = self.namespace.chunk_tokens
+        while True:
+            item = self._saves.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < 4:  # Put what is waiting together (one RPC)
+                try:
+                    more = self._saves.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._saves.put(None)
+                    break
+                batch.append(more)
+            client = self.link.client()
+            if client is None:
+                self.dropped_chunks += len(batch)
+                continue
+            try:
+                client.put(self.namespace, [(key, n, block) for key, block in batch])
+                self.saved_chunks += len(batch)
+            except Exception as exc:  # noqa: BLE001
+                self.link.failed("put", exc)
+                self.dropped_chunks += len(batch)
+
+    def shutdown(self) -> None:
+        if self.role == KVConnectorRole.WORKER:
+            try:
+                self._saves.put(None, timeout=30.0)  # after the chunks already queued
+            except queue.Full:
+                pass
+            self._saver.join(timeout=30.0)
+            log.info("KVStoreConnector worker: loaded %d chunks, saved %d, dropped %d, daemon errors %d",
+                     self.loaded_chunks, self.saved_chunks, self.dropped_chunks, self.link.errors)
+        self.link.close()

@@ -1,0 +1,196 @@
+"""vLLM's paged KV cache <-> kvstore blocks, in pure torch (no vLLM import).
+
+vLLM keeps one tensor per attention layer, cut into fixed-size pages ("blocks" in vLLM's words;
+here *pages*, to keep *block* for kvstore's one-chunk-of-KV). vLLM 0.32 gives every backend the
+same logical per-layer shape ``[num_pages, kv_heads, page_tokens, 2 * head_dim]``; each backend
+places a token's K and V inside a (page, head) plane ``[page_tokens, 2 * head_dim]`` its own way:
+
+    split  (FLASH_ATTN, TRITON)  row r is token r: K in columns 0..D-1, V in D..2D-1
+    cpu    (CPU_ATTN)            the plane's memory is two halves, K then V, each packed by the
+                                 kernel of the CPU's ISA (vec, vec16, amx, neon ...), e.g. keys
+                                 transposed or interleaved for the SIMD width
+
+A :class:`PageLayout` is that placement as two index tables: for K (kind 0) and V (kind 1), the
+plane row and column of (token row r, dim d). ``split`` is written down; a CPU layout is measured
+by :func:`measure_page_layout`, which runs the backend's own cache-write op on numbered values.
+
+A kvstore block is ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` (K after RoPE, as vLLM stores
+it). One 256-token chunk spans several pages, and need not start at a page boundary::
+
+    prompt tokens   0 ........ 255 | 256 ....... 511 | 512 ...
+    kvstore chunks  |--- chunk 0 ---|--- chunk 1 ----|
+    vLLM pages      |p7 |p2 |p9 |p4 |p1 |p3 |p8 |p6 |        (page_tokens = 64; ids from the page table)
+
+A :class:`PagedSpan` names a run of consecutive tokens by the pages that hold them: token i of the
+span sits in page ``page_ids[(offset + i) // page_tokens]`` at row ``(offset + i) % page_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class PagedSpan:
+    """``tokens`` consecutive tokens starting at row ``offset`` of ``page_ids[0]``."""
+
+    page_ids: tuple[int, ...]
+    offset: int
+    tokens: int
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0 or self.offset < 0:
+            raise ValueError(f"PagedSpan needs tokens >= 0 and offset >= 0, got {self.tokens}, {self.offset}")
+
+    @classmethod
+    def of(cls, page_ids: Sequence[int], page_tokens: int, start: int, end: int) -> "PagedSpan":
+        """The span of tokens start..end-1 of a sequence whose page table is ``page_ids``."""
+        if not 0 <= start <= end:
+            raise ValueError(f"bad token range {start}..{end}")
+        first, last = start // page_tokens, (end + page_tokens - 1) // page_tokens
+        if last > len(page_ids):
+            raise ValueError(f"tokens {start}..{end} need {last} pages; the page table has {len(page_ids)}")
+        return cls(tuple(int(p) for p in page_ids[first:last]), start - first * page_tokens, end - start)
+
+    def rows(self, page_tokens: int, kernel_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kernel page, row) of each token, as two int64 tensors [tokens].
+
+        The cache tensor may be cut into kernel pages smaller than the scheduler's pages: scheduler
+        page p is then kernel pages p*k .. p*k+k-1, k = page_tokens // kernel_tokens.
+        """
+        position = torch.arange(self.tokens, dtype=torch.int64) + self.offset  # [T], from page_ids[0]'s start
+        pages = torch.tensor(self.page_ids, dtype=torch.int64)[position // page_tokens]
+        within = position % page_tokens
+        return pages * (page_tokens // kernel_tokens) + within // kernel_tokens, within % kernel_tokens
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Where K and V of token row r, dim d sit in a (page, head) plane [page_tokens, 2 * head_dim]."""
+
+    plane_rows: torch.Tensor  # [2, page_tokens, head_dim] int64; kind 0 = K, 1 = V
+    plane_cols: torch.Tensor  # [2, page_tokens, head_dim] int64
+
+    @property
+    def page_tokens(self) -> int:
+        return self.plane_rows.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.plane_rows.shape[2]
+
+    @classmethod
+    def from_offsets(cls, offsets: torch.Tensor) -> "PageLayout":
+        """From flat offsets [2, page_tokens, head_dim] into the plane's memory (row-major)."""
+        _, page_tokens, head_dim = offsets.shape
+        flat = offsets.to(torch.int64)
+        if sorted(flat.flatten().tolist()) != list(range(2 * page_tokens * head_dim)):
+            raise ValueError("a page layout must place every K and V element exactly once")
+        return cls(flat // (2 * head_dim), flat % (2 * head_dim))
+
+    @classmethod
+    def split(cls, page_tokens: int, head_dim: int) -> "PageLayout":
+        """FLASH_ATTN / TRITON: token row r is [K | V]."""
+        r = torch.arange(page_tokens).view(-1, 1) * (2 * head_dim)
+        d = torch.arange(head_dim).view(1, -1)
+        return cls.from_offsets(torch.stack((r + d, r + head_dim + d)))
+
+    @classmethod
+    def halves(cls, page_tokens: int, head_dim: int) -> "PageLayout":
+        """The plane's memory read as [2 * page_tokens, head_dim]: K rows, then V rows, unpacked."""
+        k = torch.arange(page_tokens * head_dim).view(page_tokens, head_dim)
+        return cls.from_offsets(torch.stack((k, k + page_tokens * head_dim)))
+
+
+# (key [T, H, D], value [T, H, D], plane [1, H, page_tokens, 2D] to write, slots [T]) -> None
+CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def measure_page_layout(write: CacheWrite, num_kv_heads: int, page_tokens: int, head_dim: int,
+                        dtype: torch.dtype) -> PageLayout:
+    """Find a backend's page layout by letting its own cache-write op place numbered elements.
+
+    Each K and V element gets a number (its canonical index, written in base-64 digits, one pass
+    per digit, so every value is exact in bf16); after the passes, each memory position of the
+    page says which element landed there.
+    """
+    count = 2 * page_tokens * head_dim  # elements of one (page, head) plane
+    base = 64
+    digits = 1
+    while base**digits < count:
+        digits += 1
+    index = torch.arange(count).view(2, page_tokens, head_dim)  # canonical: [kind, row, dim]
+    found = torch.zeros(num_kv_heads, count, dtype=torch.int64)
+    slots = torch.arange(page_tokens, dtype=torch.int64)
+    for digit in range(digits):
+        plane = torch.zeros(1, num_kv_heads, page_tokens, 2 * head_dim, dtype=dtype)
+        values = (index // base**digit % base + 1).to(dtype)  # 1..64: 0 marks a position never written
+        key = values[0].unsqueeze(1).expand(page_tokens, num_kv_heads, head_dim).contiguous()  # [T, H, D]
+        value = values[1].unsqueeze(1).expand(page_tokens, num_kv_heads, head_dim).contiguous()
+        write(key, value, plane, slots)
+        written = plane.reshape(num_kv_heads, count).to(torch.int64)  # [H, plane memory]
+        if (written == 0).any() or (written > base).any():
+            raise ValueError("the cache-write op did not place every element of the page once")
+        found += (written - 1) * base**digit
+    if not (found == found[0]).all():
+        raise ValueError("the cache-write op places heads differently; no single page layout fits")
+    offsets = torch.empty(count, dtype=torch.int64)
+    offsets[found[0]] = torch.arange(count)  # element found[0][j] sits at memory position j
+    return PageLayout.from_offsets(offsets.view(2, page_tokens, head_dim))
+
+
+class PagedKV:
+    """All layers' paged caches of one vLLM worker, and the block <-> page copies."""
+
+    def __init__(self, layer_caches: Sequence[torch.Tensor], layout: PageLayout, num_kv_heads: int,
+                 page_tokens: int) -> None:
+        if not layer_caches:
+            raise ValueError("PagedKV needs at least one layer")
+        kernel_tokens, head_dim = layout.page_tokens, layout.head_dim
+        for cache in layer_caches:
+            if cache.dim() != 4 or tuple(cache.shape[1:]) != (num_kv_heads, kernel_tokens, 2 * head_dim):
+                raise ValueError(f"paged cache shape {tuple(cache.shape)} is not [pages, kv_heads={num_kv_heads}, "
+                                 f"page_tokens={kernel_tokens}, 2*head_dim={2 * head_dim}]")
+        if page_tokens % kernel_tokens:
+            raise ValueError(f"scheduler page of {page_tokens} tokens is not a multiple of the cache's "
+                             f"{kernel_tokens}-token kernel page")
+        self.caches = list(layer_caches)
+        self.layout = layout
+        self.page_tokens = page_tokens
+        device = self.caches[0].device
+        self._plane_rows = layout.plane_rows.to(device)
+        self._plane_cols = layout.plane_cols.to(device)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.caches)
+
+    def _index(self, span: PagedSpan) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per kind (K, V): (page [T, 1], plane row [T, D], plane column [T, D]) of every element."""
+        page, row = span.rows(self.page_tokens, self.layout.page_tokens)
+        page = page.to(self._plane_rows.device).unsqueeze(1)
+        row = row.to(self._plane_rows.device)
+        return [(page, self._plane_rows[kind][row], self._plane_cols[kind][row]) for kind in (0, 1)]
+
+    def gather(self, span: PagedSpan) -> torch.Tensor:
+        """A copy of the span's KV as a block ``[layers, 2, kv_heads, span.tokens, head_dim]``."""
+        index = self._index(span)
+        layers = []
+        for cache in self.caches:
+            # cache[page, :, plane_row, plane_col]: advanced indices around a slice -> [T, D, H]
+            kinds = [cache[page, :, rows, cols].permute(2, 0, 1) for page, rows, cols in index]  # each [H, T, D]
+            layers.append(torch.stack(kinds))
+        return torch.stack(layers)
+
+    def scatter(self, block: torch.Tensor, span: PagedSpan) -> None:
+        """Write a block ``[layers, 2, kv_heads, span.tokens, head_dim]`` into the span's pages."""
+        if block.dim() != 5 or block.shape[0] != self.num_layers or block.shape[3] != span.tokens:
+            raise ValueError(f"block shape {tuple(block.shape)} is not [layers={self.num_layers}, 2, kv_heads, "
+                             f"tokens={span.tokens}, head_dim]")
+        index = self._index(span)
+        for cache, layer in zip(self.caches, block):
+            for (page, rows, cols), kv in zip(index, layer):  # kv: [H, T, D]
+                cache[page, :, rows, cols] = kv.permute(1, 2, 0).to(cache.dtype)  # [T, D, H]

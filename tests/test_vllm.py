@@ -1,0 +1,353 @@
+"""vLLM (CPU build) with kvstore: prefix hits across vLLM processes and across engines.
+
+Runs only where vLLM is importable: CI's own step runs it with ``.venv-vllm/bin/python -m pytest
+-q tests/test_vllm.py`` (see .ci/run); the main suite skips this module.
+
+Real parts: vLLM 0.32 CPU in subprocesses (``engine_adapter/vllm/run.py``, bf16, eager), the real
+daemon, SmolLM2-135M converted from its GGUF to a Hugging Face folder (cached in the temp folder),
+and the reference engine loaded from the same GGUF in bf16. One module-scoped scenario runs the
+vLLM processes once; each test checks one property of it::
+
+    reference engine   stores prompt B's chunks
+    vLLM run 1         A cold (stores A's chunks), then B (hits the reference engine's chunks)
+    vLLM run 2         A in a fresh process: hits run 1's chunks
+    vLLM run 3         A and B with the daemon down: served cold
+    reference engine   A: hits run 1's chunks
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed here; CI runs this module from .venv-vllm (see .ci/run)",
+                allow_module_level=True)
+
+from engine_adapter.cached import CachedEngine, fetch_slot_bytes, fetched_tensor, model_namespace  # noqa: E402
+from engine_adapter.client import KVStoreClient  # noqa: E402
+from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
+from engine_adapter.prompts import document_prompt  # noqa: E402
+from engine_adapter.vllm.hf_folder import write_hf_folder  # noqa: E402
+from engine_adapter.vllm.layout import PagedKV, PagedSpan, PageLayout, measure_page_layout  # noqa: E402
+from engine_adapter.vllm.plan import Planner  # noqa: E402
+from kvstore.keys import KVLayout, Namespace, prefix_keys  # noqa: E402
+from tests.conftest import ROOT, DaemonProcess  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 256
+NEW_TOKENS = 16
+VLLM_TIMEOUT_S = 600
+DOCUMENT = ROOT / "engine_adapter" / "data" / "musique_sample.json"
+# bf16 KV of the same tokens from two engines (different kernels): relative L2 distance per block
+CROSS_ENGINE_KV_REL_TOLERANCE = 0.05
+
+
+# ---- layout and plan: pure torch / Python, no vLLM process ---------------------------------------
+
+
+def packed_write(key, value, plane, slots):
+    """A made-up packed backend: per (page, head), K stored dim-major [D, N], V in pairs of rows."""
+    pages, heads, page_tokens, two_d = plane.shape
+    d = two_d // 2
+    halves = plane.view(pages, heads, 2, page_tokens * d)
+    for t, slot in enumerate(slots.tolist()):
+        page, row = divmod(slot, page_tokens)
+        k = halves[page, :, 0].view(heads, d, page_tokens)
+        k[:, :, row] = key[t]
+        v = halves[page, :, 1].view(heads, page_tokens // 2, d, 2)
+        v[:, row // 2, :, row % 2] = value[t]
+
+
+def test_measured_layout_matches_the_write_op():
+    heads, page_tokens, head_dim = 3, 16, 8
+    layout = measure_page_layout(packed_write, heads, page_tokens, head_dim, torch.bfloat16)
+    assert layout.page_tokens == page_tokens and layout.head_dim == head_dim
+    # what the op writes, PagedKV reads back as K and V; what PagedKV writes, is what the op writes
+    cache = torch.zeros(6, heads, page_tokens, 2 * head_dim, dtype=torch.bfloat16)
+    slots = torch.tensor([3 * page_tokens + 5, 3 * page_tokens + 6, 0 * page_tokens + 15, 5 * page_tokens])
+    key, value = (torch.randn(4, heads, head_dim).to(torch.bfloat16) for _ in range(2))
+    packed_write(key, value, cache, slots)
+    paged = PagedKV([cache], layout, heads, page_tokens)
+    for t, slot in enumerate(slots.tolist()):
+        block = paged.gather(PagedSpan((slot // page_tokens,), slot % page_tokens, 1))  # [1, 2, H, 1, D]
+        assert torch.equal(block[0, 0, :, 0], key[t]) and torch.equal(block[0, 1, :, 0], value[t])
+    ours = torch.zeros_like(cache)
+    paged = PagedKV([ours], layout, heads, page_tokens)
+    for t, slot in enumerate(slots.tolist()):
+        kv = torch.stack((key[t], value[t])).unsqueeze(2).unsqueeze(0)  # [1, 2, H, 1, D]
+        paged.scatter(kv, PagedSpan((slot // page_tokens,), slot % page_tokens, 1))
+    assert torch.equal(ours, cache)
+
+
+def test_written_down_layouts():
+    page_tokens, head_dim = 4, 2
+    split = PageLayout.split(page_tokens, head_dim)  # row r = [K | V]
+    assert split.plane_rows[1, 3].tolist() == [3, 3] and split.plane_cols[1, 3].tolist() == [2, 3]
+    halves = PageLayout.halves(page_tokens, head_dim)  # memory [2N, D]: K rows then V rows
+    assert halves.plane_rows[1, 0].tolist() == [2, 2] and halves.plane_cols[1, 0].tolist() == [0, 1]
+    with pytest.raises(ValueError, match="exactly once"):
+        PageLayout.from_offsets(torch.zeros(2, page_tokens, head_dim, dtype=torch.int64))
+    with pytest.raises(ValueError, match="kv_heads=3"):
+        PagedKV([torch.zeros(2, 2, page_tokens, 2 * head_dim)], split, 3, page_tokens)
+
+
+@pytest.mark.parametrize("kind", ["split", "halves"])
+@pytest.mark.parametrize("page_tokens,kernel_tokens,offset", [(32, 32, 0), (48, 48, 7), (64, 32, 30), (16, 16, 5)])
+def test_scatter_then_gather_round_trips_on_irregular_page_tables(kind, page_tokens, kernel_tokens, offset):
+    layers, heads, head_dim, tokens = 3, 2, 8, 100
+    kernel_pages = 40 * (page_tokens // kernel_tokens)
+    caches = [torch.zeros(kernel_pages, heads, kernel_tokens, 2 * head_dim, dtype=torch.bfloat16) for _ in range(layers)]
+    layout = getattr(PageLayout, kind)(kernel_tokens, head_dim)
+    paged = PagedKV(caches, layout, heads, page_tokens)
+    page_ids = [17, 3, 29, 8, 11, 0, 36, 21][: (offset + tokens + page_tokens - 1) // page_tokens]
+    span = PagedSpan(tuple(page_ids), offset, tokens)
+    block = torch.randn(layers, 2, heads, tokens, head_dim).to(torch.bfloat16)
+    paged.scatter(block, span)
+    assert torch.equal(paged.gather(span), block)
+    assert sum(int((c != 0).sum()) for c in caches) == block.numel()  # nothing else was written
+    # the last token's K of layer 2, head 1 is where the page table and the layout put it
+    i = tokens - 1
+    page, row = page_ids[(offset + i) // page_tokens], (offset + i) % page_tokens
+    kernel_page = page * (page_tokens // kernel_tokens) + row // kernel_tokens
+    r = row % kernel_tokens
+    placed = caches[2][kernel_page, 1, layout.plane_rows[0, r], layout.plane_cols[0, r]]
+    assert torch.equal(placed, block[2, 0, 1, i])
+
+
+def test_vllm_cpu_kernel_pages_read_back_through_the_measured_layout():
+    from vllm import _custom_ops as ops  # noqa: F401 - the CPU kernels are there
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from engine_adapter.vllm.connector import cpu_cache_write
+
+    heads, page_tokens, head_dim = 3, 128, 64  # SmolLM2's heads and head size; vLLM's CPU page
+    isa = _get_attn_isa(torch.bfloat16, page_tokens, head_dim)
+    write = cpu_cache_write(isa)
+    layout = measure_page_layout(write, heads, page_tokens, head_dim, torch.bfloat16)
+    cache = torch.zeros(4, heads, page_tokens, 2 * head_dim, dtype=torch.bfloat16)
+    slots = torch.randperm(4 * page_tokens)[:300]
+    key, value = (torch.randn(300, heads, head_dim).to(torch.bfloat16) for _ in range(2))
+    write(key, value, cache, slots)
+    paged = PagedKV([cache], layout, heads, page_tokens)
+    for t in (0, 1, 150, 299):
+        slot = int(slots[t])
+        block = paged.gather(PagedSpan((slot // page_tokens,), slot % page_tokens, 1))
+        assert torch.equal(block[0, 0, :, 0], key[t]) and torch.equal(block[0, 1, :, 0], value[t]), (isa, t)
+
+
+def test_paged_span_of_a_token_range():
+    span = PagedSpan.of([7, 2, 9, 4, 1], page_tokens=64, start=100, end=320)  # pages 1..4
+    assert span == PagedSpan((2, 9, 4, 1), 36, 220)
+    with pytest.raises(ValueError, match="pages"):
+        PagedSpan.of([7, 2], page_tokens=64, start=0, end=256)
+
+
+def planner(page_tokens: int = 128) -> Planner:
+    return Planner(Namespace("m", KVLayout(2, 1, 4, "bfloat16")), page_tokens)
+
+
+def test_plan_loads_the_hit_beyond_vllms_own_and_never_the_last_token():
+    plan = planner(page_tokens=128)
+    prompt = list(range(1000, 1000 + 3 * CHUNK + 1))  # 3 full chunks before the last token
+    assert len(plan.keys_of("r", prompt)) == 3
+    prompt_ending_on_a_chunk = list(range(3 * CHUNK))  # the last token is computed: 2 chunks
+    assert len(plan.keys_of("s", prompt_ending_on_a_chunk)) == 2
+    # vLLM's own cache holds 384 tokens (3 pages); kvstore holds 3 chunks: load 384..767
+    assert plan.record_hit("r", hit_chunks=3, computed_tokens=384) == 768 - 384
+    page_ids = [5, 6, 7, 8, 9, 10, 11]
+    plan.plan_load("r", page_ids, 768 - 384)
+    step = plan.plan_step([("r", 768, 1)], lambda rid: page_ids)
+    loads = step.loads["r"]
+    assert [(c.lo, c.hi) for c in loads] == [(128, 256), (0, 256)]
+    assert loads[0].span == PagedSpan((8,), 0, 128) and loads[1].span == PagedSpan((9, 10), 0, 256)
+    assert step.saves == []  # kvstore has every chunk
+    assert not plan.plan_step([("r", 769, 1)], lambda rid: page_ids)  # loads are handed out once
+
+
+def test_plan_saves_each_chunk_once_when_completed():
+    plan = planner(page_tokens=128)
+    prompt = list(range(2 * CHUNK + 50))
+    plan.keys_of("r", prompt)
+    assert plan.record_hit("r", hit_chunks=0, computed_tokens=0) == 0
+    pages = list(range(20, 25))
+    asked = []
+
+    def page_ids_of(rid):
+        asked.append(rid)
+        return pages
+
+    step = plan.plan_step([("r", 0, 300)], page_ids_of)  # chunked prefill: 300 tokens, then the rest
+    assert [s.span for s in step.saves] == [PagedSpan((20, 21), 0, 256)]
+    step = plan.plan_step([("r", 300, 2 * CHUNK + 50 - 300)], page_ids_of)
+    assert [s.span for s in step.saves] == [PagedSpan((22, 23), 0, 256)]
+    assert not plan.plan_step([("r", 2 * CHUNK + 50, 1)], page_ids_of)  # decode saves nothing
+    assert asked == ["r", "r"]
+    plan.forget("r")
+    assert plan.requests == {}
+
+
+def test_plan_saves_vllm_hits_that_kvstore_lacks():
+    plan = planner(page_tokens=128)
+    plan.keys_of("r", list(range(3 * CHUNK + 10)))
+    plan.record_hit("r", hit_chunks=1, computed_tokens=640)  # vLLM's own 640 beat kvstore's 256
+    step = plan.plan_step([("r", 640, 3 * CHUNK + 10 - 640)], lambda rid: list(range(7)))
+    assert [s.key for s in step.saves] == plan.requests["r"].keys[1:3]
+
+
+def test_connector_settings_are_validated():
+    from engine_adapter.vllm.connector import ConnectorSettings
+
+    settings = ConnectorSettings.from_extra_config({"address": "unix:/x.sock", "chunk_tokens": "128"})
+    assert settings.address == "unix:/x.sock" and settings.chunk_tokens == 128
+    with pytest.raises(ValueError, match="unknown .* \\['adress'\\]"):
+        ConnectorSettings.from_extra_config({"adress": "unix:/x.sock"})
+    with pytest.raises(ValueError, match="must be positive"):
+        ConnectorSettings.from_extra_config({"chunk_tokens": 0})
+
+
+# ---- the scenario: real vLLM processes, a real daemon, the reference engine ----------------------
+
+
+@pytest.fixture(scope="module")
+def hf_folder() -> Path:
+    """SmolLM2 as a Hugging Face folder named like the GGUF ("SmolLM2-135M-Instruct.Q4_1"), cached."""
+    return write_hf_folder(Path(tempfile.gettempdir()) / "kvstore-test-hf-v1", dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_gguf(find_smollm2_gguf(), dtype=torch.bfloat16)  # (LlamaModel, Tokenizer)
+
+
+@pytest.fixture(scope="module")
+def prompts(reference) -> dict[str, list[int]]:
+    _, tokenizer = reference
+    document = json.loads(DOCUMENT.read_text())["document"]
+    a = sum(document_prompt(tokenizer, document[:3000], "who wrote hannibal and scipio?"), [])
+    b = sum(document_prompt(tokenizer, document[3000:6000], "what is red dragon?"), [])
+    assert len(a) > 2 * CHUNK + 1 and len(b) > 2 * CHUNK + 1
+    return {"A": a, "B": b}
+
+
+def run_vllm(folder: Path, work: Path, name: str, prompts: list[list[int]], address: str,
+             wait_stored: float = 0.0) -> dict:
+    """One vLLM process over ``prompts``; its result JSON (see engine_adapter/vllm/run.py)."""
+    prompts_file, out = work / f"{name}.prompts.json", work / f"{name}.json"
+    prompts_file.write_text(json.dumps(prompts))
+    args = [sys.executable, "-m", "engine_adapter.vllm.run", "--model", str(folder), "--prompts", str(prompts_file),
+            "--out", str(out), "--kvstore", address, "--max-tokens", str(NEW_TOKENS),
+            "--wait-stored", str(wait_stored)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+    log = work / f"{name}.log"
+    started = time.perf_counter()
+    with open(log, "wb") as log_file:
+        proc = subprocess.run(args, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, timeout=VLLM_TIMEOUT_S)
+    if proc.returncode != 0 or not out.is_file():
+        raise AssertionError(f"vLLM run {name} failed ({proc.returncode}):\n{log.read_text()[-6000:]}")
+    result = json.loads(out.read_text())
+    result["wall_s"] = time.perf_counter() - started
+    result["log"] = log.read_text()
+    return result
+
+
+@pytest.fixture(scope="module")
+def scenario(hf_folder, reference, prompts):
+    work = Path(tempfile.mkdtemp(prefix="kvs-vllm-"))
+    daemon = DaemonProcess(work / "d", cpu_capacity="256MiB", disk_capacity="256MiB")
+    (work / "d").mkdir()
+    daemon.start()
+    try:
+        model, tokenizer = reference
+        with KVStoreClient(daemon.address) as client:
+            engine = CachedEngine(model, tokenizer, client)
+            stored_b = engine.generate(prompts["B"], max_new_tokens=1)
+            assert stored_b.store_done.wait(60) and engine.errors == 0
+        down = f"unix:{work / 'no-daemon.sock'}"
+        runs = {"first": run_vllm(hf_folder, work, "first", [prompts["A"], prompts["B"]], daemon.address, wait_stored=60),
+                "fresh": run_vllm(hf_folder, work, "fresh", [prompts["A"]], daemon.address),
+                "down": run_vllm(hf_folder, work, "down", [prompts["A"], prompts["B"]], down)}
+        for name, run in runs.items():
+            print(f"vLLM run {name}: {run['wall_s']:.1f} s (startup {run['startup_s']:.1f} s), "
+                  + ", ".join(f"{o['num_cached_tokens']} cached in {o['seconds']:.2f} s" for o in run["outputs"]))
+        with KVStoreClient(daemon.address, shared_memory=False) as client:
+            stats = client.stats()
+        yield {"runs": runs, "daemon": daemon, "stats": stats}
+    finally:
+        daemon.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def full_chunks(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // CHUNK * CHUNK
+
+
+def test_vllm_namespace_is_the_reference_engines(scenario, reference):
+    model, _ = reference
+    assert scenario["runs"]["first"]["namespace"] == model_namespace(model).id.hex()
+
+
+def test_long_prompt_is_a_hit_in_a_fresh_vllm_process(scenario, prompts):
+    first, fresh = scenario["runs"]["first"], scenario["runs"]["fresh"]
+    assert first["outputs"][0]["num_cached_tokens"] == 0
+    assert first["stored_chunks"][0] == full_chunks(prompts["A"]) // CHUNK  # run 1 stored A's chunks
+    assert fresh["outputs"][0]["num_cached_tokens"] == full_chunks(prompts["A"]) >= 512
+    assert fresh["outputs"][0]["token_ids"] == first["outputs"][0]["token_ids"]
+    assert len(fresh["outputs"][0]["token_ids"]) == NEW_TOKENS
+    # kvstore served them: every Get of the fresh run (and of run 1's B) hit the CPU tier
+    hits = full_chunks(prompts["A"]) // CHUNK + full_chunks(prompts["B"]) // CHUNK
+    assert scenario["stats"]["tiers"]["cpu"]["hits"] >= hits
+
+
+def test_daemon_down_leaves_vllm_serving(scenario):
+    first, down = scenario["runs"]["first"], scenario["runs"]["down"]
+    assert [o["num_cached_tokens"] for o in down["outputs"]] == [0, 0]
+    assert down["outputs"][0]["token_ids"] == first["outputs"][0]["token_ids"]  # A cold, both runs
+    assert all(len(o["token_ids"]) == NEW_TOKENS for o in down["outputs"])
+    assert "kvstore daemon at" in down["log"]  # said once, in the log
+
+
+def test_reference_engine_blocks_are_a_hit_in_vllm(scenario, prompts):
+    first, down = scenario["runs"]["first"], scenario["runs"]["down"]
+    b_warm, b_cold = first["outputs"][1], down["outputs"][1]
+    assert b_warm["num_cached_tokens"] == full_chunks(prompts["B"])
+    # KV from another engine (bf16, other kernels) is close, not bit-equal: the answer starts the same
+    assert b_warm["token_ids"][:4] == b_cold["token_ids"][:4]
+
+
+def test_vllm_blocks_are_a_hit_in_the_reference_engine(scenario, reference, prompts):
+    model, tokenizer = reference
+    prompt = prompts["A"]
+    namespace = model_namespace(model)
+    keys = prefix_keys(namespace, prompt[:-1])
+    daemon = scenario["daemon"]
+    with KVStoreClient(daemon.address) as client:
+        assert client.lookup(keys).hits == len(keys)
+        engine = CachedEngine(model, tokenizer, client)
+        warm = engine.generate(prompt, max_new_tokens=NEW_TOKENS, store=False)
+        assert warm.reused_tokens == full_chunks(prompt) and engine.errors == 0
+        cold = engine.generate(prompt, max_new_tokens=NEW_TOKENS, use_cache=False, store=False)
+        assert warm.tokens[:4] == cold.tokens[:4]
+        # vLLM's block holds what the reference engine computes for the same tokens (K after RoPE, V)
+        kv = model.new_cache(len(keys) * CHUNK)
+        with torch.inference_mode():
+            model(torch.tensor(prompt[: len(keys) * CHUNK]), kv, 0, last_only=True)
+        slot = fetch_slot_bytes(namespace.layout, CHUNK)
+        with client.fetch(keys, slot) as blocks:
+            for c, block in enumerate(blocks):
+                theirs = fetched_tensor(block).float()
+                ours = kv.export(c * CHUNK, (c + 1) * CHUNK).float()
+                for kind in (0, 1):  # K, V
+                    rel = (theirs[:, kind] - ours[:, kind]).norm() / ours[:, kind].norm()
+                    assert rel < CROSS_ENGINE_KV_REL_TOLERANCE, (c, kind, float(rel))
