@@ -29,7 +29,8 @@ from typing import Sequence
 
 import torch
 
-from engine_adapter.client import FetchedBlock, KVStoreClient
+from engine_adapter.client import KVStoreClient
+from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
 from engine_adapter.generate import decode_loop, sample_next
 from engine_adapter.model import LlamaModel
 from engine_adapter.tokenizer import Tokenizer
@@ -47,31 +48,6 @@ def model_namespace(model: LlamaModel, tenant: str = "", chunk_tokens: int = 256
     layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, _TORCH_DTYPES[model.dtype])
     rope = Namespace.rope_params(theta=config.rope_theta, scaling=config.rope_scaling)
     return Namespace(config.model_id, layout, rope=rope, tenant=tenant, chunk_tokens=chunk_tokens)
-
-
-def block_tensor(payload: memoryview, layout: KVLayout, tokens: int) -> torch.Tensor:
-    """A zero-copy tensor [layers, 2, kv_heads, tokens, head_dim] over a raw block payload."""
-    tensor = torch.frombuffer(payload, dtype=_DTYPES[layout.dtype])
-    return tensor.view(layout.block_shape(tokens))
-
-
-def fetched_tensor(block: FetchedBlock) -> torch.Tensor:
-    """A fetched block as a tensor: zero-copy for ``raw``, decoded for any other codec.
-
-    A zero-copy tensor views the client's arena: use it before the ``fetch`` block ends.
-    """
-    if block.codec == "raw":
-        return block_tensor(block.payload, block.layout, block.tokens)
-    from compression import get_codec
-
-    return get_codec(block.codec).decode(bytes(block.payload), block.codec_params,
-                                         block.layout.block_shape(block.tokens), _DTYPES[block.layout.dtype])
-
-
-def fetch_slot_bytes(layout: KVLayout, tokens: int) -> int:
-    """Arena bytes to reserve per block: the raw size plus room for a lossless stage's overhead."""
-    raw = layout.block_bytes(tokens)
-    return raw + raw // 64 + 4096
 
 
 @dataclass
@@ -97,45 +73,18 @@ class CachedEngine:
         self.tokenizer = tokenizer
         self.client = client
         self.namespace = model_namespace(model, tenant, chunk_tokens)
-        self.errors = 0
-        self._warned = False
-        self._store_lock = threading.Lock()  # one background store at a time, in order
+        self.cache = PrefixCache(client, self.namespace)
 
-    # -- daemon calls, guarded ------------------------------------------------------------------
-
-    def _daemon_failed(self, what: str, exc: Exception) -> None:
-        self.errors += 1
-        if not self._warned:
-            log.warning("kvstore daemon %s failed (%s); serving without the cache", what, exc)
-            self._warned = True
+    @property
+    def errors(self) -> int:
+        """Daemon failures so far (each one cost misses, not a request)."""
+        return self.cache.errors
 
     def _load_prefix(self, keys: list[bytes], kv, tiers: list[str]) -> int:
         """Load the longest stored run of ``keys`` into ``kv``; returns tokens loaded."""
-        if self.client is None or not keys:
-            return 0
-        try:
-            hits = self.client.lookup(keys)
-        except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
-            self._daemon_failed("lookup", exc)
-            return 0
         n = self.namespace.chunk_tokens
-        layout = self.namespace.layout
-        block_bytes = fetch_slot_bytes(layout, n)
-        loaded = 0
-        step = self.client.max_fetch_blocks(block_bytes)
-        try:
-            for start in range(0, hits.hits, step):
-                batch = keys[start : min(hits.hits, start + step)]
-                with self.client.fetch(batch, block_bytes) as blocks:
-                    for block in blocks:
-                        if block is None or block.tokens != n or block.layout != layout:
-                            return loaded * n  # a gap ends the run
-                        kv.load(fetched_tensor(block), loaded * n)
-                        tiers.append(block.tier)
-                        loaded += 1
-        except Exception as exc:  # noqa: BLE001
-            self._daemon_failed("get", exc)
-            kv.truncate(loaded * n)
+        loaded = self.cache.load_run(keys, lambda c, block: kv.load(block, c * n), tiers)
+        kv.truncate(min(kv.length, loaded * n))
         return loaded * n
 
     def _prefill_layerwise(self, keys: list[bytes], prompt_ids: list[int], kv, tiers: list[str]
@@ -172,24 +121,10 @@ class CachedEngine:
                 tiers.extend(b.tier for b in stream.blocks[: len(run)])
                 return model.final_logits(h[-1:])[-1]
         except Exception as exc:  # noqa: BLE001 - any daemon failure: fall back to the plain path
-            self._daemon_failed("layer-wise get", exc)
+            self.cache.failed("layer-wise get", exc)
             tiers.clear()
             kv.truncate(0)
             return None
-
-    def _store_chunks(self, keys: list[bytes], kv, first: int, last: int, done: threading.Event) -> None:
-        """Export chunks first..last-1 from ``kv`` and Put them (runs in a background thread)."""
-        n = self.namespace.chunk_tokens
-        try:
-            with self._store_lock:
-                for i in range(first, last, 4):
-                    chunk_ids = range(i, min(i + 4, last))
-                    blocks = [(keys[c], n, kv.export(c * n, (c + 1) * n)) for c in chunk_ids]
-                    self.client.put(self.namespace, blocks)
-        except Exception as exc:  # noqa: BLE001
-            self._daemon_failed("put", exc)
-        finally:
-            done.set()
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -223,13 +158,9 @@ class CachedEngine:
         result = GenerationResult(tokens=[first], ttft_s=ttft, prompt_tokens=len(prompt_ids), reused_tokens=reused,
                                   tiers=tiers, load_s=loaded_at - start, prefill_s=time.perf_counter() - loaded_at)
         # Store the chunks computed here, behind the first token; decode only appends after the prompt.
-        new_chunks = range(reused // n, len(keys))
-        if store and self.client is not None and len(new_chunks):
-            result.stored_chunks = len(new_chunks)
-            threading.Thread(target=self._store_chunks, name="kvstore-store", daemon=True,
-                             args=(keys, kv, new_chunks.start, new_chunks.stop, result.store_done)).start()
-        else:
-            result.store_done.set()
+        new_chunks = range(reused // n, len(keys)) if store else range(0)
+        result.stored_chunks = len(new_chunks) if self.client is not None else 0
+        self.cache.store_async(keys, new_chunks, lambda c: kv.export(c * n, (c + 1) * n), result.store_done)
         if first not in self.tokenizer.eos_token_ids and max_new_tokens > 1:
             next_logits = self.model(torch.tensor([first], dtype=torch.long), kv, kv.length)[-1]
             result.tokens += decode_loop(self.model, kv, next_logits, max_new_tokens - 1,

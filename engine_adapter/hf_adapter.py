@@ -25,14 +25,14 @@ misses, never an exception: each failure is counted in ``HFCachedGenerator.error
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any, Sequence
 
 import torch
 from transformers import DynamicCache
 
-from engine_adapter.cached import GenerationResult, fetch_slot_bytes, fetched_tensor
+from engine_adapter.cached import GenerationResult
+from engine_adapter.prefix_cache import PrefixCache
 from engine_adapter.client import KVStoreClient
 from engine_adapter.loader import hf_rope
 from kvstore.keys import KVLayout, Namespace, prefix_keys
@@ -116,61 +116,12 @@ class HFCachedGenerator:
         self.client = client
         self.namespace = hf_namespace(model, model_id, tenant, chunk_tokens)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
-        self.errors = 0
-        self._warned = False
-        self._store_lock = threading.Lock()  # one background store at a time, in order
+        self.cache = PrefixCache(client, self.namespace)
 
-    # -- daemon calls, guarded ------------------------------------------------------------------
-
-    def _daemon_failed(self, what: str, exc: Exception) -> None:
-        self.errors += 1
-        if not self._warned:
-            log.warning("kvstore daemon %s failed (%s); serving without the cache", what, exc)
-            self._warned = True
-
-    def _load_prefix(self, keys: list[bytes], tiers: list[str]) -> list[torch.Tensor]:
-        """Blocks of the longest stored run of ``keys`` (copies, each [layers, 2, kv_heads, n, head_dim])."""
-        if self.client is None or not keys:
-            return []
-        try:
-            hits = self.client.lookup(keys)
-        except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
-            self._daemon_failed("lookup", exc)
-            return []
-        n = self.namespace.chunk_tokens
-        layout = self.namespace.layout
-        block_bytes = fetch_slot_bytes(layout, n)
-        step = self.client.max_fetch_blocks(block_bytes)
-        blocks: list[torch.Tensor] = []
-        run_tiers: list[str] = []
-        try:
-            for start in range(0, hits.hits, step):
-                with self.client.fetch(keys[start : min(hits.hits, start + step)], block_bytes) as fetched:
-                    for block in fetched:
-                        if block is None or block.tokens != n or block.layout != layout:
-                            tiers.extend(run_tiers)
-                            return blocks  # a gap ends the run
-                        blocks.append(fetched_tensor(block).clone())  # a raw view dies with `with`
-                        run_tiers.append(block.tier)
-        except Exception as exc:  # noqa: BLE001
-            self._daemon_failed("get", exc)  # keep the blocks copied before the failure
-        tiers.extend(run_tiers)
-        return blocks
-
-    def _store_chunks(self, keys: list[bytes], first: int, chunks: torch.Tensor, done: threading.Event) -> None:
-        """Put ``chunks`` [layers, 2, kv_heads, k*n, head_dim] as chunks first..first+k-1 (background thread)."""
-        n = self.namespace.chunk_tokens
-        count = chunks.shape[3] // n
-        try:
-            with self._store_lock:
-                for i in range(0, count, 4):
-                    batch = range(i, min(i + 4, count))
-                    blocks = [(keys[first + c], n, chunks[:, :, :, c * n : (c + 1) * n].contiguous()) for c in batch]
-                    self.client.put(self.namespace, blocks)
-        except Exception as exc:  # noqa: BLE001
-            self._daemon_failed("put", exc)
-        finally:
-            done.set()
+    @property
+    def errors(self) -> int:
+        """Daemon failures so far (each one cost misses, not a request)."""
+        return self.cache.errors
 
     def _forward(self, ids: Sequence[int], cache: DynamicCache, start_pos: int) -> torch.Tensor:
         """Run ``ids`` at positions start_pos.. on top of ``cache``; logits of the last token [vocab]."""
@@ -195,7 +146,9 @@ class HFCachedGenerator:
         n = self.namespace.chunk_tokens
         keys = prefix_keys(self.namespace, prompt_ids[: len(prompt_ids) - 1])  # the last token is computed
         tiers: list[str] = []
-        blocks = self._load_prefix(keys, tiers) if use_cache else []
+        blocks: list[torch.Tensor] = []  # copies: the fetched views die with their fetch
+        if use_cache:
+            self.cache.load_run(keys, lambda c, block: blocks.append(block.clone()), tiers)
         reused = len(blocks) * n
         device = self.model.device
         cache = cache_from_blocks([b.to(device=device, dtype=self.model.dtype) for b in blocks], self.model.config)
@@ -206,14 +159,12 @@ class HFCachedGenerator:
                                   reused_tokens=reused, tiers=tiers, load_s=loaded_at - start,
                                   prefill_s=time.perf_counter() - loaded_at)
         # Store the chunks computed here, behind the first token: copy them out now, Put in a thread.
-        new_chunks = range(reused // n, len(keys))
-        if store and self.client is not None and len(new_chunks):
-            result.stored_chunks = len(new_chunks)
-            chunks = blocks_from_cache(cache, new_chunks.start * n, new_chunks.stop * n).cpu()
-            threading.Thread(target=self._store_chunks, name="kvstore-store", daemon=True,
-                             args=(keys, new_chunks.start, chunks, result.store_done)).start()
-        else:
-            result.store_done.set()
+        new_chunks = range(reused // n, len(keys)) if store and self.client is not None else range(0)
+        result.stored_chunks = len(new_chunks)
+        chunks = blocks_from_cache(cache, new_chunks.start * n, new_chunks.stop * n).cpu() if new_chunks else None
+        self.cache.store_async(keys, new_chunks, lambda c: chunks[:, :, :, (c - new_chunks.start) * n:
+                                                                 (c - new_chunks.start + 1) * n].contiguous(),
+                               result.store_done)
         position = len(prompt_ids)
         while token not in self.eos_token_ids and len(result.tokens) < max_new_tokens:
             token = int(self._forward([token], cache, position).argmax())

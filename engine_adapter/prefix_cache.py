@@ -1,0 +1,111 @@
+"""An engine's guarded view of the daemon: load a prompt's stored run of chunks, store new ones.
+
+Shared by every engine adapter (the reference engine, transformers). A daemon that is down, slow
+or wrong costs misses, never a failed request: each failure is counted in :attr:`errors` and
+logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import torch
+
+from engine_adapter.client import FetchedBlock, KVStoreClient
+from kvstore.keys import KVLayout, Namespace
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def block_tensor(payload: memoryview, layout: KVLayout, tokens: int) -> torch.Tensor:
+    """A zero-copy tensor [layers, 2, kv_heads, tokens, head_dim] over a raw block payload."""
+    tensor = torch.frombuffer(payload, dtype=TORCH_DTYPES[layout.dtype])
+    return tensor.view(layout.block_shape(tokens))
+
+
+def fetched_tensor(block: FetchedBlock) -> torch.Tensor:
+    """A fetched block as a tensor: zero-copy for ``raw``, decoded for any other codec.
+
+    A zero-copy tensor views the client's arena: use it before the ``fetch`` block ends.
+    """
+    if block.codec == "raw":
+        return block_tensor(block.payload, block.layout, block.tokens)
+    from compression import get_codec
+
+    return get_codec(block.codec).decode(bytes(block.payload), block.codec_params,
+                                         block.layout.block_shape(block.tokens), TORCH_DTYPES[block.layout.dtype])
+
+
+def fetch_slot_bytes(layout: KVLayout, tokens: int) -> int:
+    """Arena bytes to reserve per block: the raw size plus room for a lossless stage's overhead."""
+    raw = layout.block_bytes(tokens)
+    return raw + raw // 64 + 4096
+
+
+class PrefixCache:
+    def __init__(self, client: KVStoreClient | None, namespace: Namespace) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.errors = 0
+        self._warned = False
+        self._store_lock = threading.Lock()  # one background store at a time, in order
+
+    def failed(self, what: str, exc: Exception) -> None:
+        self.errors += 1
+        if not self._warned:
+            log.warning("kvstore daemon %s failed (%s); serving without the cache", what, exc)
+            self._warned = True
+
+    def load_run(self, keys: list[bytes], sink: Callable[[int, torch.Tensor], None], tiers: list[str]) -> int:
+        """Feed the longest stored run of ``keys`` to ``sink(chunk index, block tensor)`` in order;
+        returns the number of chunks fed. The tensor may view the client's arena: ``sink`` copies
+        what it keeps. A gap or a daemon failure ends the run; chunks fed before it stand."""
+        if self.client is None or not keys:
+            return 0
+        try:
+            hits = self.client.lookup(keys).hits
+        except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
+            self.failed("lookup", exc)
+            return 0
+        n, layout = self.namespace.chunk_tokens, self.namespace.layout
+        slot = fetch_slot_bytes(layout, n)
+        step = self.client.max_fetch_blocks(slot)
+        loaded = 0
+        try:
+            for start in range(0, hits, step):
+                with self.client.fetch(keys[start : min(hits, start + step)], slot) as blocks:
+                    for block in blocks:
+                        if block is None or block.tokens != n or block.layout != layout:
+                            return loaded  # a gap ends the run
+                        sink(loaded, fetched_tensor(block))
+                        tiers.append(block.tier)
+                        loaded += 1
+        except Exception as exc:  # noqa: BLE001
+            self.failed("get", exc)
+        return loaded
+
+    def store_async(self, keys: list[bytes], chunks: range, chunk: Callable[[int], torch.Tensor],
+                    done: threading.Event) -> None:
+        """Put ``chunk(c)`` under ``keys[c]`` for each c in ``chunks`` from a background thread,
+        four at a time; ``done`` is set when finished (or at once when there is nothing to do)."""
+        if self.client is None or not len(chunks):
+            done.set()
+            return
+
+        def run() -> None:
+            n = self.namespace.chunk_tokens
+            try:
+                with self._store_lock:
+                    for i in range(chunks.start, chunks.stop, 4):
+                        batch = range(i, min(i + 4, chunks.stop))
+                        self.client.put(self.namespace, [(keys[c], n, chunk(c)) for c in batch])
+            except Exception as exc:  # noqa: BLE001
+                self.failed("put", exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="kvstore-store", daemon=True).start()
