@@ -7,6 +7,8 @@ always recomputed and the prefix never is (its cached KV is exact), so neither i
 choose.
 
     name           check layer  picks
+    attn_deviation 1            top-budget tokens by KV deviation x the attention the query pays them
+                                (a stale token matters only as much as the query reads it)
     kv_deviation   1            top-budget tokens by |K_fresh - K_cached|^2 + |V_fresh - V_cached|^2
     gradual        1            2x budget at the check layer, then re-scored on each of the next
                                 layers and narrowed linearly to the budget (the paper's gradual filter)
@@ -45,6 +47,12 @@ class CheckLayerView:
     def kv_deviation(self) -> torch.Tensor:
         """[N] squared KV deviation of each chunk token (N = len(layout.chunk_positions))."""
         return kv_deviation(self.fresh_k, self.fresh_v, self.cached_k, self.cached_v, self.layout.chunk_positions)
+
+    @cached_property
+    def attention_deviation(self) -> torch.Tensor:
+        """[N] KV deviation weighted by query attention: an estimate of how much each stale token
+        moves what the query reads (attention weight x how wrong the K/V it reads is)."""
+        return self.kv_deviation * self.query_attention
 
     @cached_property
     def query_attention(self) -> torch.Tensor:
@@ -180,8 +188,29 @@ class QueryAwareSelector(TokenSelector):
         return top_positions(view.query_attention, layout.chunk_positions, budget)
 
 
+class AttentionDeviationSelector(TokenSelector):
+    """KV deviation weighted by the attention the query tokens pay each chunk token.
+
+    KV deviation alone spends the budget on tokens whose K/V changed most, most of which the query
+    barely reads; on SmolLM2-135M a 15% recompute of those is sometimes worse than none (a cache
+    part fresh, part stale is less consistent than one all stale; exact KV spliced in for the top
+    15% by true deviation over all layers does no better). Weighting by query attention at the same
+    check layer keeps the budget on the stale tokens the answer depends on (docs/blend.md).
+    """
+
+    name = "attn_deviation"
+
+    def __init__(self, check_layer: int = 1) -> None:
+        if check_layer < 0:
+            raise ValueError(f"check_layer must be >= 0, got {check_layer}")
+        self.check_layer = check_layer
+
+    def select(self, layout, view, budget):
+        return top_positions(view.attention_deviation, layout.chunk_positions, budget)
+
+
 SELECTORS: dict[str, type[TokenSelector]] = {
-    cls.name: cls for cls in (KVDeviationSelector, GradualFilterSelector, ChunkSinkSelector, QueryAwareSelector)
+    cls.name: cls for cls in (AttentionDeviationSelector, KVDeviationSelector, GradualFilterSelector, ChunkSinkSelector, QueryAwareSelector)
 }
 
 
