@@ -165,7 +165,8 @@ def test_plan_loads_the_hit_beyond_vllms_own_and_never_the_last_token():
     prompt_ending_on_a_chunk = list(range(3 * CHUNK))  # the last token is computed: 2 chunks
     assert len(plan.keys_of("s", prompt_ending_on_a_chunk)) == 2
     # vLLM's own cache holds 384 tokens (3 pages); kvstore holds 3 chunks: load 384..767
-    assert plan.record_hit("r", hit_chunks=3, computed_tokens=384) == 768 - 384
+    assert plan.record_hit("r", hit_chunks=3, computed_tokens=384, tiers=("cpu", "cpu", "disk")) == 768 - 384
+    assert plan.hit_sources("r", 768 - 384) == {"cpu": 128, "disk": 256}
     page_ids = [5, 6, 7, 8, 9, 10, 11]
     plan.plan_load("r", page_ids, 768 - 384)
     step = plan.plan_step([("r", 768, 1)], lambda rid: page_ids)
@@ -323,7 +324,8 @@ def test_reference_engine_blocks_are_a_hit_in_vllm(scenario, prompts):
     b_warm, b_cold = first["outputs"][1], down["outputs"][1]
     assert b_warm["num_cached_tokens"] == full_chunks(prompts["B"])
     # KV from another engine (bf16, other kernels) is close, not bit-equal: the answer starts the same
-    assert b_warm["token_ids"][:4] == b_cold["token_ids"][:4]
+    print(f"B after the reference engine's KV: {b_warm['token_ids']}\nB cold in vLLM:                  {b_cold['token_ids']}")
+    assert b_warm["token_ids"][:8] == b_cold["token_ids"][:8]
 
 
 def test_vllm_blocks_are_a_hit_in_the_reference_engine(scenario, reference, prompts):
@@ -338,7 +340,8 @@ def test_vllm_blocks_are_a_hit_in_the_reference_engine(scenario, reference, prom
         warm = engine.generate(prompt, max_new_tokens=NEW_TOKENS, store=False)
         assert warm.reused_tokens == full_chunks(prompt) and engine.errors == 0
         cold = engine.generate(prompt, max_new_tokens=NEW_TOKENS, use_cache=False, store=False)
-        assert warm.tokens[:4] == cold.tokens[:4]
+        print(f"A in the reference engine, vLLM's KV: {warm.tokens}\nA cold in the reference engine:       {cold.tokens}")
+        assert warm.tokens[:8] == cold.tokens[:8]
         # vLLM's block holds what the reference engine computes for the same tokens (K after RoPE, V)
         kv = model.new_cache(len(keys) * CHUNK)
         with torch.inference_mode():
@@ -350,4 +353,5 @@ def test_vllm_blocks_are_a_hit_in_the_reference_engine(scenario, reference, prom
                 ours = kv.export(c * CHUNK, (c + 1) * CHUNK).float()
                 for kind in (0, 1):  # K, V
                     rel = (theirs[:, kind] - ours[:, kind]).norm() / ours[:, kind].norm()
+                    print(f"chunk {c} {'KV'[kind]}: relative distance vLLM vs reference {float(rel):.4f}")
                     assert rel < CROSS_ENGINE_KV_REL_TOLERANCE, (c, kind, float(rel))

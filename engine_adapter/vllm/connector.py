@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engine_adapter.cached import fetch_slot_bytes, fetched_tensor
 from engine_adapter.client import KVStoreClient
@@ -69,6 +70,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# daemon tier -> where vLLM's metrics say the hit came from
+_HIT_SOURCES = {"gpu": CacheHitSource.DEVICE, "cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,10 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 class KVStoreConnector(KVConnectorBase_V1):
     """Prefix KV from and to the kvstore daemon; see the module docstring for the hooks' roles."""
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save that never happens is a later miss, not a lost hand-off
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -232,14 +239,23 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not prompt:
             return 0, False
         keys = self.planner.keys_of(request.request_id, prompt)
-        hits = 0
+        hits, tiers = 0, ()
         client = self.link.client() if keys else None
         if client is not None:
             try:
-                hits = client.lookup(keys).hits
+                found = client.lookup(keys)
+                hits, tiers = found.hits, found.tiers
             except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
                 self.link.failed("lookup", exc)
-        return self.planner.record_hit(request.request_id, hits, num_computed_tokens), False
+        return self.planner.record_hit(request.request_id, hits, num_computed_tokens, tiers), False
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
+        sources: dict[CacheHitSource, int] = {}
+        if num_external_tokens > 0 and request.request_id in self.planner.requests:
+            for tier, tokens in self.planner.hit_sources(request.request_id, num_external_tokens).items():
+                source = _HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+                sources[source] = sources.get(source, 0) + tokens
+        return sources
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if num_external_tokens > 0:

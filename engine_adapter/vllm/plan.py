@@ -65,6 +65,7 @@ class RequestChunks:
     keys: list[bytes]
     hit_tokens: int = 0     # kvstore's hit at the last lookup (whole chunks)
     local_tokens: int = 0   # vLLM's own computed tokens at that lookup: a load starts here
+    hit_tiers: tuple[str, ...] = ()  # the daemon tier holding each hit chunk
     saved_chunks: int = -1  # chunks before this index are stored or need no saving; -1 until first scheduled
 
 
@@ -94,12 +95,24 @@ class Planner:
             self.requests[request_id] = state
         return state.keys
 
-    def record_hit(self, request_id: str, hit_chunks: int, computed_tokens: int) -> int:
+    def record_hit(self, request_id: str, hit_chunks: int, computed_tokens: int, tiers: Sequence[str] = ()) -> int:
         """Remember kvstore's hit; returns the tokens to load beyond vLLM's own ``computed_tokens``."""
         state = self.requests[request_id]
         state.hit_tokens = min(hit_chunks, len(state.keys)) * self.chunk_tokens
         state.local_tokens = computed_tokens
+        state.hit_tiers = tuple(tiers)
         return max(0, state.hit_tokens - computed_tokens)
+
+    def hit_sources(self, request_id: str, tokens: int) -> dict[str, int]:
+        """Tokens of the load after vLLM's own hit, by the daemon tier that holds them."""
+        state = self.requests[request_id]
+        n, start = self.chunk_tokens, state.local_tokens
+        sources: dict[str, int] = {}
+        for c in range(start // n, (start + tokens + n - 1) // n):
+            tier = state.hit_tiers[c] if c < len(state.hit_tiers) else "unknown"
+            overlap = min(start + tokens, (c + 1) * n) - max(start, c * n)
+            sources[tier] = sources.get(tier, 0) + overlap
+        return sources
 
     def plan_load(self, request_id: str, page_ids: Sequence[int], tokens: int) -> None:
         """Plan loading ``tokens`` prompt tokens after vLLM's own hit into the request's pages."""
