@@ -34,7 +34,8 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed here; CI runs this module from .venv-vllm (see .ci/run)",
                 allow_module_level=True)
 
-from engine_adapter.cached import CachedEngine, fetch_slot_bytes, fetched_tensor, model_namespace  # noqa: E402
+from engine_adapter.cached import CachedEngine, model_namespace  # noqa: E402
+from engine_adapter.prefix_cache import fetch_slot_bytes, fetched_tensor  # noqa: E402
 from engine_adapter.client import KVStoreClient  # noqa: E402
 from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
 from engine_adapter.prompts import document_prompt  # noqa: E402
