@@ -137,15 +137,17 @@ def test_vllm_cpu_kernel_pages_read_back_through_the_measured_layout():
     isa = _get_attn_isa(torch.bfloat16, page_tokens, head_dim)
     write = cpu_cache_write(isa)
     layout = measure_page_layout(write, heads, page_tokens, head_dim, torch.bfloat16)
-    cache = torch.zeros(4, heads, page_tokens, 2 * head_dim, dtype=torch.bfloat16)
-    slots = torch.randperm(4 * page_tokens)[:300]
-    key, value = (torch.randn(300, heads, head_dim).to(torch.bfloat16) for _ in range(2))
-    write(key, value, cache, slots)
-    paged = PagedKV([cache], layout, heads, page_tokens)
-    for t in (0, 1, 150, 299):
-        slot = int(slots[t])
-        block = paged.gather(PagedSpan((slot // page_tokens,), slot % page_tokens, 1))
-        assert torch.equal(block[0, 0, :, 0], key[t]) and torch.equal(block[0, 1, :, 0], value[t]), (isa, t)
+    # a sequence of 178 tokens in pages (2, 0): one whole page and 50 rows, written by vLLM's kernel
+    span = PagedSpan((2, 0), 0, 178)
+    slots = torch.cat((torch.arange(2 * page_tokens, 3 * page_tokens), torch.arange(0, 50)))
+    key, value = (torch.randn(178, heads, head_dim).to(torch.bfloat16) for _ in range(2))
+    theirs = torch.zeros(4, heads, page_tokens, 2 * head_dim, dtype=torch.bfloat16)
+    write(key, value, theirs, slots)
+    block = PagedKV([theirs], layout, heads, page_tokens).gather(span)  # [1, 2, H, T, D]
+    assert torch.equal(block[0, 0], key.transpose(0, 1)) and torch.equal(block[0, 1], value.transpose(0, 1)), isa
+    ours = torch.zeros_like(theirs)
+    PagedKV([ours], layout, heads, page_tokens).scatter(block, span)
+    assert torch.equal(ours, theirs)
 
 
 def test_paged_span_of_a_token_range():

@@ -143,7 +143,14 @@ def measure_page_layout(write: CacheWrite, num_kv_heads: int, page_tokens: int, 
 
 
 class PagedKV:
-    """All layers' paged caches of one vLLM worker, and the block <-> page copies."""
+    """All layers' paged caches of one vLLM worker, and the block <-> page copies.
+
+    Whole kernel pages of a span move as planes (one permuting copy per page and layer, through
+    the layout's flat offsets); the rows of a partly covered page go element by element::
+
+        span     |..rows..|=====page=====|=====page=====|..rows..|
+                  per-element           whole planes           per-element
+    """
 
     def __init__(self, layer_caches: Sequence[torch.Tensor], layout: PageLayout, num_kv_heads: int,
                  page_tokens: int) -> None:
@@ -163,34 +170,64 @@ class PagedKV:
         device = self.caches[0].device
         self._plane_rows = layout.plane_rows.to(device)
         self._plane_cols = layout.plane_cols.to(device)
+        # flat plane offset of each canonical element [2, N, D] -> [2ND], and its inverse
+        self._plane_of = (layout.plane_rows * (2 * head_dim) + layout.plane_cols).flatten().to(device)
+        self._canonical_of = torch.argsort(self._plane_of)
 
     @property
     def num_layers(self) -> int:
         return len(self.caches)
 
-    def _index(self, span: PagedSpan) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per kind (K, V): (page [T, 1], plane row [T, D], plane column [T, D]) of every element."""
+    def _pieces(self, span: PagedSpan) -> tuple[torch.Tensor, slice, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(whole kernel pages, their token slice, then kernel page, row, token index of the other tokens)."""
         page, row = span.rows(self.page_tokens, self.layout.page_tokens)
-        page = page.to(self._plane_rows.device).unsqueeze(1)
-        row = row.to(self._plane_rows.device)
-        return [(page, self._plane_rows[kind][row], self._plane_cols[kind][row]) for kind in (0, 1)]
+        n = self.layout.page_tokens
+        starts = torch.nonzero(row == 0).flatten()
+        first = int(starts[0]) if len(starts) else span.tokens
+        count = max(span.tokens - first, 0) // n
+        whole = slice(first, first + count * n)
+        rest = torch.cat((torch.arange(0, first), torch.arange(whole.stop, span.tokens)))
+        device = self._plane_rows.device
+        return page[first : whole.stop : n].to(device), whole, page[rest].to(device), row[rest].to(device), rest
 
     def gather(self, span: PagedSpan) -> torch.Tensor:
         """A copy of the span's KV as a block ``[layers, 2, kv_heads, span.tokens, head_dim]``."""
-        index = self._index(span)
-        layers = []
-        for cache in self.caches:
-            # cache[page, :, plane_row, plane_col]: advanced indices around a slice -> [T, D, H]
-            kinds = [cache[page, :, rows, cols].permute(2, 0, 1) for page, rows, cols in index]  # each [H, T, D]
-            layers.append(torch.stack(kinds))
-        return torch.stack(layers)
+        pages, whole, page, row, rest = self._pieces(span)
+        heads, n, d = self.caches[0].shape[1], self.layout.page_tokens, self.layout.head_dim
+        block = self.caches[0].new_empty((self.num_layers, 2, heads, span.tokens, d))
+        if len(pages):
+            planes = torch.stack([cache[pages] for cache in self.caches])  # [L, P, H, N, 2D], a copy
+            flat = planes.flatten(3)[..., self._plane_of]  # [L, P, H, 2ND] canonical order (faster than index_select)
+            kv = flat.view(self.num_layers, len(pages), heads, 2, n, d).permute(0, 3, 2, 1, 4, 5)  # [L, 2, H, P, N, D]
+            block[:, :, :, whole] = kv.reshape(self.num_layers, 2, heads, len(pages) * n, d)
+        if len(rest):
+            page = page.unsqueeze(1)
+            for layer, cache in enumerate(self.caches):
+                for kind in (0, 1):
+                    # cache[page, :, plane_row, plane_col]: advanced indices around a slice -> [T, D, H]
+                    values = cache[page, :, self._plane_rows[kind][row], self._plane_cols[kind][row]]
+                    block[layer, kind][:, rest] = values.permute(2, 0, 1)  # [H, T, D]
+        return block
 
     def scatter(self, block: torch.Tensor, span: PagedSpan) -> None:
         """Write a block ``[layers, 2, kv_heads, span.tokens, head_dim]`` into the span's pages."""
         if block.dim() != 5 or block.shape[0] != self.num_layers or block.shape[3] != span.tokens:
             raise ValueError(f"block shape {tuple(block.shape)} is not [layers={self.num_layers}, 2, kv_heads, "
                              f"tokens={span.tokens}, head_dim]")
-        index = self._index(span)
-        for cache, layer in zip(self.caches, block):
-            for (page, rows, cols), kv in zip(index, layer):  # kv: [H, T, D]
-                cache[page, :, rows, cols] = kv.permute(1, 2, 0).to(cache.dtype)  # [T, D, H]
+        pages, whole, page, row, rest = self._pieces(span)
+        heads, n, d = block.shape[2], self.layout.page_tokens, self.layout.head_dim
+        block = block.to(self.caches[0].dtype)
+        if len(pages):
+            kv = block[:, :, :, whole].reshape(self.num_layers, 2, heads, len(pages), n, d)
+            flat = kv.permute(0, 3, 2, 1, 4, 5).reshape(self.num_layers, len(pages), heads, 2 * n * d)
+            planes = flat[..., self._canonical_of].view(self.num_layers, len(pages), heads, n, 2 * d)
+            page_list = pages.tolist()
+            for cache, layer_planes in zip(self.caches, planes):
+                for page_id, plane in zip(page_list, layer_planes):
+                    cache[page_id].copy_(plane)
+        if len(rest):
+            page = page.unsqueeze(1)
+            for cache, layer in zip(self.caches, block):
+                for kind in (0, 1):
+                    values = layer[kind][:, rest].permute(1, 2, 0)  # [H, T, D] -> [T, D, H]
+                    cache[page, :, self._plane_rows[kind][row], self._plane_cols[kind][row]] = values
