@@ -35,9 +35,9 @@ if importlib.util.find_spec("vllm") is None:
                 allow_module_level=True)
 
 from engine_adapter.cached import CachedEngine, model_namespace  # noqa: E402
-from engine_adapter.prefix_cache import fetch_slot_bytes, fetched_tensor  # noqa: E402
 from engine_adapter.client import KVStoreClient  # noqa: E402
 from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
+from engine_adapter.prefix_cache import fetch_slot_bytes, fetched_tensor  # noqa: E402
 from engine_adapter.prompts import document_prompt  # noqa: E402
 from engine_adapter.vllm.hf_folder import write_hf_folder  # noqa: E402
 from engine_adapter.vllm.layout import PagedKV, PagedSpan, PageLayout, measure_page_layout  # noqa: E402
@@ -128,7 +128,6 @@ def test_scatter_then_gather_round_trips_on_irregular_page_tables(kind, page_tok
 
 
 def test_vllm_cpu_kernel_pages_read_back_through_the_measured_layout():
-    from vllm import _custom_ops as ops  # noqa: F401 - the CPU kernels are there
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from engine_adapter.vllm.connector import cpu_cache_write

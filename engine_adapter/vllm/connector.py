@@ -50,9 +50,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from engine_adapter.prefix_cache import fetch_slot_bytes, fetched_tensor
 from engine_adapter.client import KVStoreClient
 from engine_adapter.loader import hf_rope
+from engine_adapter.prefix_cache import fetch_slot_bytes, fetched_tensor
 from engine_adapter.vllm.layout import PagedKV, PageLayout, measure_page_layout
 from engine_adapter.vllm.plan import ChunkLoad, Planner, StepPlan
 from kvstore.config import default_listen
