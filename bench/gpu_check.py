@@ -270,6 +270,67 @@ def section_codecs(block_gpu: torch.Tensor, block_cpu: torch.Tensor) -> dict:
     return out
 
 
+def section_gpu_tier(copy_gbps: float | None, blocks: int = 32) -> dict:
+    """GPU tier: H2D puts and batched D2H reads against plain tensor.copy_ of the same bytes,
+    and a device-to-device Get through CUDA IPC from a real daemon against the device copy."""
+    import tempfile
+    from pathlib import Path
+
+    from engine_adapter.client import KVStoreClient
+    from kvstore.block import BlockHeader
+    from kvstore.keys import KVLayout, Namespace, prefix_keys
+    from kvstore.spawn import DaemonProcess
+    from tiers.gpu import GpuTier
+
+    layout = KVLayout(*[BLOCK_SHAPE[0], BLOCK_SHAPE[2], BLOCK_SHAPE[4]], "float16")
+    size = layout.block_bytes(BLOCK_SHAPE[3])
+    host = torch.empty(blocks * size, dtype=torch.uint8, pin_memory=True)
+    host.copy_(kv_block((blocks * BLOCK_SHAPE[0], *BLOCK_SHAPE[1:]), seed=5).view(torch.uint8).reshape(-1)[: blocks * size])
+    device = torch.empty_like(host, device="cuda")
+    total = blocks * size
+    h2d_plain = total / cuda_time(lambda: device.copy_(host, non_blocking=True)) / 1e9
+    d2h_plain = total / cuda_time(lambda: host.copy_(device, non_blocking=True)) / 1e9
+    tier = GpuTier(total + 2**20, device="cuda")
+    headers = [BlockHeader(key=i.to_bytes(16, "little"), namespace=b"n" * 16, layout=layout, tokens=BLOCK_SHAPE[3],
+                           payload_len=size, checksum=0) for i in range(blocks)]
+
+    def put_all() -> None:
+        for i, header in enumerate(headers):
+            tier.put(header, host[i * size:(i + 1) * size])
+
+    start = time.perf_counter()
+    put_all()
+    torch.cuda.synchronize()
+    h2d_tier = total / (time.perf_counter() - start) / 1e9
+    start = time.perf_counter()
+    tier.read_many_into([(h.key, host[i * size:(i + 1) * size]) for i, h in enumerate(headers)])
+    d2h_tier = total / (time.perf_counter() - start) / 1e9
+    result = {"h2d_plain_gbps": h2d_plain, "h2d_tier_gbps": h2d_tier, "h2d_ratio": h2d_tier / h2d_plain,
+              "d2h_plain_gbps": d2h_plain, "d2h_tier_gbps": d2h_tier, "d2h_ratio": d2h_tier / d2h_plain}
+    tier.close()
+    # Device-to-device Get through the daemon's exported pool.
+    folder = Path(tempfile.mkdtemp(prefix="kvgpu-"))
+    ns = Namespace("gpu-check", layout, chunk_tokens=BLOCK_SHAPE[3])
+    keys = prefix_keys(ns, list(range(blocks * BLOCK_SHAPE[3])))
+    with DaemonProcess.in_folder(folder, gpu_capacity=total * 2, gpu_device="cuda", cpu_capacity="1GiB",
+                                 disk_path="") as daemon, KVStoreClient(daemon.address, arena_bytes=total + 2**26) as kv:
+        kv.put(ns, [(k, BLOCK_SHAPE[3], host[i * size:(i + 1) * size]) for i, k in enumerate(keys)])
+        target = torch.empty(total, dtype=torch.uint8, device="cuda")
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            with kv.fetch_gpu(keys) as views:
+                for i, view in enumerate(views):
+                    target[i * size:(i + 1) * size].copy_(view)
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        ok = bool(torch.equal(target.cpu(), host))
+    ipc = total / statistics.median(times) / 1e9
+    result.update({"ipc_get_gbps": ipc, "ipc_matches": ok,
+                   "ipc_vs_device_copy": ipc / copy_gbps if copy_gbps else None})
+    return {"ok": ok, **result}
+
+
 def section_pytest(timeout_s: int = 90) -> dict:
     """Run the cuda-marked tests, if any; pytest exit 5 means none were collected."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
@@ -356,6 +417,11 @@ def main() -> int:
         run_section(report, "speed", lambda: {"ok": True, **section_speed(quant, timed, copy)})
     run_section(report, "codecs", lambda: (lambda r: {"ok": all(v["ok"] for v in r.values()), **r})(
         section_codecs(gpu["block"], cpu["block"])))
+    device_copy = None  # payload GB/s of the largest device-to-device copy (half its read+write traffic)
+    measured = [v for v in copy.values() if isinstance(v, dict) and "traffic_gbps" in v] if copy else []
+    if measured:
+        device_copy = max(measured, key=lambda v: v["bytes"])["traffic_gbps"] / 2
+    run_section(report, "gpu_tier", lambda: section_gpu_tier(device_copy))
     run_section(report, "pytest_cuda", section_pytest)
     return finish("GPU checks done")
 

@@ -93,6 +93,7 @@ class GpuTier(Tier):
         if offset is None:
             raise TierFullError(f"{self.name}: no free extent of {header.payload_len} bytes")
         self._copy(self.pool[offset : offset + header.payload_len], source)
+        self._sync()  # the caller may reuse the source as soon as put returns
         self.delete(header.key)
         self._blocks[header.key] = (offset, header)
 
