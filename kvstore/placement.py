@@ -333,15 +333,19 @@ class BlockStore:
         self._lru[level].pop(key, None)
         self.metrics.evictions.labels(self.tiers[level].name).inc()
 
+    async def _encoded_for(self, level: int, header: BlockHeader, payload: memoryview
+                           ) -> tuple[BlockHeader, memoryview]:
+        """The block re-encoded into tier ``level``'s codec (in a worker thread), or as it is."""
+        spec = self.codecs[level]
+        if spec is None or spec == header.codec:
+            return header, payload
+        return await asyncio.get_running_loop().run_in_executor(self._readers, transcode, header, payload, spec)
+
     async def _copy_down(self, level: int, key: bytes) -> bool:
         """Copy a block from tier ``level`` into the next one. Holds ``_lock``. False on failure."""
         source, target = self.tiers[level], self.tiers[level + 1]
         try:
-            header, payload = await self._read_whole(level, key)
-            spec = self.codecs[level + 1]
-            if spec is not None and spec != header.codec:
-                header, payload = await asyncio.get_running_loop().run_in_executor(
-                    self._readers, transcode, header, payload, spec)
+            header, payload = await self._encoded_for(level + 1, *await self._read_whole(level, key))
             await self._store_in(level + 1, header, payload)
         except (TierError, CorruptBlockError, KeyError) as exc:
             self._count_write_error(target, f"demoting {key.hex()} from {source.name}", exc)
@@ -411,10 +415,7 @@ class BlockStore:
                 return False
             self._inflight[key] = True
         try:
-            spec = self.codecs[level]
-            if spec is not None and spec != header.codec:
-                header, payload = await asyncio.get_running_loop().run_in_executor(
-                    self._readers, transcode, header, payload, spec)
+            header, payload = await self._encoded_for(level, header, payload)
             await self._run(target, target.put, header, payload)
         except (TierError, CorruptBlockError, ValueError) as exc:
             self._inflight.pop(key, None)

@@ -7,8 +7,7 @@ import torch
 
 from kvstore.metrics import Metrics
 from kvstore.placement import BlockStore
-from tests.test_tiers import make_block
-from tiers.base import TierFullError
+from tests.test_tiers import fill, make_block
 from tiers.cpu import CpuTier
 from tiers.gpu import GpuTier
 
@@ -19,13 +18,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def test_round_trip_full_and_integrity(device):
     blocks = [make_block(i, tokens=40) for i in range(5)]
     tier = GpuTier(3 * blocks[0][0].payload_len + 1024, device=device)
-    stored = []
-    for header, payload in blocks:
-        try:
-            tier.put(header, payload)
-            stored.append((header, payload))
-        except TierFullError:
-            break
+    stored = fill(tier, blocks)
     assert len(stored) == 3
     tier.check_integrity()
     for header, payload in stored:

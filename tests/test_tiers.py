@@ -47,16 +47,22 @@ def test_allocator_random_operations_keep_integrity():
     assert alloc.used_bytes == 0 and alloc.largest_free == alloc.capacity
 
 
-def test_cpu_tier_round_trip_full_and_integrity():
-    blocks = [make_block(i, tokens=37 + i) for i in range(6)]
-    tier = CpuTier(capacity_bytes=4 * blocks[0][0].block_len)
+def fill(tier, blocks) -> list:
+    """Put blocks until the tier is full; the ones stored."""
     stored = []
     for header, payload in blocks:
         try:
             tier.put(header, payload)
-            stored.append((header, payload))
         except TierFullError:
             break
+        stored.append((header, payload))
+    return stored
+
+
+def test_cpu_tier_round_trip_full_and_integrity():
+    blocks = [make_block(i, tokens=37 + i) for i in range(6)]
+    tier = CpuTier(capacity_bytes=4 * blocks[0][0].block_len)
+    stored = fill(tier, blocks)
     assert 2 <= len(stored) < len(blocks)
     tier.check_integrity()
     for header, payload in stored:
