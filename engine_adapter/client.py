@@ -4,6 +4,10 @@ Transport is chosen at connect time. On a unix socket the client creates a share
 registers it; Put and Get then move block bytes through it and gRPC carries offsets only. Over TCP
 (another host) the bytes travel inline in the messages. The calls are the same either way.
 
+A same-host client also maps the daemon's key index (kvstore/shm_index.py) and answers ``lookup``
+from it without a round trip; it asks the daemon when the index cannot answer (the daemon stopped,
+a miss that a shared S3 tier may still hold, a key of the wrong size).
+
     client = KVStoreClient("unix:/run/user/1000/kvstore.sock")
     hits = client.lookup(keys)                               # LookupResult(hits, tiers)
     client.put(namespace, [(key, tokens, payload)])          # payload: bytes, numpy or torch
@@ -30,6 +34,7 @@ from kvstore.config import default_listen
 from kvstore.keys import KVLayout, Namespace
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.shm_index import KeyIndexReader
 from tiers.allocator import ExtentAllocator
 
 
@@ -69,7 +74,8 @@ def payload_view(payload: Any) -> memoryview:
 class KVStoreClient:
     def __init__(self, address: str | None = None, *, shared_memory: bool | None = None,
                  arena_bytes: int = 256 * 2**20, token: str | None = None, timeout: float = 60.0,
-                 max_message_bytes: int = 256 * 2**20, tls_ca: str | bytes | None = None) -> None:
+                 max_message_bytes: int = 256 * 2**20, tls_ca: str | bytes | None = None,
+                 local_lookup: bool = True) -> None:
         self.address = address or default_listen()
         self.timeout = timeout
         options = [("grpc.max_receive_message_length", max_message_bytes),
@@ -86,6 +92,11 @@ class KVStoreClient:
         self._arena_id = 0
         self._allocator: ExtentAllocator | None = None
         self._space = threading.Condition()
+        self._index: KeyIndexReader | None = None
+        self._index_lock = threading.Lock()
+        self._local_lookup = local_lookup
+        #: Lookups answered from the shared key index and over gRPC (for tests and benchmarks).
+        self.local_lookups = self.rpc_lookups = 0
         if shared_memory is None:
             shared_memory = self.address.startswith("unix:")
         if shared_memory:
@@ -103,6 +114,11 @@ class KVStoreClient:
             raise
         self._arena, self._arena_id = arena, reply.arena_id
         self._allocator = ExtentAllocator(size, align=4096)
+        if reply.index_name and self._local_lookup:
+            try:
+                self._index = KeyIndexReader.attach(reply.index_name)
+            except ValueError:
+                self._index = None  # another user's daemon, or gone: Lookup goes over gRPC
 
     @property
     def shared_memory(self) -> bool:
@@ -118,6 +134,10 @@ class KVStoreClient:
                                            timeout=5, metadata=self._metadata)
             self._arena.close()
             self._arena = None
+        with self._index_lock:
+            if self._index is not None:
+                self._index.close()
+                self._index = None
         self._channel.close()
 
     def __enter__(self) -> "KVStoreClient":
@@ -175,6 +195,14 @@ class KVStoreClient:
     # -- API ----------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        """The longest run of leading ``keys`` the daemon holds, and the highest tier of each."""
+        if self._index is not None and all(isinstance(k, bytes) and len(k) == 16 for k in keys):
+            with self._index_lock:
+                local = self._index.lookup(keys) if self._index is not None else None
+            if local is not None:
+                self.local_lookups += 1
+                return LookupResult(*local)
+        self.rpc_lookups += 1
         reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys))
         return LookupResult(reply.hits, tuple(reply.tiers))
 

@@ -104,6 +104,9 @@ class DaemonConfig:
     queue_depth: int = 256
     #: Copy a block found in a lower tier up into the top tier on Get.
     promote_on_get: bool = True
+    #: Publish which tier holds each key in /dev/shm so same-host clients answer Lookup without an
+    #: RPC (kvstore/shm_index.py). Never published when tenants are configured.
+    shm_index: bool = True
     #: Largest request or response message (inline payloads included).
     max_message_bytes: int = 256 * 2**20
     #: Prometheus /metrics address ``host:port``; "" disables it.

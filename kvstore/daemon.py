@@ -19,6 +19,7 @@ from kvstore.metrics import Metrics
 from kvstore.placement import BlockStore
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.server import SERVICE_NAME, KVStoreService
+from kvstore.shm_index import KeyIndexWriter, remove_stale_files
 from tiers.base import Tier
 from tiers.cpu import CpuTier
 from tiers.disk import DiskTier
@@ -76,12 +77,25 @@ class Daemon:
         configured = {"disk": config.disk_codec, "s3": config.s3_codec}
         codecs = [None if t is tiers[0] or configured.get(t.name, "raw") == "raw" else configured[t.name]
                   for t in tiers]
+        self.tenants = TenantDirectory.from_config(config.tenants_file, config.auth_token)
         self.store = BlockStore(tiers, self.metrics, write_through=config.write_policy == "write-through",
                                 queue_depth=config.queue_depth, promote_on_get=config.promote_on_get,
-                                codecs=codecs)
-        self.tenants = TenantDirectory.from_config(config.tenants_file, config.auth_token)
+                                codecs=codecs, key_index=self._key_index(tiers))
         self.service = KVStoreService(self.store, self.tenants)
         self.server: grpc.aio.Server | None = None
+
+    def _key_index(self, tiers: list[Tier]) -> KeyIndexWriter | None:
+        """The shared-memory key index, unless turned off, unsupported here, or tenants are set: it
+        holds stored keys, which for a named tenant are not the keys its clients know (and one
+        tenant must not see what another stores)."""
+        if not self.config.shm_index or any(t.name for t in self.tenants.tenants):
+            return None
+        try:
+            remove_stale_files()
+            return KeyIndexWriter([t.name for t in tiers], shared_tier=any(t.shared for t in tiers))
+        except OSError as exc:
+            log.warning("shared-memory key index not published (%s); clients will Lookup over gRPC", exc)
+            return None
 
     async def start(self) -> str:
         options = [("grpc.max_receive_message_length", self.config.max_message_bytes),

@@ -38,6 +38,7 @@ from typing import AsyncIterator, Callable, TypeVar
 from kvstore.block import BlockHeader, CorruptBlockError
 from kvstore.keys import KVLayout
 from kvstore.metrics import Metrics
+from kvstore.shm_index import TICK_S, KeyIndexWriter
 from kvstore.transcode import transcode
 from tiers.base import Tier, TierError, TierFullError, TierUnavailableError
 
@@ -62,10 +63,37 @@ class GetResult:
     tier: str
 
 
+class _TierLRU(OrderedDict):
+    """One tier's LRU order (oldest first) that also mirrors membership into the shared key index.
+
+    Every place the store records a block entering or leaving a tier goes through ``d[key] = None``,
+    ``pop`` or ``clear``, so the index cannot miss a change."""
+
+    def __init__(self, index: KeyIndexWriter | None, level: int) -> None:
+        super().__init__()
+        self._index, self._level = index, level
+
+    def __setitem__(self, key: bytes, value: None) -> None:
+        if self._index is not None and key not in self:
+            self._index.add(key, self._level)
+        super().__setitem__(key, value)
+
+    def pop(self, key: bytes, *default):
+        if self._index is not None and key in self:
+            self._index.remove(key, self._level)
+        return super().pop(key, *default)
+
+    def clear(self) -> None:
+        if self._index is not None:
+            for key in self:
+                self._index.remove(key, self._level)
+        super().clear()
+
+
 class BlockStore:
     def __init__(self, tiers: list[Tier], metrics: Metrics | None = None, write_through: bool = True,
                  queue_depth: int = 256, promote_on_get: bool = True, codecs: list[str | None] | None = None,
-                 discover_timeout_s: float = DISCOVER_TIMEOUT_S) -> None:
+                 discover_timeout_s: float = DISCOVER_TIMEOUT_S, key_index: KeyIndexWriter | None = None) -> None:
         if not tiers:
             raise ValueError("BlockStore needs at least one tier")
         names = [t.name for t in tiers]
@@ -80,7 +108,12 @@ class BlockStore:
         self.write_through = write_through
         self.promote_on_get = promote_on_get
         self.discover_timeout_s = discover_timeout_s
-        self._lru: list[OrderedDict[bytes, None]] = [OrderedDict.fromkeys(t.keys()) for t in tiers]
+        #: Same-host clients' view of which tier holds what (kvstore/shm_index.py); None: not published.
+        self.key_index = key_index
+        self._lru: list[OrderedDict[bytes, None]] = [_TierLRU(key_index, level) for level in range(len(tiers))]
+        for level, tier in enumerate(tiers):
+            for key in tier.keys():
+                self._lru[level][key] = None
         self._pinned: set[bytes] = set()
         #: Blocks handed to a client by reference (gpu_direct Get) -> lease expiry (monotonic s).
         self._leases: dict[bytes, float] = {}
@@ -123,6 +156,18 @@ class BlockStore:
             # One worker per single-writer tier (disk); a few for tiers that take parallel writes.
             workers = max(1, self.tiers[level].io_threads // 4)
             self._workers += [loop.create_task(self._write_behind(level)) for _ in range(workers)]
+        if self.key_index is not None:
+            self._workers.append(loop.create_task(self._tick_index()))
+
+    async def _tick_index(self) -> None:
+        """Keep the shared key index's heartbeat, tier availability and shared-tier keys fresh."""
+        while True:
+            try:
+                self._adopt_new_keys()
+                self.key_index.tick(t.available for t in self.tiers)
+            except Exception:  # never let the heartbeat die silently: clients would fall back for good
+                log.exception("key index refresh failed")
+            await asyncio.sleep(TICK_S)
 
     async def close(self, flush: bool = True) -> None:
         """Stop background work; with ``flush``, first finish queued lower-tier writes."""
@@ -141,6 +186,8 @@ class BlockStore:
             pool.shutdown(wait=True)
         for tier in self.tiers:
             tier.close()
+        if self.key_index is not None:
+            self.key_index.close()
 
     async def flush(self) -> None:
         """Wait until every queued lower-tier write is done (each tier's queue feeds the next)."""
@@ -214,6 +261,12 @@ class BlockStore:
                     self._lru[level].move_to_end(key, last=False)
                     header = tier.header(key)
                     self._layouts.setdefault(header.namespace, header.layout)
+
+    def publish_availability(self) -> None:
+        """Tell the shared key index which tiers can be read now (after each call that may have
+        tripped or reset a tier's circuit breaker; the index's tick catches the rest)."""
+        if self.key_index is not None:
+            self.key_index.set_available(t.available for t in self.tiers)
 
     def header(self, key: bytes) -> BlockHeader | None:
         level = self.locate(key)
@@ -695,6 +748,12 @@ class BlockStore:
             if set(self._lru[level]) != set(tier.keys()):
                 raise RuntimeError(f"{tier.name}: LRU index ({len(self._lru[level])} keys) does not match "
                                    f"the tier ({len(tier)} keys)")
+        if self.key_index is not None:
+            expected: dict[bytes, int] = {}
+            for level, lru in enumerate(self._lru):
+                for key in lru:
+                    expected[key] = expected.get(key, 0) | (1 << level)
+            self.key_index.check_integrity(expected)
         stray = [k for k in self._pinned if self.locate(k) is None]
         if stray:
             raise RuntimeError(f"{len(stray)} pinned keys are stored in no tier")

@@ -63,6 +63,8 @@ def _rpc(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
                 raise
             log.exception("%s failed", method.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
+        finally:
+            self.store.publish_availability()  # clients' local Lookups see a tier going down at once
 
     return wrapper
 
@@ -317,7 +319,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         arena_id = self._next_arena
         self._next_arena += 1
         self.arenas[arena_id] = arena
-        return pb.RegisterArenaResponse(arena_id=arena_id)
+        index = self.store.key_index
+        return pb.RegisterArenaResponse(arena_id=arena_id, index_name=index.name if index is not None else "")
 
     @_rpc
     async def UnregisterArena(self, request: pb.UnregisterArenaRequest, context) -> pb.CountResponse:

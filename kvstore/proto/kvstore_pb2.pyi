@@ -221,10 +221,12 @@ class RegisterArenaRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class RegisterArenaResponse(_message.Message):
-    __slots__ = ("arena_id",)
+    __slots__ = ("arena_id", "index_name")
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_NAME_FIELD_NUMBER: _ClassVar[int]
     arena_id: int
-    def __init__(self, arena_id: _Optional[int] = ...) -> None: ...
+    index_name: str
+    def __init__(self, arena_id: _Optional[int] = ..., index_name: _Optional[str] = ...) -> None: ...
 
 class UnregisterArenaRequest(_message.Message):
     __slots__ = ("arena_id",)
