@@ -27,8 +27,9 @@ Layout (little-endian)::
 Slots are open-addressed by the key's first 8 bytes (keys are uniform hashes), probed linearly.
 An all-zero key marks a never-used slot and ends a probe; a slot whose mask dropped to 0 keeps its
 key (a tombstone) so probes pass it, and an insert reuses the first tombstone on its path. When
-used slots pass half the table, the daemon writes a new file twice as large (or compacts), marks
-the old one moved and unlinks it; readers follow next_name.
+used slots pass half the table, the daemon writes a new file four times its live keys, unlinks the
+old one and marks every earlier one moved to it (they stay mapped by the daemon until it stops, so
+any of them still names the current file); readers follow next_name.
 
 Ordering: the daemon bumps seq, writes, bumps seq again; a reader reads seq, the slots, then seq.
 On x86-64 stores and loads are not reordered with each other, so a reader that saw the same even
@@ -123,6 +124,9 @@ class KeyIndexWriter:
         self._seq = 0
         self.name = ""
         self._mm: mmap.mmap | None = None
+        #: Tables this one replaced, kept mapped (unlinked) so that they can always name the current
+        #: one; together they are smaller than it (each was at most half its successor).
+        self._replaced: list[mmap.mmap] = []
         self._nslots = 0
         self._open(MIN_SLOTS)
 
@@ -157,14 +161,15 @@ class KeyIndexWriter:
                 slot = (slot + 1) & (nslots - 1)
             self._write_slot(mm, slot, key, mask)
             slots[key] = slot
-        old, old_name = self._mm, self.name
+        if self._mm is not None:
+            (SHM_DIR / self.name).unlink(missing_ok=True)  # no new client finds it; mapped ones follow
+            self._replaced.append(self._mm)
         self._mm, self.name, self._nslots, self._slot, self._tombstones = mm, name, nslots, slots, 0
         self._seq = 0
-        if old is not None:
+        # Every earlier table (a client may still map any of them) points at this one.
+        for old in self._replaced:
             old[48:112] = name.encode().ljust(64, b"\0")
             _U32.pack_into(old, 16, MOVED)
-            old.close()
-            (SHM_DIR / old_name).unlink(missing_ok=True)
 
     @staticmethod
     def _write_slot(mm: mmap.mmap, slot: int, key: bytes, mask: int) -> None:
@@ -250,8 +255,10 @@ class KeyIndexWriter:
         """Mark the file closed (clients fall back to gRPC) and unlink it."""
         if self._mm is None:
             return
-        _U32.pack_into(self._mm, 16, CLOSED)
-        self._mm.close()
+        for mm in (*self._replaced, self._mm):
+            _U32.pack_into(mm, 16, CLOSED)
+            mm.close()
+        self._replaced.clear()
         self._mm = None
         (SHM_DIR / self.name).unlink(missing_ok=True)
 

@@ -75,6 +75,21 @@ def test_table_matches_a_dict_model_through_growth_and_tombstones(writer):
     reader.close()
 
 
+def test_a_reader_of_the_first_table_follows_two_moves(writer):
+    rng = random.Random(9)
+    reader = KeyIndexReader.attach(writer.name)
+    names = {writer.name}
+    keys = []
+    while len(names) < 3:  # grow twice before the reader looks again
+        keys.append(random_key(rng))
+        writer.add(keys[-1], 2)
+        names.add(writer.name)
+    assert reader.lookup(keys[:100]) == (100, ("disk",) * 100)
+    assert reader.name == writer.name
+    assert sorted(p.name for p in shm_index.SHM_DIR.glob(f"kvstore-index-{os.getpid()}-*")) == [writer.name]
+    reader.close()
+
+
 def test_lookup_stops_at_the_first_miss_and_honours_availability(writer):
     rng = random.Random(3)
     keys = [random_key(rng) for _ in range(6)]
