@@ -28,7 +28,7 @@ import torch
 from blend.assemble import BlendLayout, Segment, chunk_block, place_block
 from blend.controller import LoadingController
 from blend.recompute import blend_prefill
-from blend.select import TokenSelector, get_selector
+from blend.select import DEFAULT_SELECTOR, TokenSelector, get_selector
 from engine_adapter.cached import fetch_slot_bytes, fetched_tensor, model_namespace
 from engine_adapter.client import KVStoreClient
 from engine_adapter.generate import decode_loop, sample_next
@@ -94,13 +94,14 @@ class BlendResult:
 class BlendEngine:
     """The reference engine with CacheBlend chunk reuse through the kvstore daemon.
 
-    ``selector`` is a registry name (see `blend.select.SELECTORS`) or an instance; ``ratio`` is the
-    default fraction of chunk tokens recomputed; with a ``controller`` and ``ratio=None`` in
-    `generate`, the controller picks it from measured load and compute speeds.
+    ``selector`` is a registry name (see `blend.select.SELECTORS`; default ``lead_attn_deviation``)
+    or an instance; ``ratio`` is the default fraction of chunk tokens recomputed; with a
+    ``controller`` and ``ratio=None`` in `generate`, the controller picks it from measured load and
+    compute speeds.
     """
 
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer, client: KVStoreClient | None,
-                 selector: str | TokenSelector = "kv_deviation", ratio: float = DEFAULT_RATIO,
+                 selector: str | TokenSelector = DEFAULT_SELECTOR, ratio: float = DEFAULT_RATIO,
                  controller: LoadingController | None = None, tenant: str = "") -> None:
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"ratio must be in [0, 1], got {ratio}")

@@ -19,7 +19,7 @@ from blend.assemble import BlendLayout, chunk_block, place_block
 from blend.controller import ControllerConfig, LoadingController
 from blend.engine import BlendEngine, split_prompt
 from blend.recompute import blend_prefill, row_causal_mask
-from blend.select import SELECTORS, TokenSelector, get_selector, top_positions
+from blend.select import DEFAULT_SELECTOR, SELECTORS, TokenSelector, get_selector, top_positions
 from engine_adapter.client import KVStoreClient
 from engine_adapter.model import LlamaModel, ModelConfig, causal_mask
 
@@ -186,6 +186,22 @@ def test_sinks_take_the_first_tokens_of_each_chunk_in_proportion():
     assert picked == [2, 3, 12, 13, 14, 15, 16, 17]
 
 
+def test_lead_attn_deviation_takes_leading_tokens_then_follows_attention_deviation():
+    layout = BlendLayout.from_lengths(2, [40, 10, 30], 1)  # chunks at 2..41, 42..51, 52..81
+    scores = torch.zeros(80)
+    scores[[30, 31, 39, 75]] = torch.tensor([4.0, 1.0, 3.0, 2.0])  # chunk positions 32, 33, 41, 77
+    scores[[0, 45]] = 9.0  # positions 2 and 47: leading tokens anyway, must not be counted twice
+    view = SimpleNamespace(attention_deviation=scores)
+    selector = get_selector("lead_attn_deviation")
+    assert selector.name == DEFAULT_SELECTOR and selector.check_layer == 1
+    picked = selector.select(layout, view, budget=16 + 10 + 16 + 3).tolist()
+    leading = list(range(2, 18)) + list(range(42, 52)) + list(range(52, 68))  # 16, all 10, 16
+    assert picked == sorted(leading + [32, 41, 77])
+    # a budget that cannot cover the quota goes to leading tokens only, split by length like sinks
+    assert selector.select(layout, view, budget=20).tolist() == get_selector("sinks").select(layout, None, 20).tolist()
+    assert selector.select(layout, view, budget=0).numel() == 0
+
+
 def test_gradual_filter_narrows_to_the_budget():
     model = tiny_model(layers=6)
     prefix, chunks, query = tiny_prompt(chunks=(40, 40))
@@ -299,15 +315,20 @@ def test_smollm2_blend_through_the_daemon(daemon):
         blended = engine.generate(prompt.prefix, prompt.chunks, prompt.query, max_new_tokens=1)
         exact = engine.generate(prompt.prefix, prompt.chunks, prompt.query, max_new_tokens=1, ratio=1.0)
     assert blended.tiers == ["cpu"] * 4 and blended.computed_segments == 0
-    assert blended.recomputed_tokens == round(0.15 * blended.chunk_tokens)
-    assert kl(expected, blended.first_logits) < kl(expected, naive.first_logits)
+    assert blended.selector == DEFAULT_SELECTOR and blended.recomputed_tokens == round(0.15 * blended.chunk_tokens)
+    # chunks cut mid-word: the default's leading-token quota matters here (measured KL 0.165 vs naive
+    # 0.276; attn_deviation alone 0.325, worse than naive; docs/blend.md)
+    assert kl(expected, blended.first_logits) < 0.8 * kl(expected, naive.first_logits)
     assert (exact.first_logits - expected).abs().max() <= 1e-3
 
 
 @pytest.mark.slow
-def test_smollm2_attn_deviation_beats_naive_reuse_on_musique(monkeypatch):
-    """r = 0.15 on real RAG prompts: KL to the RAG full prefill clearly below naive reuse's.
-    Questions 2 and 3 of the bench's seed-0 sample; on the second, kv_deviation is worse than naive."""
+def test_smollm2_attention_selectors_beat_naive_reuse_on_musique(monkeypatch):
+    """r = 0.15 on real RAG prompts: KL to the RAG full prefill clearly below naive reuse's, for
+    attn_deviation and the default (lead_attn_deviation), and the default below kv_deviation.
+    Questions 2 and 3 of the bench's seed-0 sample; on the second, kv_deviation is worse than naive
+    (measured KL: naive 0.118 / 0.068, kv_deviation 0.046 / 0.098, attn_deviation 0.030 / 0.041,
+    lead_attn_deviation 0.028 / 0.057)."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -326,7 +347,8 @@ def test_smollm2_attn_deviation_beats_naive_reuse_on_musique(monkeypatch):
     model, tokenizer = load_gguf(find_smollm2_gguf(), dtype=torch.float32)
     data = json.loads(data_path.read_text())
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
-    naive_kl, blend_kl = [], []
+    names = ("attn_deviation", DEFAULT_SELECTOR, "kv_deviation")
+    naive_kl, blend_kl = [], {name: [] for name in names}
     for item in (data[order[1]], data[order[2]]):
         passages = [c["text"] for c in item["ctxs"]]
         prompt = bench.build_prompt(tokenizer, passages, item["question"])
@@ -335,11 +357,13 @@ def test_smollm2_attn_deviation_beats_naive_reuse_on_musique(monkeypatch):
         expected, _ = full_logits(model, ids)
         layout = BlendLayout.from_lengths(len(prompt.prefix), [len(c) for c in chunks], len(prompt.query))
         blocks = [chunk_block(model, part) for part in [prompt.prefix, *chunks]]
-        for ratio, out in ((0.0, naive_kl), (0.15, blend_kl)):
+        for name, ratio, out in (("kv_deviation", 0.0, naive_kl), *((n, 0.15, blend_kl[n]) for n in names)):
             kv = model.new_cache(layout.total)
             for block, segment in zip(blocks, layout.cached):
                 place_block(model, kv, block, segment)
-            logits = blend_prefill(model, kv, layout, torch.tensor(ids), get_selector("attn_deviation"), ratio).logits
+            logits = blend_prefill(model, kv, layout, torch.tensor(ids), get_selector(name), ratio).logits
             out.append(kl(expected, logits))
-    assert all(b < n for b, n in zip(blend_kl, naive_kl)), (blend_kl, naive_kl)
-    assert sum(blend_kl) < 0.8 * sum(naive_kl), (blend_kl, naive_kl)
+    for name in ("attn_deviation", DEFAULT_SELECTOR):
+        assert all(b < n for b, n in zip(blend_kl[name], naive_kl)), (name, blend_kl, naive_kl)
+        assert sum(blend_kl[name]) < 0.8 * sum(naive_kl), (name, blend_kl, naive_kl)
+    assert sum(blend_kl[DEFAULT_SELECTOR]) < sum(blend_kl["kv_deviation"]), (blend_kl, naive_kl)
