@@ -60,8 +60,9 @@ MIN_SLOTS = 4096
 TICK_S = 0.1
 #: A heartbeat older than this means the daemon is gone or stalled: clients ask it over gRPC.
 STALE_S = 2.0
-#: Probe passes a reader retries when a write raced it before giving up (and asking the daemon).
-READ_RETRIES = 8
+#: Probe passes a reader tries when writes race it before giving up (and asking the daemon); after
+#: the first two it yields the CPU, so a daemon preempted mid-write (odd seq) can finish.
+READ_RETRIES = 64
 
 LIVE, CLOSED, MOVED = 1, 2, 3
 FLAG_SHARED_TIER = 1
@@ -343,7 +344,9 @@ class KeyIndexReader:
         """``(hits, tiers)`` like the Lookup RPC: the longest run of leading keys some readable tier
         holds, and the highest such tier of each. None: ask the daemon instead (it stopped or
         stalled, a write kept racing this read, or a miss that a shared tier may still answer)."""
-        for _ in range(READ_RETRIES):
+        for attempt in range(READ_RETRIES):
+            if attempt >= 2:
+                os.sched_yield()
             mm = self._mm
             if mm is None:
                 return None
