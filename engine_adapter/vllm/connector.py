@@ -135,10 +135,12 @@ def vllm_namespace(vllm_config: "VllmConfig", settings: ConnectorSettings) -> Na
 class DaemonLink:
     """A lazily connected ``KVStoreClient`` that steps aside for ``retry_s`` after any failure."""
 
-    def __init__(self, settings: ConnectorSettings, shared_memory: bool) -> None:
+    def __init__(self, settings: ConnectorSettings, shared_memory: bool | None,
+                 arena_bytes: int | None = None) -> None:
         self.settings = settings
         self.address = settings.address or default_listen()
         self.shared_memory = shared_memory
+        self.arena_bytes = arena_bytes or settings.arena_bytes
         self.errors = 0
         self._client: KVStoreClient | None = None
         self._down_until = 0.0
@@ -154,7 +156,7 @@ class DaemonLink:
                 return None
             try:
                 self._client = KVStoreClient(self.address, shared_memory=self.shared_memory,
-                                             arena_bytes=self.settings.arena_bytes, timeout=self.settings.timeout_s)
+                                             arena_bytes=self.arena_bytes, timeout=self.settings.timeout_s)
             except Exception as exc:  # noqa: BLE001 - a daemon that is down is a miss
                 self._fail_locked("connect", exc)
             return self._client
@@ -217,7 +219,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
         self.namespace = vllm_namespace(vllm_config, self.settings)
         self.page_tokens = vllm_config.cache_config.block_size
-        self.link = DaemonLink(self.settings, shared_memory=role == KVConnectorRole.WORKER)
+        if role == KVConnectorRole.WORKER:
+            self.link = DaemonLink(self.settings, shared_memory=True)
+        else:
+            # The scheduler moves no blocks; on a unix socket it registers a 1 MiB arena only to map
+            # the daemon's key index, so its per-step Lookups need no round trip.
+            self.link = DaemonLink(self.settings, shared_memory=None, arena_bytes=2**20)
         log.info("KVStoreConnector (%s): model %s, %s, address %s", role.name, self.namespace.model_id,
                  self.namespace.layout, self.link.address)
         if role == KVConnectorRole.SCHEDULER:
