@@ -15,8 +15,10 @@ highest tier holding it, re-encoded into the target's codec, then queue it for t
 waiting for room there: a slow tier (S3) backs its queue up into the one above, never into Put.
 
 Concurrency: everything runs on one asyncio loop. Index changes and evictions hold ``_lock``;
-reads from the in-memory top tier are synchronous (no await between finding and copying a block),
-so they need no lock. Blocking tiers (disk) are read in worker threads and written by one writer
+small reads from memory tiers are synchronous (no await between finding and copying a block), so
+they need no lock; large Gets copy CPU-tier blocks in worker threads, and the CPU tier frees the
+extent of a block deleted meanwhile only after those copies end (``Tier.busy``; eviction skips busy
+blocks). Blocking tiers (disk) are read in worker threads and written by one writer
 thread; network tiers (S3) get a thread pool of their own (``Tier.io_threads``). Write-behind
 copies read the block under ``_lock`` but write it without, so a slow tier never holds up Put; a
 Delete that lands during such a write undoes it afterwards. A block found corrupt is deleted,
@@ -47,6 +49,10 @@ T = TypeVar("T")
 
 #: Worker threads for blocking-tier reads (promotions, demotions and Gets).
 READER_THREADS = 4
+#: A Get moving at least this many bytes copies memory-tier blocks in worker threads.
+OFFLOAD_GET_BYTES = 1 << 20
+#: Longest a Put waits for reads in flight to release space when everything else is pinned.
+BUSY_WAIT_S = 5.0
 #: Longest a Lookup waits for shared tiers to answer about keys no tier holds.
 DISCOVER_TIMEOUT_S = 0.5
 
@@ -361,7 +367,7 @@ class BlockStore:
                 break
             except TierFullError:
                 # The device filled up before our byte count said so (disk full): evict and retry.
-                victim = next((k for k in self._lru[level] if k not in self._pinned), None)
+                victim = next((k for k in self._lru[level] if k not in self._pinned and not tier.busy(k)), None)
                 if victim is None or attempt == 7:
                     raise
                 await self._evict(level, victim)
@@ -371,9 +377,14 @@ class BlockStore:
 
     async def _make_room(self, level: int, nbytes: int) -> None:
         tier = self.tiers[level]
+        deadline = time.monotonic() + BUSY_WAIT_S
         while not tier.can_fit(nbytes):
-            victim = next((k for k in self._lru[level] if k not in self._pinned and not self._leased(k)), None)
+            victim = next((k for k in self._lru[level]
+                           if k not in self._pinned and not self._leased(k) and not tier.busy(k)), None)
             if victim is None:
+                if tier.reads_in_flight and time.monotonic() < deadline:
+                    await asyncio.sleep(0.001)  # a read in a worker thread ends within milliseconds
+                    continue
                 raise TierFullError(f"{tier.name}: {nbytes} bytes do not fit and every stored block is pinned "
                                     f"(capacity {tier.capacity_bytes} bytes)")
             await self._evict(level, victim)
@@ -573,18 +584,21 @@ class BlockStore:
     async def get_many_into(self, requests: list[tuple[bytes, memoryview]]) -> list[GetResult | None]:
         """:meth:`get_into` for many blocks (one Get call); results in request order.
 
-        Blocks in memory tiers are copied at once. Blocks whose highest copy is in a blocking tier
-        are read in at most ``read_lanes`` executor calls (not one thread hop per block); a block
-        that turns out corrupt or vanished there falls back to :meth:`get_into`, which drops the
-        corrupt copy and tries the tiers below.
+        Blocks whose highest copy is in a blocking tier are read in at most ``read_lanes`` executor
+        calls (not one thread hop per block); so are blocks in a memory tier with thread-safe reads
+        (CPU) when the call moves at least ``OFFLOAD_GET_BYTES``: the event loop keeps serving
+        other clients while the copies run, on every core. Smaller calls copy at once (a thread hop
+        would cost more than the copy). A block that turns out corrupt or vanished falls back to
+        :meth:`get_into`, which drops the corrupt copy and tries the tiers below.
         """
         self._adopt_new_keys()
         results: list[GetResult | None] = [None] * len(requests)
         blocking: dict[int, list[int]] = {}  # tier level -> indices into requests
         batched: dict[int, list[int]] = {}   # memory tiers that copy a whole batch at once (GPU)
+        offload = sum(len(dest) for _, dest in requests) >= OFFLOAD_GET_BYTES
         for i, (key, dest) in enumerate(requests):
             level = self.locate(key)
-            if level is not None and self.tiers[level].blocking_io:
+            if level is not None and (self.tiers[level].blocking_io or (offload and self.tiers[level].threadsafe_reads)):
                 blocking.setdefault(level, []).append(i)
             elif level is not None and hasattr(self.tiers[level], "read_many_into"):
                 batched.setdefault(level, []).append(i)

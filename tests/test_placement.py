@@ -173,3 +173,45 @@ def test_a_layout_that_contradicts_the_namespace_is_refused(tmp_path):
             await store.put(other, p)
         await store.close()
     run(scenario())
+
+
+def test_large_gets_copy_off_the_loop_and_puts_wait_for_busy_blocks(tmp_path, monkeypatch):
+    import threading
+
+    import numpy as np
+
+    from kvstore import placement
+
+    monkeypatch.setattr(placement, "OFFLOAD_GET_BYTES", 0)  # every Get copies in worker threads
+    release = threading.Event()
+    real_copyto = np.copyto
+
+    def slow_copyto(dst, src):
+        release.wait(10)
+        real_copyto(dst, src)
+
+    async def scenario():
+        store = make_store(tmp_path, cpu_blocks=2)
+        (a, pa), (b, pb), (c, pc) = blocks(3, start=40)
+        await store.put(a, pa)
+        await store.put(b, pb)
+        monkeypatch.setattr(np, "copyto", slow_copyto)
+        dests = [memoryview(bytearray(h.payload_len)) for h in (a, b)]
+        reads = asyncio.create_task(store.get_many_into([(a.key, dests[0]), (b.key, dests[1])]))
+        await asyncio.sleep(0.05)
+        assert not reads.done()  # the copies wait in worker threads; the loop is free
+        put = asyncio.create_task(store.put(c, pc))
+        await asyncio.sleep(0.05)
+        assert not put.done()  # both CPU blocks are being read: nothing to evict yet
+        release.set()
+        results = await reads
+        await put
+        monkeypatch.setattr(np, "copyto", real_copyto)
+        assert [r.tier for r in results] == ["cpu", "cpu"]
+        assert bytes(dests[0]) == bytes(pa) and bytes(dests[1]) == bytes(pb)
+        assert store.lookup([c.key]).tiers == ("cpu",)
+        assert (await get(store, a)) is not None and (await get(store, b)) is not None  # one demoted
+        store.check_integrity()
+        await store.close()
+
+    run(scenario())

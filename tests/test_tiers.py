@@ -125,3 +125,40 @@ def test_disk_tier_o_direct_reads(tmp_path):
         if "Invalid argument" in str(exc):
             pytest.skip(f"filesystem of {tmp_path} refuses O_DIRECT")
         raise
+
+
+def test_cpu_tier_frees_a_block_deleted_mid_read_only_after_the_read(monkeypatch):
+    """A read copying in a worker thread keeps its extent: a delete and a put meanwhile must not
+    hand those bytes to the new block."""
+    import threading
+
+    tier = CpuTier(2 * make_block(1)[0].block_len + 8192, pin=False)
+    (a, pa), (b, pb), (c, pc) = make_block(1), make_block(2), make_block(3)
+    tier.put(a, pa)
+    tier.put(b, pb)
+    release, started = threading.Event(), threading.Event()
+    real_copyto = np.copyto
+
+    def slow_copyto(dst, src):
+        started.set()
+        release.wait(10)
+        real_copyto(dst, src)
+
+    monkeypatch.setattr(np, "copyto", slow_copyto)
+    dest = memoryview(bytearray(a.payload_len))
+    reader = threading.Thread(target=tier.read_payload_into, args=(a.key, dest))
+    reader.start()
+    assert started.wait(10)
+    assert tier.busy(a.key) and not tier.busy(b.key) and tier.reads_in_flight == 1
+    assert tier.delete(a.key) == a.block_len and a.key not in tier
+    assert not tier.can_fit(c.block_len)  # the deleted block's extent is still being read
+    with pytest.raises(TierFullError):
+        tier.put(c, pc)
+    tier.check_integrity()  # a doomed extent is accounted for
+    release.set()
+    reader.join(10)
+    monkeypatch.setattr(np, "copyto", real_copyto)
+    assert bytes(dest) == bytes(pa) and tier.reads_in_flight == 0
+    tier.put(c, pc)  # freed by the reader
+    assert read(tier, c) == bytes(pc) and read(tier, b) == bytes(pb)
+    tier.check_integrity()

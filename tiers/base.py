@@ -38,6 +38,10 @@ class Tier(ABC):
     #: True when an acknowledged put survives a crash of the daemon and of the host (fsynced disk,
     #: S3); durable Puts return only once a durable tier holds the block.
     durable: bool = False
+    #: True when ``read_payload_into`` may run in a worker thread while the store's thread deletes
+    #: and puts (memory tiers whose copy releases the GIL); the store then copies large Gets off
+    #: its event loop. Such a tier reports blocks being read as :meth:`busy`.
+    threadsafe_reads: bool = False
     #: True when other daemons write the same storage (S3): keys may appear that this daemon did
     #: not put; see :meth:`take_new_keys` and :meth:`discover`.
     shared: bool = False
@@ -85,6 +89,15 @@ class Tier(ABC):
     @abstractmethod
     def delete(self, key: bytes) -> int:
         """Remove a block; returns the bytes freed (0 if absent)."""
+
+    def busy(self, key: bytes) -> bool:
+        """Whether a read in a worker thread is copying ``key`` now (eviction then picks another)."""
+        return False
+
+    @property
+    def reads_in_flight(self) -> int:
+        """Reads in worker threads now; space their blocks hold is freed when they end."""
+        return 0
 
     @property
     def available(self) -> bool:

@@ -2,11 +2,17 @@
 
 No allocation per block: each block (header and payload, contiguous) lives in an extent of the
 arena handed out by :class:`tiers.allocator.ExtentAllocator`.
+
+Reads may run in worker threads (``threadsafe_reads``): the store copies large Gets off its event
+loop, where numpy's copy releases the GIL. A block deleted or replaced while a read copies it
+leaves the index at once, but its extent is freed only when the last such read ends, so a read
+never sees bytes of a block put in its place.
 """
 
 from __future__ import annotations
 
 import mmap
+import threading
 from typing import Iterator
 
 import numpy as np
@@ -32,6 +38,7 @@ def _host_arena(capacity: int, pin: bool) -> np.ndarray:
 
 class CpuTier(Tier):
     blocking_io = False
+    threadsafe_reads = True
 
     def __init__(self, capacity_bytes: int, name: str = "cpu", pin: bool = True) -> None:
         if capacity_bytes < 4096:
@@ -41,6 +48,10 @@ class CpuTier(Tier):
         self._arena = _host_arena(capacity_bytes, pin)
         self._allocator = ExtentAllocator(capacity_bytes)
         self._blocks: dict[bytes, tuple[int, BlockHeader]] = {}  # key -> (offset, header)
+        #: Guards the allocator and the two maps below against reads in worker threads.
+        self._lock = threading.Lock()
+        self._reading: dict[int, int] = {}  # extent offset -> reads in flight
+        self._doomed: set[int] = set()      # extents deleted while read: freed by the last reader
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
@@ -59,7 +70,16 @@ class CpuTier(Tier):
         return sum(h.block_len for _, h in self._blocks.values())
 
     def can_fit(self, nbytes: int) -> bool:
-        return self._allocator.can_allocate(nbytes)
+        with self._lock:
+            return self._allocator.can_allocate(nbytes)
+
+    def busy(self, key: bytes) -> bool:
+        entry = self._blocks.get(key)
+        return entry is not None and entry[0] in self._reading
+
+    @property
+    def reads_in_flight(self) -> int:
+        return len(self._reading)
 
     def payload_view(self, key: bytes) -> memoryview:
         """Zero-copy view of a stored payload; valid until the block is deleted or replaced."""
@@ -70,7 +90,8 @@ class CpuTier(Tier):
     def put(self, header: BlockHeader, payload: memoryview) -> None:
         if len(payload) != header.payload_len:
             raise ValueError(f"payload is {len(payload)} bytes, header says {header.payload_len}")
-        offset = self._allocator.allocate(header.block_len)
+        with self._lock:
+            offset = self._allocator.allocate(header.block_len)
         if offset is None:
             raise TierFullError(f"{self.name}: no free extent of {header.block_len} bytes")
         packed = header.pack()
@@ -81,19 +102,34 @@ class CpuTier(Tier):
         self._blocks[header.key] = (offset, header)
 
     def read_payload_into(self, key: bytes, dest: memoryview) -> BlockHeader:
-        offset, header = self._blocks[key]
-        if len(dest) < header.payload_len:
-            raise ValueError(f"destination of {len(dest)} bytes is smaller than the {header.payload_len}-byte payload")
-        start = offset + header.header_len
-        np.copyto(np.frombuffer(dest, dtype=np.uint8, count=header.payload_len),
-                  self._arena[start : start + header.payload_len])
+        with self._lock:
+            offset, header = self._blocks[key]
+            if len(dest) < header.payload_len:
+                raise ValueError(f"destination of {len(dest)} bytes is smaller than the {header.payload_len}-byte payload")
+            self._reading[offset] = self._reading.get(offset, 0) + 1
+        try:
+            start = offset + header.header_len
+            np.copyto(np.frombuffer(dest, dtype=np.uint8, count=header.payload_len),
+                      self._arena[start : start + header.payload_len])
+        finally:
+            with self._lock:
+                left = self._reading.pop(offset) - 1
+                if left:
+                    self._reading[offset] = left
+                elif offset in self._doomed:
+                    self._doomed.discard(offset)
+                    self._allocator.free(offset)
         return header
 
     def delete(self, key: bytes) -> int:
-        entry = self._blocks.pop(key, None)
-        if entry is None:
-            return 0
-        self._allocator.free(entry[0])
+        with self._lock:
+            entry = self._blocks.pop(key, None)
+            if entry is None:
+                return 0
+            if entry[0] in self._reading:
+                self._doomed.add(entry[0])  # the last reader frees it
+            else:
+                self._allocator.free(entry[0])
         return entry[1].block_len
 
     def verify(self, key: bytes) -> None:
@@ -105,9 +141,11 @@ class CpuTier(Tier):
         header.verify_payload(self.payload_view(key))
 
     def check_integrity(self) -> None:
-        self._allocator.check_integrity()
-        extents = self._allocator.used_extents()
-        indexed = sorted(offset for offset, _ in self._blocks.values())
+        with self._lock:
+            self._allocator.check_integrity()
+            extents = self._allocator.used_extents()
+            doomed = set(self._doomed)
+        indexed = sorted([offset for offset, _ in self._blocks.values()] + list(doomed))
         if indexed != sorted(extents):
             raise RuntimeError(f"{self.name}: index offsets do not match allocated extents")
         for key, (offset, header) in self._blocks.items():
