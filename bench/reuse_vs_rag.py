@@ -270,7 +270,7 @@ def markdown(summary: dict[str, dict]) -> str:
     for name, s in summary.items():
         lines.append(f"| {name} | {s['ttft_p50']:.2f}s | {s['ttft_p90']:.2f}s | {rag / s['ttft_p50']:.1f}x | "
                      f"{s['prefilled']:.0f} | {s['loaded_mb']:.0f} | {s['stored_mb']:.0f} | {s['f1']:.3f} | "
-                     f"{s['kl_full']:.3f} | {s['kl_rag']:.3f} | {s['agree_full']:.2f} | {s['agree_rag']:.2f} | "
+                     f"{max(s['kl_full'], 0.0):.3f} | {max(s['kl_rag'], 0.0):.3f} | {s['agree_full']:.2f} | {s['agree_rag']:.2f} | "
                      f"{s['same_answer_rag']:.2f} |")
     return "\n".join(lines)
 
@@ -300,6 +300,7 @@ def plot(summary: dict[str, dict], folder: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    folder.mkdir(parents=True, exist_ok=True)
     names = list(summary)
     p50 = [summary[n]["ttft_p50"] for n in names]
     p90 = [summary[n]["ttft_p90"] for n in names]
@@ -425,13 +426,13 @@ def main() -> None:
         print(f"  not run: add {DEFAULT_SELECTOR} to --selectors and 0.15 to --ratios")
     for check in checks:
         print(f"  [{'pass' if check['passed'] else 'FAIL'}] {check['name']}: {check['detail']}")
-    if args.plot_dir:
-        for path in plot(summary, Path(args.plot_dir)):
-            print(f"wrote {path}")
-    if args.json:
+    if args.json:  # before the plots: a plotting failure must not lose a long run's numbers
         Path(args.json).write_text(json.dumps(dict(args=vars(args), summary=summary, targets=checks,
                                                    records=records), indent=1))
         print(f"wrote {args.json}")
+    if args.plot_dir:
+        for path in plot(summary, Path(args.plot_dir)):
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":
