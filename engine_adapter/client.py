@@ -112,6 +112,7 @@ class KVStoreClient:
         except grpc.RpcError:
             arena.close()
             raise
+        arena.unlink()  # both sides have it mapped: a crash of this process now leaks nothing
         self._arena, self._arena_id = arena, reply.arena_id
         self._allocator = ExtentAllocator(size, align=4096)
         if reply.index_name and self._local_lookup:

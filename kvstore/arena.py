@@ -82,6 +82,14 @@ class Arena:
             raise ValueError(f"slice [{offset}, {offset + length}) is outside the {self.size}-byte arena {self.name!r}")
         return self.buffer[offset : offset + length]
 
+    def unlink(self) -> None:
+        """Remove the file name; both processes' mappings stay valid. The client calls this once the
+        daemon has mapped the arena, so a client that crashes leaks no file in /dev/shm: the pages
+        are freed when the last mapping goes."""
+        if self._owner:
+            (SHM_DIR / self.name).unlink(missing_ok=True)
+            self._owner = False
+
     def close(self) -> None:
         try:
             self.buffer.release()

@@ -27,6 +27,8 @@ from tiers.gpu import GpuTier
 from tiers.s3 import S3Tier
 
 log = logging.getLogger("kvstore.daemon")
+#: Seconds between sweeps for arenas of clients that exited without unregistering.
+ARENA_REAP_S = 2.0
 
 
 class _BearerToken(grpc.aio.ServerInterceptor):
@@ -83,6 +85,7 @@ class Daemon:
                                 codecs=codecs, key_index=self._key_index(tiers))
         self.service = KVStoreService(self.store, self.tenants)
         self.server: grpc.aio.Server | None = None
+        self._reaper: asyncio.Task | None = None
 
     def _key_index(self, tiers: list[Tier]) -> KeyIndexWriter | None:
         """The shared-memory key index, unless turned off, unsupported here, or tenants are set: it
@@ -126,6 +129,7 @@ class Daemon:
         if socket_path is not None:
             os.chmod(socket_path, 0o600)
         self.store.start()
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_arenas())
         await _set_serving(health_servicer)
         if self.config.metrics_listen:
             self._start_metrics()
@@ -145,7 +149,18 @@ class Daemon:
         except OSError as exc:
             log.warning("metrics endpoint %s not started: %s", self.config.metrics_listen, exc)
 
+    async def _reap_arenas(self) -> None:
+        """Every few seconds, unmap arenas whose client process is gone."""
+        while True:
+            await asyncio.sleep(ARENA_REAP_S)
+            try:
+                self.service.reap_arenas()
+            except Exception:  # noqa: BLE001 - a failed sweep is retried at the next one
+                log.exception("arena sweep failed")
+
     async def stop(self, grace: float = 5.0) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         if self.server is not None:
             await self.server.stop(grace)
         if self.config.write_policy == "write-back" and len(self.store.tiers) > 1:

@@ -14,6 +14,8 @@ import dataclasses
 import functools
 import json
 import logging
+import os
+import re
 from typing import Awaitable, Callable
 
 import grpc
@@ -32,6 +34,8 @@ log = logging.getLogger("kvstore.server")
 MAX_KEYS_PER_CALL = 65536
 MAX_ARENAS = 1024
 GPU_LEASE_SECONDS = 30.0
+#: Client arenas are named kvstore-<client pid>-<random> (kvstore.arena.Arena.create).
+_ARENA_PID = re.compile(r"kvstore-(\d+)-[0-9a-f]+")
 SERVICE_NAME = "kvstore.v1.KVStore"
 
 
@@ -67,6 +71,16 @@ def _rpc(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
             self.store.publish_availability()  # clients' local Lookups see a tier going down at once
 
     return wrapper
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    return True
 
 
 def _check_keys(keys, what: str = "keys") -> list[bytes]:
@@ -118,6 +132,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.store = store
         self.tenants = tenants or TenantDirectory([ANONYMOUS], required=False)
         self.arenas: dict[int, Arena] = {}
+        #: Arena id -> its client's pid, for clients this daemon can see (same pid namespace).
+        self._arena_pids: dict[int, int] = {}
         self._next_arena = 1
 
     def _tenant(self, context) -> Tenant:
@@ -310,21 +326,39 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                 queue_depth=self.store.queue_depth, queue_dropped=m.value(m.queue_dropped),
                                 arenas=len(self.arenas), write_errors=self.store.write_errors)
 
+    def reap_arenas(self) -> int:
+        """Unmap the arenas of clients that exited without unregistering (crashed, killed): their
+        memory would otherwise stay mapped here for good. Only clients whose pid was visible at
+        registration are tracked; one in another pid namespace is never reaped. Returns how many."""
+        gone = [arena_id for arena_id, pid in self._arena_pids.items() if not _process_alive(pid)]
+        for arena_id in gone:
+            del self._arena_pids[arena_id]
+            arena = self.arenas.pop(arena_id, None)
+            if arena is not None:
+                arena.close()
+        if gone:
+            log.info("unmapped %d arenas of clients that exited without unregistering", len(gone))
+        return len(gone)
+
     @_rpc
     async def RegisterArena(self, request: pb.RegisterArenaRequest, context) -> pb.RegisterArenaResponse:
-        if len(self.arenas) >= MAX_ARENAS:
+        if len(self.arenas) >= MAX_ARENAS and not self.reap_arenas():
             raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_ARENAS} arenas are registered already")
         arena = Arena.attach(request.name, request.size)
         await asyncio.get_running_loop().run_in_executor(None, arena.prefault)
         arena_id = self._next_arena
         self._next_arena += 1
         self.arenas[arena_id] = arena
+        match = _ARENA_PID.fullmatch(request.name)
+        if match and _process_alive(int(match.group(1))):
+            self._arena_pids[arena_id] = int(match.group(1))
         index = self.store.key_index
         return pb.RegisterArenaResponse(arena_id=arena_id, index_name=index.name if index is not None else "")
 
     @_rpc
     async def UnregisterArena(self, request: pb.UnregisterArenaRequest, context) -> pb.CountResponse:
         arena = self.arenas.pop(request.arena_id, None)
+        self._arena_pids.pop(request.arena_id, None)
         if arena is None:
             raise BadRequest(grpc.StatusCode.NOT_FOUND, f"arena {request.arena_id} is not registered")
         arena.close()

@@ -244,3 +244,37 @@ def test_disk_codec_reencodes_demoted_blocks_within_its_bound(daemon_factory):
                 bound = get_codec("int8").error_bound(original)
                 error = (fetched_tensor(block).float() - original.float()).abs().max().item()
                 assert 0 < error <= bound
+
+
+def test_clients_leave_no_arena_file_even_when_killed(daemon):
+    """The arena's file is unlinked once the daemon maps it, and the daemon unmaps the arena of a
+    client that exited without unregistering: a client killed with -9 leaks nothing."""
+    import subprocess
+    import sys
+    import time
+
+    from kvstore.arena import SHM_DIR
+
+    keys, payloads = make_blocks(2, seed=21)
+    with KVStoreClient(daemon.address) as client:
+        assert client.shared_memory and not list(SHM_DIR.glob(f"kvstore-{os.getpid()}-*"))
+        client.put(NS, [(k, 64, p) for k, p in zip(keys, payloads)])
+        assert client.get(keys, BLOCK) == [p.tobytes() for p in payloads]
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from engine_adapter.client import KVStoreClient; "
+         f"c = KVStoreClient({daemon.address!r}, arena_bytes=8 * 2**20); print('ready', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    with KVStoreClient(daemon.address, shared_memory=False) as observer:
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            assert not list(SHM_DIR.glob(f"kvstore-{child.pid}-*"))
+            assert observer.stats()["arenas"] == 1
+        finally:
+            child.kill()
+            child.wait()
+        assert not list(SHM_DIR.glob(f"kvstore-{child.pid}-*"))
+        # The daemon notices the client is gone and unmaps its arena (a sweep every 2 s).
+        deadline = time.monotonic() + 15
+        while observer.stats()["arenas"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert observer.stats()["arenas"] == 0
