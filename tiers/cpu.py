@@ -52,6 +52,7 @@ class CpuTier(Tier):
         self._lock = threading.Lock()
         self._reading: dict[int, int] = {}  # extent offset -> reads in flight
         self._doomed: set[int] = set()      # extents deleted while read: freed by the last reader
+        self._used = 0                      # block_len of the indexed blocks (Tier.used_bytes)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
@@ -67,7 +68,7 @@ class CpuTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        return sum(h.block_len for _, h in self._blocks.values())
+        return self._used
 
     def can_fit(self, nbytes: int) -> bool:
         with self._lock:
@@ -100,6 +101,7 @@ class CpuTier(Tier):
         self._arena[start : start + header.payload_len] = np.frombuffer(payload, dtype=np.uint8)
         self.delete(header.key)
         self._blocks[header.key] = (offset, header)
+        self._used += header.block_len
 
     def read_payload_into(self, key: bytes, dest: memoryview) -> BlockHeader:
         with self._lock:
@@ -126,6 +128,7 @@ class CpuTier(Tier):
             entry = self._blocks.pop(key, None)
             if entry is None:
                 return 0
+            self._used -= entry[1].block_len
             if entry[0] in self._reading:
                 self._doomed.add(entry[0])  # the last reader frees it
             else:
@@ -148,6 +151,8 @@ class CpuTier(Tier):
         indexed = sorted([offset for offset, _ in self._blocks.values()] + list(doomed))
         if indexed != sorted(extents):
             raise RuntimeError(f"{self.name}: index offsets do not match allocated extents")
+        if self._used != sum(h.block_len for _, h in self._blocks.values()):
+            raise RuntimeError(f"{self.name}: used-bytes count {self._used} does not match the index")
         for key, (offset, header) in self._blocks.items():
             if header.key != key:
                 raise RuntimeError(f"{self.name}: block at {offset} is indexed under another key")
@@ -160,3 +165,4 @@ class CpuTier(Tier):
 
     def close(self) -> None:
         self._blocks.clear()
+        self._used = 0

@@ -47,6 +47,7 @@ class GpuTier(Tier):
         self.pool = torch.empty(capacity_bytes, dtype=torch.uint8, device=device)
         self._allocator = ExtentAllocator(capacity_bytes, align=_ALIGN)
         self._blocks: dict[bytes, tuple[int, BlockHeader]] = {}  # key -> (offset, header)
+        self._used = 0  # payload_len of the indexed blocks (Tier.used_bytes)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # -- index ----------------------------------------------------------------------------------
@@ -65,7 +66,7 @@ class GpuTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        return sum(h.payload_len for _, h in self._blocks.values())
+        return self._used
 
     def can_fit(self, nbytes: int) -> bool:
         return self._allocator.can_allocate(nbytes)
@@ -96,6 +97,7 @@ class GpuTier(Tier):
         self._sync()  # the caller may reuse the source as soon as put returns
         self.delete(header.key)
         self._blocks[header.key] = (offset, header)
+        self._used += header.payload_len
 
     def read_payload_into(self, key: bytes, dest: memoryview) -> BlockHeader:
         return self.read_many_into([(key, dest)])[0]
@@ -119,6 +121,7 @@ class GpuTier(Tier):
         entry = self._blocks.pop(key, None)
         if entry is None:
             return 0
+        self._used -= entry[1].payload_len
         self._sync()  # a queued copy may still read or write this extent
         self._allocator.free(entry[0])
         return entry[1].payload_len
@@ -128,6 +131,8 @@ class GpuTier(Tier):
         extents = self._allocator.used_extents()
         if sorted(o for o, _ in self._blocks.values()) != sorted(extents):
             raise RuntimeError(f"{self.name}: index offsets do not match allocated extents")
+        if self._used != sum(h.payload_len for _, h in self._blocks.values()):
+            raise RuntimeError(f"{self.name}: used-bytes count {self._used} does not match the index")
         for key, (offset, header) in self._blocks.items():
             if extents[offset] < header.payload_len:
                 raise RuntimeError(f"{self.name}: block {key.hex()} overruns its extent")
@@ -137,6 +142,7 @@ class GpuTier(Tier):
     def close(self) -> None:
         self._sync()
         self._blocks.clear()
+        self._used = 0
 
     # -- copies ---------------------------------------------------------------------------------
 
