@@ -54,7 +54,7 @@ from blend.engine import BlendEngine, split_prompt  # noqa: E402
 from blend.select import DEFAULT_SELECTOR, SELECTORS  # noqa: E402
 from engine_adapter.cached import fetch_slot_bytes, fetched_tensor, model_namespace  # noqa: E402
 from engine_adapter.client import KVStoreClient  # noqa: E402
-from engine_adapter.generate import decode_loop, sample_next  # noqa: E402
+from engine_adapter.generate import decode_after, sample_next  # noqa: E402
 from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
 from kvstore.keys import prefix_keys  # noqa: E402
 
@@ -147,11 +147,7 @@ class Run:
 
 
 def finish(model, tokenizer, kv, logits, max_new_tokens) -> list[int]:
-    first = sample_next(logits)
-    if first in tokenizer.eos_token_ids or max_new_tokens <= 1:
-        return [first]
-    next_logits = model(torch.tensor([first]), kv, kv.length)[-1]
-    return [first] + decode_loop(model, kv, next_logits, max_new_tokens - 1, tokenizer.eos_token_ids)
+    return decode_after(model, kv, sample_next(logits), max_new_tokens, tokenizer.eos_token_ids)
 
 
 def answer_text(tokenizer, tokens: list[int]) -> str:

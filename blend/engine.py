@@ -31,7 +31,7 @@ from blend.recompute import blend_prefill
 from blend.select import DEFAULT_SELECTOR, TokenSelector, get_selector
 from engine_adapter.cached import fetch_slot_bytes, fetched_tensor, model_namespace
 from engine_adapter.client import KVStoreClient
-from engine_adapter.generate import decode_loop, sample_next
+from engine_adapter.generate import decode_after, sample_next
 from engine_adapter.model import LlamaModel
 from engine_adapter.tokenizer import Tokenizer
 from kvstore.keys import chunk_key
@@ -247,7 +247,6 @@ class BlendEngine:
         result.ttft_s = time.perf_counter() - start
         result.load_s, result.blend_s = loaded_at - start, time.perf_counter() - loaded_at
         result.first_logits = prefill.logits
-        result.tokens = [first]
         result.recomputed_tokens = int(prefill.selected.numel())
         result.prefilled_tokens = prefill.token_layers / len(self.model.layers) + computed_tokens
         if store and self.client is not None and missing:
@@ -255,9 +254,7 @@ class BlendEngine:
                              args=(missing, result.store_done)).start()
         else:
             result.store_done.set()
-        if first not in self.tokenizer.eos_token_ids and max_new_tokens > 1:
-            next_logits = self.model(torch.tensor([first], dtype=torch.long), kv, kv.length)[-1]
-            result.tokens += decode_loop(self.model, kv, next_logits, max_new_tokens - 1,
-                                         self.tokenizer.eos_token_ids, temperature, top_p, generator)
+        result.tokens = decode_after(self.model, kv, first, max_new_tokens, self.tokenizer.eos_token_ids,
+                                     temperature, top_p, generator)
         result.total_s = time.perf_counter() - start
         return result

@@ -31,7 +31,7 @@ import torch
 
 from engine_adapter.client import KVStoreClient
 from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
-from engine_adapter.generate import decode_loop, sample_next
+from engine_adapter.generate import decode_after, sample_next
 from engine_adapter.model import LlamaModel
 from engine_adapter.tokenizer import Tokenizer
 from kvstore.keys import KVLayout, Namespace, prefix_keys
@@ -161,10 +161,8 @@ class CachedEngine:
         new_chunks = range(reused // n, len(keys)) if store else range(0)
         result.stored_chunks = len(new_chunks) if self.client is not None else 0
         self.cache.store_async(keys, new_chunks, lambda c: kv.export(c * n, (c + 1) * n), result.store_done)
-        if first not in self.tokenizer.eos_token_ids and max_new_tokens > 1:
-            next_logits = self.model(torch.tensor([first], dtype=torch.long), kv, kv.length)[-1]
-            result.tokens += decode_loop(self.model, kv, next_logits, max_new_tokens - 1,
-                                         self.tokenizer.eos_token_ids, temperature, top_p, generator)
+        result.tokens = decode_after(self.model, kv, first, max_new_tokens, self.tokenizer.eos_token_ids,
+                                     temperature, top_p, generator)
         result.total_s = time.perf_counter() - start
         return result
 

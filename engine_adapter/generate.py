@@ -66,6 +66,17 @@ def decode_loop(model: LlamaModel, kv: KVCache, first_logits: torch.Tensor, max_
     return new_ids
 
 
+def decode_after(model: LlamaModel, kv: KVCache, first: int, max_new_tokens: int, eos_token_ids: Sequence[int],
+                 temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None) -> list[int]:
+    """All ``max_new_tokens`` ids of an answer whose first id was already sampled (and is not yet
+    in `kv`): ``first`` alone after an EOS or when one token was asked for, else ``first`` is fed
+    at kv.length and `decode_loop` continues."""
+    if first in eos_token_ids or max_new_tokens <= 1:
+        return [first]
+    logits = model(torch.tensor([first], dtype=torch.long, device=model.device), kv, kv.length)[-1]
+    return [first] + decode_loop(model, kv, logits, max_new_tokens - 1, eos_token_ids, temperature, top_p, generator)
+
+
 def generate(model: LlamaModel, tokenizer: Tokenizer, prompt_ids: Sequence[int], max_new_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None) -> list[int]:
     """New token ids after `prompt_ids` (greedy when temperature == 0), using a private cache."""

@@ -13,7 +13,7 @@ import typing
 import pytest
 import torch
 
-from engine_adapter.generate import decode_loop, generate, prefill, sample_next
+from engine_adapter.generate import decode_after, decode_loop, generate, prefill, sample_next
 from engine_adapter.loader import find_smollm2_gguf, load_gguf, load_hf_folder
 from engine_adapter.model import KVCache, LlamaModel, ModelConfig
 from engine_adapter.tokenizer import Tokenizer, byte_alphabet
@@ -341,3 +341,17 @@ def test_bfloat16_cache_follows_model_dtype():
         logits = torch.cat([half(ids[:4], kv, 0), half(ids[4:], kv, 4)])
     assert kv.dtype == torch.bfloat16 and logits.dtype == torch.float32
     assert (logits - expected).abs().max() < 0.01 * expected.abs().max()  # bf16 has ~3 significant digits
+
+
+def test_decode_after_a_sampled_first_token_matches_decoding_from_its_logits():
+    torch.manual_seed(0)
+    model = LlamaModel(tiny_config()).eval()
+    prompt, never = [1, 5, 9], [10_000]  # an EOS id the tiny vocab never produces
+    kv = model.new_cache(16)
+    logits = prefill(model, prompt, kv, start_pos=0)
+    expected = decode_loop(model, kv, logits, max_new_tokens=6, eos_token_ids=never)
+    kv = model.new_cache(16)
+    first = sample_next(prefill(model, prompt, kv, start_pos=0))
+    assert decode_after(model, kv, first, 6, never) == expected
+    assert decode_after(model, kv, first, 1, never) == [first]
+    assert decode_after(model, kv, first, 6, [first]) == [first]  # an EOS first token ends the answer
