@@ -1,7 +1,8 @@
 """KVStoreClient: what an engine process uses to talk to the kvstore daemon.
 
-Transport is chosen at connect time. On a unix socket the client creates a shared-memory arena and
-registers it; Put and Get then move block bytes through it and gRPC carries offsets only. Over TCP
+Transport is chosen at connect time. On a unix socket the client asks the daemon for a shared-memory
+arena (a sealed memfd handed over the arena socket, kvstore/arena.py); Put and Get then move block
+bytes through it and gRPC carries offsets only. Over TCP
 (another host) the bytes travel inline in the messages. The calls are the same either way.
 
 A same-host client also maps the daemon's key index (kvstore/shm_index.py) and answers ``lookup``
@@ -29,7 +30,7 @@ from typing import Any, Iterator, Sequence
 import grpc
 import numpy as np
 
-from kvstore.arena import Arena
+from kvstore.arena import Arena, ArenaLease, arena_socket_path
 from kvstore.config import default_listen
 from kvstore.keys import KVLayout, Namespace
 from kvstore.proto import kvstore_pb2 as pb
@@ -89,6 +90,8 @@ class KVStoreClient:
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._arena: Arena | None = None
+        self._lease: ArenaLease | None = None
+        self._token = token
         self._arena_id = 0
         self._allocator: ExtentAllocator | None = None
         self._space = threading.Condition()
@@ -105,19 +108,15 @@ class KVStoreClient:
     # -- connection ---------------------------------------------------------------------------
 
     def _register_arena(self, size: int) -> None:
-        arena = Arena.create(size)
-        try:
-            reply = self._stub.RegisterArena(pb.RegisterArenaRequest(name=arena.name, size=size),
-                                             timeout=self.timeout, metadata=self._metadata)
-        except grpc.RpcError:
-            arena.close()
-            raise
-        arena.unlink()  # both sides have it mapped: a crash of this process now leaks nothing
-        self._arena, self._arena_id = arena, reply.arena_id
+        if not self.address.startswith("unix:"):
+            raise ValueError(f"shared memory needs a unix socket address; {self.address} is TCP")
+        lease = ArenaLease.request(arena_socket_path(self.address), size, self._token, timeout=self.timeout)
+        lease.arena.prefault()
+        self._lease, self._arena, self._arena_id = lease, lease.arena, lease.arena_id
         self._allocator = ExtentAllocator(size, align=4096)
-        if reply.index_name and self._local_lookup:
+        if lease.index_name and self._local_lookup:
             try:
-                self._index = KeyIndexReader.attach(reply.index_name)
+                self._index = KeyIndexReader.attach(lease.index_name)
             except ValueError:
                 self._index = None  # another user's daemon, or gone: Lookup goes over gRPC
 
@@ -129,12 +128,9 @@ class KVStoreClient:
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
 
     def close(self) -> None:
-        if self._arena is not None:
-            with contextlib.suppress(grpc.RpcError):
-                self._stub.UnregisterArena(pb.UnregisterArenaRequest(arena_id=self._arena_id),
-                                           timeout=5, metadata=self._metadata)
-            self._arena.close()
-            self._arena = None
+        if self._lease is not None:
+            self._lease.close()  # the daemon unmaps the arena when this connection closes
+            self._lease = self._arena = None
         with self._index_lock:
             if self._index is not None:
                 self._index.close()

@@ -1,94 +1,93 @@
 """Shared-memory arenas: the same-host data plane.
 
-The client creates a file in ``/dev/shm`` (mode 0600, so only its own user can map it) and
-registers it with the daemon, which maps the same pages. A Get or Put then carries only
-``(arena_id, offset, length)``; the daemon copies block bytes straight between its tier and the
-client's memory, and the gRPC message stays a few hundred bytes.
+The daemon creates every arena and hands it out; no client names a file for the daemon to map.
+
+    client                                   daemon (kvstore/arenas.py)
+      connect SOCKET.arena ────────────────►  peer = SO_PEERCRED (pid, uid): never a name
+      {"size": N, "token": T}\\n ───────────►  tenant from T; caps per peer and per arena
+                                              fd = memfd (pages allocated, sealed: no shrink, no grow)
+      mmap(fd) ◄──────── {"arena_id": ...}\\n + fd (SCM_RIGHTS)
+      ... Get/Put over gRPC name (arena_id, offset, length) ...
+      close (or exit, or crash) ────────────► EOF: the daemon unmaps the arena at once
+
+Why sealed memfds: a client can do nothing to the pages' file that hurts the daemon. It cannot
+shrink it (a daemon copy past the end would die of SIGBUS) or grow it; the pages exist from the
+start (``posix_fallocate``), so the daemon never fills in a sparse file. There is no name in
+/dev/shm to unlink, replace or leak, and no file the daemon did not create can become an arena.
+The arena id is a random 64-bit number given only to the registering connection, and the daemon
+checks it against the caller's tenant on every call.
 
 Every slice is bounds-checked before use: a bad offset is a ValueError (INVALID_ARGUMENT), never a
-write outside the arena.
+copy outside the arena.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import mmap
 import os
-import re
-import secrets
-import stat
+import socket
 from pathlib import Path
 
 from tiers.memory import prefault
 
-SHM_DIR = Path("/dev/shm")
+#: Seals every arena carries: its size is fixed for good.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: Longest request or reply line on the arena socket.
+MAX_LINE = 4096
 
-_NAME = re.compile(r"kvstore-[A-Za-z0-9_.-]{1,128}")
+
+def arena_socket_path(socket_path: str | os.PathLike) -> Path:
+    """The arena socket beside a daemon's gRPC unix socket (``unix:`` prefix allowed)."""
+    text = str(socket_path)
+    return Path((text[len("unix:"):] if text.startswith("unix:") else text) + ".arena")
 
 
 class Arena:
-    def __init__(self, name: str, fd: int, size: int, owner: bool) -> None:
-        self.name = name
+    """A mapping of an arena's pages, on either side."""
+
+    def __init__(self, fd: int, size: int) -> None:
         self.size = size
-        self._owner = owner
         self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        os.close(fd)
         self.buffer = memoryview(self._mmap)
+
+    @classmethod
+    def create_sealed(cls, size: int) -> tuple["Arena", int]:
+        """A new arena (the daemon side): its mapping and the fd to hand out (caller closes it).
+        Raises OSError when the memory cannot be had (ENOMEM, ENOSPC)."""
+        if size <= 0:
+            raise ValueError(f"arena size must be positive, got {size}")
+        fd = os.memfd_create("kvstore-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)  # every page exists: no sparse file to fill in later
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            arena = cls(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return arena, fd
+
+    @classmethod
+    def from_fd(cls, fd: int, size: int) -> "Arena":
+        """Map an arena handed over by the daemon (the client side); takes ownership of ``fd``."""
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            if os.fstat(fd).st_size != size or seals & SEALS != SEALS:
+                raise ValueError(f"the daemon's arena is not a sealed {size}-byte memfd")
+            return cls(fd, size)
+        finally:
+            os.close(fd)
 
     def prefault(self) -> None:
         """Fault in this process's mapping now (blocking), so copies never stall on first touch."""
         prefault(self._mmap, background=False)
 
-    @classmethod
-    def create(cls, size: int, prefix: str = "kvstore") -> "Arena":
-        """A new arena owned by this process (the client side); unlinked by :meth:`close`."""
-        if size <= 0:
-            raise ValueError(f"arena size must be positive, got {size}")
-        if not SHM_DIR.is_dir():
-            raise OSError(f"{SHM_DIR} is missing: the shared-memory data plane needs Linux tmpfs")
-        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
-        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, size)
-        except OSError:
-            os.close(fd)
-            (SHM_DIR / name).unlink(missing_ok=True)
-            raise
-        arena = cls(name, fd, size, owner=True)
-        arena.prefault()
-        return arena
-
-    @classmethod
-    def attach(cls, name: str, size: int) -> "Arena":
-        """Map a client's arena (the daemon side). Raises ValueError on a bad name or size."""
-        if not _NAME.fullmatch(name):
-            raise ValueError(f"arena name {name!r} must match {_NAME.pattern} (a file in {SHM_DIR})")
-        try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise ValueError(f"arena {name!r} does not exist in {SHM_DIR}") from None
-        except OSError as exc:
-            raise ValueError(f"arena {name!r} cannot be opened: {exc}") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            os.close(fd)
-            raise ValueError(f"arena {name!r} must be a regular file owned by the daemon's user")
-        if st.st_size != size or size <= 0:
-            os.close(fd)
-            raise ValueError(f"arena {name!r} is {st.st_size} bytes, the request says {size}")
-        return cls(name, fd, size, owner=False)
-
     def view(self, offset: int, length: int) -> memoryview:
         if offset < 0 or length < 0 or offset + length > self.size:
-            raise ValueError(f"slice [{offset}, {offset + length}) is outside the {self.size}-byte arena {self.name!r}")
+            raise ValueError(f"slice [{offset}, {offset + length}) is outside the {self.size}-byte arena")
         return self.buffer[offset : offset + length]
-
-    def unlink(self) -> None:
-        """Remove the file name; both processes' mappings stay valid. The client calls this once the
-        daemon has mapped the arena, so a client that crashes leaks no file in /dev/shm: the pages
-        are freed when the last mapping goes."""
-        if self._owner:
-            (SHM_DIR / self.name).unlink(missing_ok=True)
-            self._owner = False
 
     def close(self) -> None:
         try:
@@ -97,6 +96,41 @@ class Arena:
         except BufferError:
             # A view is still exported (e.g. a tensor over the arena); the mapping lives until it goes.
             pass
-        if self._owner:
-            (SHM_DIR / self.name).unlink(missing_ok=True)
-            self._owner = False
+
+
+class ArenaLease:
+    """The client side of one arena: its mapping, its id, and the connection that keeps it alive
+    (closing it, or exiting, releases the arena in the daemon)."""
+
+    def __init__(self, arena: Arena, arena_id: int, index_name: str, connection: socket.socket) -> None:
+        self.arena, self.arena_id, self.index_name = arena, arena_id, index_name
+        self._connection = connection
+
+    @classmethod
+    def request(cls, path: str | os.PathLike, size: int, token: str | None = None,
+                timeout: float = 30.0) -> "ArenaLease":
+        """Ask the daemon at arena socket ``path`` for a ``size``-byte arena. Raises ConnectionError
+        with the daemon's reason when it refuses, OSError when it cannot be reached."""
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.settimeout(timeout)
+            connection.connect(str(path))
+            connection.sendall(json.dumps({"size": size, "token": token or ""}).encode() + b"\n")
+            data, fds, _, _ = socket.recv_fds(connection, MAX_LINE, 1)
+            try:
+                reply = json.loads(data.decode()) if data.endswith(b"\n") else {"error": "no reply"}
+                if "error" in reply or len(fds) != 1:
+                    raise ConnectionError(f"the daemon refused an arena: {reply.get('error', 'no memory handed over')}")
+                arena = Arena.from_fd(fds.pop(), size)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            connection.settimeout(None)
+            return cls(arena, int(reply["arena_id"]), str(reply.get("index_name", "")), connection)
+        except BaseException:
+            connection.close()
+            raise
+
+    def close(self) -> None:
+        self._connection.close()
+        self.arena.close()

@@ -13,12 +13,13 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvstore.arena import arena_socket_path
+from kvstore.arenas import ArenaRegistry, ArenaSocket
 from kvstore.auth import TenantDirectory
 from kvstore.config import DaemonConfig
 from kvstore.metrics import Metrics
 from kvstore.placement import BlockStore
-from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.server import SERVICE_NAME, KVStoreService
+from kvstore.server import SERVICE_NAME, KVStoreService, add_to_server
 from kvstore.shm_index import KeyIndexWriter, remove_stale_files
 from tiers.base import Tier
 from tiers.cpu import CpuTier
@@ -27,8 +28,6 @@ from tiers.gpu import GpuTier
 from tiers.s3 import S3Tier
 
 log = logging.getLogger("kvstore.daemon")
-#: Seconds between sweeps for arenas of clients that exited without unregistering.
-ARENA_REAP_S = 2.0
 
 
 class _BearerToken(grpc.aio.ServerInterceptor):
@@ -79,13 +78,16 @@ class Daemon:
         configured = {"disk": config.disk_codec, "s3": config.s3_codec}
         codecs = [None if t is tiers[0] or configured.get(t.name, "raw") == "raw" else configured[t.name]
                   for t in tiers]
-        self.tenants = TenantDirectory.from_config(config.tenants_file, config.auth_token)
+        self.tenants = TenantDirectory.from_config(config.tenants_file, config.auth_token,
+                                                   config.tenant_secret_file)
         self.store = BlockStore(tiers, self.metrics, write_through=config.write_policy == "write-through",
                                 queue_depth=config.queue_depth, promote_on_get=config.promote_on_get,
                                 codecs=codecs, key_index=self._key_index(tiers))
-        self.service = KVStoreService(self.store, self.tenants)
+        self.arenas = ArenaRegistry(config.max_arena_bytes, config.max_arenas_per_client)
+        self.service = KVStoreService(self.store, self.tenants, self.arenas, config.max_message_bytes)
         self.server: grpc.aio.Server | None = None
-        self._reaper: asyncio.Task | None = None
+        #: Shared memory is offered on unix sockets only (kvstore/arena.py).
+        self.arena_socket: ArenaSocket | None = None
 
     def _key_index(self, tiers: list[Tier]) -> KeyIndexWriter | None:
         """The shared-memory key index, unless turned off, unsupported here, or tenants are set: it
@@ -105,7 +107,7 @@ class Daemon:
                    ("grpc.max_send_message_length", self.config.max_message_bytes)]
         interceptors = [_BearerToken(self.tenants)] if self.tenants.required else []
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
-        pb_grpc.add_KVStoreServicer_to_server(self.service, self.server)
+        add_to_server(self.service, self.server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
         address = self.config.listen
@@ -129,7 +131,11 @@ class Daemon:
         if socket_path is not None:
             os.chmod(socket_path, 0o600)
         self.store.start()
-        self._reaper = asyncio.get_running_loop().create_task(self._reap_arenas())
+        if socket_path is not None:
+            index = self.store.key_index
+            self.arena_socket = ArenaSocket(arena_socket_path(socket_path), self.arenas, self.tenants,
+                                            lambda: index.name if index is not None else "")
+            self.arena_socket.start()
         await _set_serving(health_servicer)
         if self.config.metrics_listen:
             self._start_metrics()
@@ -149,26 +155,16 @@ class Daemon:
         except OSError as exc:
             log.warning("metrics endpoint %s not started: %s", self.config.metrics_listen, exc)
 
-    async def _reap_arenas(self) -> None:
-        """Every few seconds, unmap arenas whose client process is gone."""
-        while True:
-            await asyncio.sleep(ARENA_REAP_S)
-            try:
-                self.service.reap_arenas()
-            except Exception:  # noqa: BLE001 - a failed sweep is retried at the next one
-                log.exception("arena sweep failed")
-
     async def stop(self, grace: float = 5.0) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
+        if self.arena_socket is not None:
+            await self.arena_socket.stop()
         if self.server is not None:
             await self.server.stop(grace)
         if self.config.write_policy == "write-back" and len(self.store.tiers) > 1:
             copied = await self.store.demote_all()
             log.info("write-back shutdown: %d blocks written to %s", copied, self.store.tiers[-1].name)
         await self.store.close(flush=True)
-        for arena in self.service.arenas.values():
-            arena.close()
+        self.arenas.close()
         if self.config.socket_path is not None:
             self.config.socket_path.unlink(missing_ok=True)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class Metrics:
@@ -10,7 +10,9 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.hits = Counter("kvstore_hits", "Blocks served, by tier", ["tier"], registry=r)
-        self.misses = Counter("kvstore_misses", "Blocks asked for and not found", registry=r)
+        self.misses = Counter("kvstore_misses", "Keys asked for by Lookup or Get and not found", registry=r)
+        self.requested = Counter("kvstore_requested", "Keys asked for, by RPC (misses / requested: the miss ratio)",
+                                 ["rpc"], registry=r)
         self.bytes_in = Counter("kvstore_bytes_in", "Block bytes written into a tier", ["tier"], registry=r)
         self.bytes_out = Counter("kvstore_bytes_out", "Block bytes read out of a tier", ["tier"], registry=r)
         self.evictions = Counter("kvstore_evictions", "Blocks evicted from a tier", ["tier"], registry=r)
@@ -33,8 +35,17 @@ class Metrics:
                                   ["tier"], registry=r)
         self.used_bytes = Gauge("kvstore_used_bytes", "Bytes stored, by tier", ["tier"], registry=r)
         self.blocks = Gauge("kvstore_blocks", "Blocks stored, by tier", ["tier"], registry=r)
+        self.capacity_bytes = Gauge("kvstore_capacity_bytes", "Bytes a tier may hold (0: unbounded)", ["tier"],
+                                    registry=r)
+        self.rpc_seconds = Histogram("kvstore_rpc_seconds", "Time the daemon spent on an RPC, by method", ["method"],
+                                     buckets=(25e-6, 50e-6, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
+                                              0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
 
     @staticmethod
     def value(counter: Counter, **labels: str) -> int:
         metric = counter.labels(**labels) if labels else counter
         return int(metric._value.get())
+
+    def total(self, counter: Counter) -> int:
+        """A labelled counter summed over its labels."""
+        return int(sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")))

@@ -55,6 +55,14 @@ OFFLOAD_GET_BYTES = 1 << 20
 BUSY_WAIT_S = 5.0
 #: Longest a Lookup waits for shared tiers to answer about keys no tier holds.
 DISCOVER_TIMEOUT_S = 0.5
+#: A layer-wise read keeps its blocks from eviction while it streams, renewed at each layer; a
+#: reader that stalls longer loses that hold (its stream ends with an error if a block then goes).
+STREAM_HOLD_S = 10.0
+
+
+class BlockGoneError(RuntimeError):
+    """A block left its tier while a layer-wise read was streaming it (deleted, or evicted after
+    the reader stalled past ``STREAM_HOLD_S``)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,8 @@ class BlockStore:
         self._pinned: set[bytes] = set()
         #: Blocks handed to a client by reference (gpu_direct Get) -> lease expiry (monotonic s).
         self._leases: dict[bytes, float] = {}
+        #: Blocks layer-wise reads are streaming -> [streams, expiry of the hold (monotonic s)].
+        self._streaming: dict[bytes, list] = {}
         #: Tenant of each top-tier block put under a quota; pruned at each quota put.
         self._owners: dict[bytes, str] = {}
         self._layouts: dict[bytes, KVLayout] = {}
@@ -230,6 +240,8 @@ class BlockStore:
             if tier is None:
                 break
             tiers.append(tier.name)
+        self.metrics.requested.labels("lookup").inc(len(keys))
+        self.metrics.misses.inc(len(keys) - len(tiers))
         return LookupResult(len(tiers), tuple(tiers))
 
     async def discover(self, keys: list[bytes]) -> int:
@@ -367,7 +379,7 @@ class BlockStore:
                 break
             except TierFullError:
                 # The device filled up before our byte count said so (disk full): evict and retry.
-                victim = next((k for k in self._lru[level] if k not in self._pinned and not tier.busy(k)), None)
+                victim = next((k for k in self._lru[level] if self._evictable(tier, k)), None)
                 if victim is None or attempt == 7:
                     raise
                 await self._evict(level, victim)
@@ -379,8 +391,7 @@ class BlockStore:
         tier = self.tiers[level]
         deadline = time.monotonic() + BUSY_WAIT_S
         while not tier.can_fit(nbytes):
-            victim = next((k for k in self._lru[level]
-                           if k not in self._pinned and not self._leased(k) and not tier.busy(k)), None)
+            victim = next((k for k in self._lru[level] if self._evictable(tier, k)), None)
             if victim is None:
                 if tier.reads_in_flight and time.monotonic() < deadline:
                     await asyncio.sleep(0.001)  # a read in a worker thread ends within milliseconds
@@ -513,6 +524,31 @@ class BlockStore:
     def release(self, keys: list[bytes]) -> int:
         return sum(self._leases.pop(k, None) is not None for k in keys)
 
+    def _evictable(self, tier: Tier, key: bytes) -> bool:
+        """Not pinned, not handed out by reference, not being streamed or copied by a reader."""
+        return key not in self._pinned and not self._leased(key) and not self._held(key) and not tier.busy(key)
+
+    def _hold(self, key: bytes) -> None:
+        entry = self._streaming.setdefault(key, [0, 0.0])
+        entry[0] += 1
+        entry[1] = time.monotonic() + STREAM_HOLD_S
+
+    def _renew(self, key: bytes) -> None:
+        entry = self._streaming.get(key)
+        if entry is not None:
+            entry[1] = time.monotonic() + STREAM_HOLD_S
+
+    def _unhold(self, key: bytes) -> None:
+        entry = self._streaming.get(key)
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] <= 0:
+                del self._streaming[key]
+
+    def _held(self, key: bytes) -> bool:
+        entry = self._streaming.get(key)
+        return entry is not None and entry[1] > time.monotonic()
+
     def _leased(self, key: bytes) -> bool:
         expiry = self._leases.get(key)
         if expiry is None:
@@ -526,34 +562,52 @@ class BlockStore:
                             ) -> AsyncIterator[tuple[int, list[GetResult | None] | None]]:
         """Yield ``(-1, results)``, then ``(layer, None)`` once that layer of every block is in
         its destination. Raw blocks in memory tiers are copied layer by layer; other blocks
-        (encoded, or in a disk or S3 tier: verified whole first) arrive before layer 0. Holds
-        ``_lock`` throughout, so no block moves while it is being copied::
+        (encoded, or in a disk or S3 tier: verified whole first) arrive before layer 0::
 
             payload  [L0 K|V][L1 K|V] ... [Ln-1 K|V]    one layer = payload_len / num_layers
+
+        Holds no lock while the caller sends (a reader that is slow, or never reads, delays
+        nobody): the streamed blocks are kept from eviction instead (``STREAM_HOLD_S``, renewed at
+        each layer), and before each layer's copy, with no await in between, each block is checked
+        to be the same one still in its tier; a block deleted meanwhile raises BlockGoneError,
+        never a copy of bytes that now belong to another block.
         """
-        async with self._lock:
-            results: list[GetResult | None] = []
-            layered: list[tuple[memoryview, object, BlockHeader]] = []
-            for key, dest in requests:
-                level = self.locate(key)
-                tier = self.tiers[level] if level is not None else None
-                source = None
-                if tier is not None and not tier.blocking_io and tier.header(key).codec == "raw":
-                    view = getattr(tier, "payload_view", None) or getattr(tier, "payload_tensor", None)
-                    source = view(key) if view is not None else None
-                if source is None:
-                    results.append(await self.get_into(key, dest))
-                    continue
-                header = tier.header(key)
-                results.append(self._hit(level, key, header))
-                layered.append((dest, source, header))
+        results: list[GetResult | None] = [None] * len(requests)
+        layered: list[tuple[memoryview, object, BlockHeader, Tier, bytes]] = []
+        whole: list[int] = []
+        for i, (key, dest) in enumerate(requests):
+            level = self.locate(key)
+            tier = self.tiers[level] if level is not None else None
+            if tier is None or tier.blocking_io or tier.header(key).codec != "raw":
+                whole.append(i)
+                continue
+            source = tier.payload_source(key)
+            if source is None:
+                whole.append(i)
+                continue
+            header = tier.header(key)
+            self._hold(key)
+            results[i] = self._hit(level, key, header)
+            layered.append((dest, source, header, tier, key))
+        try:
+            if whole:
+                found = await self.get_many_into([requests[i] for i in whole])
+                for i, result in zip(whole, found):
+                    results[i] = result
             yield -1, results
-            for layer in range(max((h.layout.num_layers for _, _, h in layered), default=0)):
-                for dest, source, header in layered:
-                    if layer < header.layout.num_layers:
-                        size = header.payload_len // header.layout.num_layers
-                        _copy_range(dest, source, layer * size, size)
+            for layer in range(max((h.layout.num_layers for _, _, h, _, _ in layered), default=0)):
+                for dest, source, header, tier, key in layered:
+                    if layer >= header.layout.num_layers:
+                        continue
+                    if key not in tier or tier.header(key) is not header:
+                        raise BlockGoneError(f"block {key.hex()} left the {tier.name} tier during a layer-wise read")
+                    self._renew(key)
+                    size = header.payload_len // header.layout.num_layers
+                    _copy_range(dest, source, layer * size, size)
                 yield layer, None
+        finally:
+            for _, _, _, _, key in layered:
+                self._unhold(key)
 
     async def get_into(self, key: bytes, dest: memoryview, first_level: int = 0) -> GetResult | None:
         """Copy the payload of ``key`` into ``dest`` from the highest tier at or below
@@ -660,31 +714,48 @@ class BlockStore:
         return True
 
     async def _promote(self, key: bytes) -> None:
+        level = self.locate(key)
         try:
+            prefetched = None
+            if level is not None and level > 0 and self.tiers[level].blocking_io:
+                # A disk or S3 read happens before the lock: a slow tier delays no other call.
+                prefetched = await self._read_or_drop(level, key)
+                if prefetched is None:
+                    return
             async with self._lock:
                 level = self.locate(key)
                 if level is None or level == 0:
                     return
-                try:
-                    header, payload = await self._read_whole(level, key)
-                except CorruptBlockError as exc:
-                    await self._drop_corrupt(level, key, exc)
-                    return
-                except KeyError:
-                    self._forget_vanished(level, key)
-                    return
+                if prefetched is not None and self.tiers[level].header(key).checksum == prefetched[0].checksum:
+                    header, payload = prefetched
+                else:  # a memory tier (read under the lock: its view is only valid there), or it changed
+                    found = await self._read_or_drop(level, key)
+                    if found is None:
+                        return
+                    header, payload = found
                 await self._store_in(0, header, payload)
                 self.metrics.promotions.labels(self.tiers[0].name).inc()
             if self.write_through and level > 1:
                 self._enqueue(1, key)  # fill the tiers between (disk under cpu) behind it
         except TierUnavailableError as exc:
-            self.metrics.unavailable.labels(self.tiers[-1].name).inc()
+            self.metrics.unavailable.labels(self.tiers[level or 0].name).inc()  # the tier it was read from
             log.debug("promotion of %s skipped: %s", key.hex(), exc)
         except TierFullError as exc:
             log.info("promotion of %s skipped: %s", key.hex(), exc)
         finally:
             self._promoting.discard(key)
             self._refresh_gauges()
+
+    async def _read_or_drop(self, level: int, key: bytes) -> tuple[BlockHeader, memoryview] | None:
+        """The whole block from tier ``level``; None (corrupt copy dropped, vanished key forgotten)
+        when there is none to read."""
+        try:
+            return await self._read_whole(level, key)
+        except CorruptBlockError as exc:
+            await self._drop_corrupt(level, key, exc)
+        except KeyError:
+            self._forget_vanished(level, key)
+        return None
 
     async def _drop_corrupt(self, level: int, key: bytes, exc: Exception) -> None:
         tier = self.tiers[level]
@@ -784,6 +855,7 @@ class BlockStore:
     def _refresh_gauges(self) -> None:
         self._adopt_new_keys()
         for tier in self.tiers:
+            self.metrics.capacity_bytes.labels(tier.name).set(tier.capacity_bytes)
             self.metrics.used_bytes.labels(tier.name).set(tier.used_bytes)
             self.metrics.blocks.labels(tier.name).set(len(tier))
         self._refresh_queue_gauges()

@@ -4,7 +4,9 @@ The process around them (tiers, listening, auth, TLS, shutdown) is kvstore/daemo
 
 Every RPC validates its input before touching the store and answers bad input with a status code
 and a message that names the problem; an unexpected exception is logged and answered INTERNAL,
-and the daemon stays up.
+and the daemon stays up. Every RPC's work is bounded before it starts: keys per call, layers per
+block, and the bytes a Put or Get moves (inline bytes within the message limit; bytes through
+shared memory within the arenas it names).
 """
 
 from __future__ import annotations
@@ -14,17 +16,17 @@ import dataclasses
 import functools
 import json
 import logging
-import os
-import re
+import time
+from collections import defaultdict
 from typing import Awaitable, Callable
 
 import grpc
 
-from kvstore.arena import Arena
+from kvstore.arenas import ArenaNotFound, ArenaRegistry
 from kvstore.auth import ANONYMOUS, Tenant, TenantDirectory
 from kvstore.block import BlockHeader, payload_checksum
 from kvstore.keys import KEY_BYTES, KVLayout
-from kvstore.placement import BlockStore, GetResult
+from kvstore.placement import BlockGoneError, BlockStore, GetResult
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from tiers.base import TierError, TierFullError
@@ -32,10 +34,11 @@ from tiers.base import TierError, TierFullError
 log = logging.getLogger("kvstore.server")
 
 MAX_KEYS_PER_CALL = 65536
-MAX_ARENAS = 1024
+#: Layers one block may have (a GetLayers stream sends one message per layer).
+MAX_LAYERS = 1024
+#: Bytes a reply needs beyond its payloads, per result (metadata, field tags); a generous bound.
+RESULT_OVERHEAD = 512
 GPU_LEASE_SECONDS = 30.0
-#: Client arenas are named kvstore-<client pid>-<random> (kvstore.arena.Arena.create).
-_ARENA_PID = re.compile(r"kvstore-(\d+)-[0-9a-f]+")
 SERVICE_NAME = "kvstore.v1.KVStore"
 
 
@@ -48,8 +51,14 @@ class BadRequest(Exception):
 def _rpc(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
     """Map exceptions to status codes; never let one escape into grpc as a crash."""
 
+    histogram = None
+
     @functools.wraps(method)
     async def wrapper(self: "KVStoreService", request, context: grpc.aio.ServicerContext):
+        nonlocal histogram
+        if histogram is None:
+            histogram = self.store.metrics.rpc_seconds.labels(method.__name__)
+        started = time.perf_counter()
         try:
             return await method(self, request, context)
         except BadRequest as exc:
@@ -69,18 +78,9 @@ def _rpc(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
             await context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
         finally:
             self.store.publish_availability()  # clients' local Lookups see a tier going down at once
+            histogram.observe(time.perf_counter() - started)
 
     return wrapper
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, another user's
-    return True
 
 
 def _check_keys(keys, what: str = "keys") -> list[bytes]:
@@ -101,6 +101,8 @@ def header_from_meta(meta: pb.BlockMeta, payload_len: int) -> BlockHeader:
                          f"{len(meta.key)} and {len(meta.namespace)}")
     if not meta.HasField("layout"):
         raise ValueError("meta.layout is required")
+    if meta.layout.num_layers > MAX_LAYERS:
+        raise ValueError(f"meta.layout.num_layers is {meta.layout.num_layers}; at most {MAX_LAYERS}")
     layout = KVLayout(meta.layout.num_layers, meta.layout.num_kv_heads, meta.layout.head_dim, meta.layout.dtype)
     if meta.payload_len != payload_len:
         raise ValueError(f"meta.payload_len is {meta.payload_len} but {payload_len} payload bytes were sent")
@@ -124,17 +126,28 @@ def meta_from_header(header: BlockHeader) -> pb.BlockMeta:
         payload_len=header.payload_len)
 
 
-class KVStoreService(pb_grpc.KVStoreServicer):
-    """The RPC handlers. Keys are mapped to the caller's tenant's stored keys on the way in
-    (kvstore/auth.py) and back on the way out, so tenants never see each other's blocks."""
+class _Usage:
+    """One named tenant's own counters, for its Stats (it sees nobody else's traffic)."""
 
-    def __init__(self, store: BlockStore, tenants: TenantDirectory | None = None) -> None:
+    def __init__(self) -> None:
+        self.requested = self.misses = 0
+        self.hits: dict[str, int] = defaultdict(int)
+        self.bytes_out: dict[str, int] = defaultdict(int)
+        self.bytes_in: dict[str, int] = defaultdict(int)
+
+
+class KVStoreService(pb_grpc.KVStoreServicer):
+    """The RPC handlers. Keys and namespaces are mapped to the caller's tenant's stored ones on the
+    way in (kvstore/auth.py) and keys back on the way out, so tenants never see each other's blocks."""
+
+    def __init__(self, store: BlockStore, tenants: TenantDirectory | None = None,
+                 arenas: ArenaRegistry | None = None, max_message_bytes: int = 256 * 2**20) -> None:
         self.store = store
         self.tenants = tenants or TenantDirectory([ANONYMOUS], required=False)
-        self.arenas: dict[int, Arena] = {}
-        #: Arena id -> its client's pid, for clients this daemon can see (same pid namespace).
-        self._arena_pids: dict[int, int] = {}
-        self._next_arena = 1
+        #: Arenas handed out on the arena socket (kvstore/arenas.py); empty without one.
+        self.arenas = arenas if arenas is not None else ArenaRegistry(max_arena_bytes=0, max_arenas_per_client=0)
+        self.max_message_bytes = max_message_bytes
+        self._usage: dict[str, _Usage] = defaultdict(_Usage)
 
     def _tenant(self, context) -> Tenant:
         tenant = self.tenants.resolve(context.invocation_metadata())
@@ -142,61 +155,101 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise BadRequest(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
         return tenant
 
-    def _stored_keys(self, keys, context, what: str = "keys") -> list[bytes]:
-        tenant = self._tenant(context)
+    @staticmethod
+    def _stored_keys(tenant: Tenant, keys, what: str = "keys") -> list[bytes]:
         return [tenant.stored_key(k) for k in _check_keys(keys, what)]
 
-    def _slice(self, slice_: pb.ArenaSlice) -> memoryview:
-        arena = self.arenas.get(slice_.arena_id)
-        if arena is None:
-            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"arena {slice_.arena_id} is not registered (RegisterArena first)")
-        return arena.view(slice_.offset, slice_.length)
+    def _slice(self, slice_: pb.ArenaSlice, tenant: Tenant) -> memoryview:
+        return self.arenas.view(slice_.arena_id, tenant, slice_.offset, slice_.length)
+
+    def _check_bytes(self, tenant: Tenant, what: str, inline: int, shared: int, arena_ids: set[int]) -> None:
+        """Refuse a call before any copy when it would move more than it may: inline bytes within
+        the message limit, bytes through shared memory within the arenas it names (a call naming
+        one slice many times cannot make the daemon copy without end)."""
+        if inline > self.max_message_bytes:
+            raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"{what} would carry {inline} inline bytes; the message limit is "
+                             f"{self.max_message_bytes} (max_message_bytes): ask for fewer blocks per call")
+        budget = sum(self.arenas.size(arena_id, tenant) for arena_id in arena_ids)
+        if shared > budget:
+            raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"{what} would copy {shared} bytes through shared memory, more than the "
+                             f"{budget} bytes of the arenas it names")
+
+    def _count(self, tenant: Tenant, rpc: str, results: list[GetResult | None]) -> None:
+        """Requested keys, misses of keys no tier held, and the tenant's own counters."""
+        absent = sum(r is None for r in results)
+        self.store.metrics.requested.labels(rpc).inc(len(results))
+        if tenant.name:
+            usage = self._usage[tenant.name]
+            usage.requested += len(results)
+            usage.misses += absent
+            for found in results:
+                if found is not None:
+                    usage.hits[found.tier] += 1
+                    usage.bytes_out[found.tier] += found.header.payload_len
 
     @_rpc
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        keys = self._stored_keys(request.keys, context)
+        tenant = self._tenant(context)
+        keys = self._stored_keys(tenant, request.keys)
         await self.store.discover(keys)  # blocks other hosts put in a shared tier since we looked
         result = self.store.lookup(keys)
+        if tenant.name:
+            usage = self._usage[tenant.name]
+            usage.requested += len(keys)
+            usage.misses += len(keys) - result.hits
         return pb.LookupResponse(hits=result.hits, tiers=result.tiers)
 
     @_rpc
     async def Prefetch(self, request: pb.KeysRequest, context) -> pb.CountResponse:
-        keys = self._stored_keys(request.keys, context)
+        keys = self._stored_keys(self._tenant(context), request.keys)
         await self.store.discover(keys)
         return pb.CountResponse(count=sum(self.store.schedule_promotion(k) for k in keys))
 
     @_rpc
     async def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:
         tenant = self._tenant(context)
-        stored_keys = self._stored_keys([item.meta.key for item in request.items], context, "items")
+        stored_keys = self._stored_keys(tenant, [item.meta.key for item in request.items], "items")
         prepared: list[tuple[BlockHeader, memoryview]] = []
+        inline = shared = 0
+        arena_ids: set[int] = set()
         for i, item in enumerate(request.items):
             which = item.WhichOneof("data")
             if which == "slice":
-                payload = self._slice(item.slice)
+                payload = self._slice(item.slice, tenant)
+                shared += len(payload)
+                arena_ids.add(item.slice.arena_id)
             elif which == "inline":
                 payload = memoryview(item.inline)
+                inline += len(payload)
             else:
                 raise ValueError(f"items[{i}] carries no payload (set inline or slice)")
             try:
                 header = header_from_meta(item.meta, len(payload))
             except ValueError as exc:
                 raise ValueError(f"items[{i}]: {exc}") from None
-            header = dataclasses.replace(header, key=stored_keys[i])
+            # A tenant's namespace is its own: its layout binding is invisible to other tenants.
+            header = dataclasses.replace(header, key=stored_keys[i], namespace=tenant.stored_key(header.namespace))
             self.store.check_namespace(header)
             prepared.append((header, payload))
-        # Validate everything before storing anything; then checksum and store.
+        self._check_bytes(tenant, "this Put", 0, shared, arena_ids)
+        # Validate everything before storing anything; then checksum and store. (A client that
+        # rewrites its arena during the call spoils only this block of its own, stored under its
+        # tenant's keys: the checksum then fails and the block reads as a counted corrupt miss.)
         for header, payload in prepared:
             header = dataclasses.replace(header, checksum=payload_checksum(payload))
             await self.store.put(header, payload, owner=tenant.name, quota=tenant.quota_bytes,
                                  durable=request.durable)
+            if tenant.name:
+                self._usage[tenant.name].bytes_in[self.store.tiers[0].name] += header.payload_len
         return pb.PutResponse(stored=len(prepared))
 
-    async def _plan_get(self, request: pb.GetRequest, context, need_dest: bool
+    async def _plan_get(self, request: pb.GetRequest, tenant: Tenant, need_dest: bool
                         ) -> tuple[list[bytes], list[tuple[bytes, BlockHeader | None, memoryview | None]]]:
-        """Stored keys and, per item, the header found and the validated destination slice."""
-        keys = self._stored_keys([item.key for item in request.items], context, "items")
+        """Stored keys and, per item, the header found and the validated destination slice; the
+        bytes the call would move are checked against its limits before anything is copied."""
+        keys = self._stored_keys(tenant, [item.key for item in request.items], "items")
         await self.store.discover(keys)
         if not request.allow_missing:
             missing = self.store.missing(keys)
@@ -205,59 +258,84 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                  f"{len(missing)} of {len(keys)} keys are not stored "
                                  f"(first: items[{keys.index(missing[0])}]); set allow_missing to get the others")
         plan: list[tuple[bytes, BlockHeader | None, memoryview | None]] = []
+        inline = shared = 0
+        arena_ids: set[int] = set()
         for i, (key, item) in enumerate(zip(keys, request.items)):
             if need_dest and not item.HasField("dest"):
                 raise ValueError(f"items[{i}] has no dest: a layer-wise Get writes into a registered arena")
             header = self.store.header(key)
             dest = None
-            if header is not None and item.HasField("dest"):
-                dest = self._slice(item.dest)
-                if len(dest) < header.payload_len:
+            if item.HasField("dest"):
+                dest = self._slice(item.dest, tenant)
+                arena_ids.add(item.dest.arena_id)
+            if header is not None:
+                if dest is None:
+                    inline += header.payload_len + RESULT_OVERHEAD
+                elif len(dest) < header.payload_len:
                     raise ValueError(f"items[{i}].dest has {len(dest)} bytes; the block needs {header.payload_len}")
+                else:
+                    shared += header.payload_len
             plan.append((key, header, dest))
+        self._check_bytes(tenant, "this Get", inline, shared, arena_ids)
         return keys, plan
 
     @_rpc
-    async def Get(self, request: pb.GetRequest, context) -> pb.GetResponse:
-        keys, plan = await self._plan_get(request, context, need_dest=False)
-        results: list[pb.GetResult | None] = [None] * len(plan)
-        if request.gpu_direct:
-            for i, (key, header, _) in enumerate(plan):
-                offset = self.store.gpu_offset(key) if header is not None else None
-                if offset is not None:  # stays put until Release or the lease ends
-                    self.store.lease(key, GPU_LEASE_SECONDS)
-                    meta = meta_from_header(header)
-                    meta.key = request.items[i].key
-                    results[i] = pb.GetResult(found=True, meta=meta, tier="gpu", gpu_offset=offset, on_gpu=True)
-        # Read every other block in one batch (disk reads overlap; GPU runs copy once).
-        reads: list[tuple[bytes, memoryview]] = []
-        buffers: list[bytearray | None] = []  # inline replies: the payload travels in the message
-        pending = [i for i, (_, header, _) in enumerate(plan) if header is not None and results[i] is None]
-        for i in pending:
-            key, header, dest = plan[i]
-            buffer = bytearray(header.payload_len) if dest is None else None
-            reads.append((key, memoryview(buffer) if dest is None else dest))
-            buffers.append(buffer)
-        for i, found, buffer in zip(pending, await self.store.get_many_into(reads), buffers):
-            results[i] = self._get_one(request.items[i].key, found, buffer)
-        return pb.GetResponse(results=[r if r is not None else pb.GetResult(found=False) for r in results])
+    async def Get(self, request: pb.GetRequest, context) -> pb.GetResponse | bytes:
+        tenant = self._tenant(context)
+        keys, plan = await self._plan_get(request, tenant, need_dest=False)
+        by_reference = self._gpu_direct(request, plan) if request.gpu_direct else {}
+        # Read every other found block in one batch (disk reads overlap; GPU runs copy once).
+        # Inline payloads are read into buffers that go into the reply as they are (_encode_get).
+        found_at = [i for i, (_, header, _) in enumerate(plan) if header is not None and i not in by_reference]
+        buffers = {i: bytearray(plan[i][1].payload_len) for i in found_at if plan[i][2] is None}
+        reads = [(plan[i][0], plan[i][2] if i not in buffers else memoryview(buffers[i])) for i in found_at]
+        results: list[GetResult | None] = [None] * len(plan)
+        for i, found in zip(found_at, await self.store.get_many_into(reads)):
+            results[i] = found
+        self.store.metrics.misses.inc(sum(header is None for _, header, _ in plan))
+        self._count(tenant, "get", [by_reference[i][1] if i in by_reference else r for i, r in enumerate(results)])
+        replies = [(by_reference[i][0] if i in by_reference else self._result(item.key, found),
+                    None if found is None or i not in buffers else memoryview(buffers[i])[: found.header.payload_len])
+                   for i, (item, found) in enumerate(zip(request.items, results))]
+        return _encode_get(replies) if buffers else pb.GetResponse(results=[r for r, _ in replies])
+
+    def _gpu_direct(self, request: pb.GetRequest, plan) -> dict[int, tuple[pb.GetResult, GetResult]]:
+        """Blocks in the GPU tier, by reference: their offsets in the exported pool, no copy."""
+        out = {}
+        for i, (key, header, _) in enumerate(plan):
+            offset = self.store.gpu_offset(key) if header is not None else None
+            if offset is not None:  # stays put until Release or the lease ends
+                self.store.lease(key, GPU_LEASE_SECONDS)
+                meta = meta_from_header(header)
+                meta.key = request.items[i].key
+                out[i] = (pb.GetResult(found=True, meta=meta, tier="gpu", gpu_offset=offset, on_gpu=True),
+                          GetResult(header, "gpu"))
+        return out
 
     async def GetLayers(self, request: pb.GetRequest, context):
+        started = time.perf_counter()
         try:
-            _, plan = await self._plan_get(request, context, need_dest=True)
+            tenant = self._tenant(context)
+            _, plan = await self._plan_get(request, tenant, need_dest=True)
             stream = self.store.get_layerwise([(key, dest) for key, header, dest in plan if header is not None])
             async for layer, found in stream:
                 if found is None:
                     yield pb.LayerReady(layer=layer)
                     continue
                 found_iter = iter(found)
-                yield pb.LayerReady(layer=-1, results=[
-                    self._get_one(item.key, next(found_iter), None) if header is not None else pb.GetResult(found=False)
-                    for item, (_, header, _) in zip(request.items, plan)])
+                ordered = [next(found_iter) if header is not None else None for _, header, _ in plan]
+                self.store.metrics.misses.inc(sum(header is None for _, header, _ in plan))
+                self._count(tenant, "get", ordered)
+                yield pb.LayerReady(layer=-1, results=[self._result(item.key, r)
+                                                       for item, r in zip(request.items, ordered)])
         except BadRequest as exc:
             await context.abort(exc.code, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except BlockGoneError as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        finally:
+            self.store.metrics.rpc_seconds.labels("GetLayers").observe(time.perf_counter() - started)
 
     @_rpc
     async def ExportGpuPool(self, request: pb.ExportGpuPoolRequest, context) -> pb.ExportGpuPoolResponse:
@@ -275,24 +353,24 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Release(self, request: pb.KeysRequest, context) -> pb.CountResponse:
-        return pb.CountResponse(count=self.store.release(self._stored_keys(request.keys, context)))
+        return pb.CountResponse(count=self.store.release(self._stored_keys(self._tenant(context), request.keys)))
 
     @staticmethod
-    def _get_one(client_key: bytes, found: GetResult | None, buffer: bytearray | None) -> pb.GetResult:
+    def _result(client_key: bytes, found: GetResult | None) -> pb.GetResult:
+        """A result without its payload (which travels in the arena, or is appended by _encode_get)."""
         if found is None:
             return pb.GetResult(found=False)
         meta = meta_from_header(found.header)
         meta.key = client_key  # the caller's key, not the tenant-derived stored key
-        return pb.GetResult(found=True, meta=meta, tier=found.tier,
-                            inline=bytes(buffer[: found.header.payload_len]) if buffer is not None else b"")
+        return pb.GetResult(found=True, meta=meta, tier=found.tier)
 
     @_rpc
     async def Delete(self, request: pb.KeysRequest, context) -> pb.CountResponse:
-        return pb.CountResponse(count=await self.store.delete(self._stored_keys(request.keys, context)))
+        return pb.CountResponse(count=await self.store.delete(self._stored_keys(self._tenant(context), request.keys)))
 
     @_rpc
     async def Pin(self, request: pb.KeysRequest, context) -> pb.CountResponse:
-        keys = self._stored_keys(request.keys, context)
+        keys = self._stored_keys(self._tenant(context), request.keys)
         missing = self.store.missing(keys)
         if missing:
             raise BadRequest(grpc.StatusCode.NOT_FOUND, f"cannot pin {len(missing)} keys that are not stored "
@@ -301,7 +379,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Unpin(self, request: pb.KeysRequest, context) -> pb.CountResponse:
-        return pb.CountResponse(count=self.store.unpin(self._stored_keys(request.keys, context)))
+        return pb.CountResponse(count=self.store.unpin(self._stored_keys(self._tenant(context), request.keys)))
 
     @_rpc
     async def Clear(self, request: pb.ClearRequest, context) -> pb.CountResponse:
@@ -312,6 +390,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        tenant = self._tenant(context)
+        if tenant.name:
+            return self._tenant_stats(tenant)
         m = self.store.metrics
         tiers = []
         for tier in self.store.tiers:
@@ -324,42 +405,77 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 bytes_out=m.value(m.bytes_out, tier=n)))
         return pb.StatsResponse(tiers=tiers, misses=m.value(m.misses), pinned=self.store.pinned,
                                 queue_depth=self.store.queue_depth, queue_dropped=m.value(m.queue_dropped),
-                                arenas=len(self.arenas), write_errors=self.store.write_errors)
+                                arenas=len(self.arenas), write_errors=self.store.write_errors,
+                                requested=m.total(m.requested))
 
-    def reap_arenas(self) -> int:
-        """Unmap the arenas of clients that exited without unregistering (crashed, killed): their
-        memory would otherwise stay mapped here for good. Only clients whose pid was visible at
-        registration are tracked; one in another pid namespace is never reaped. Returns how many."""
-        gone = [arena_id for arena_id, pid in self._arena_pids.items() if not _process_alive(pid)]
-        for arena_id in gone:
-            del self._arena_pids[arena_id]
-            arena = self.arenas.pop(arena_id, None)
-            if arena is not None:
-                arena.close()
-        if gone:
-            log.info("unmapped %d arenas of clients that exited without unregistering", len(gone))
-        return len(gone)
+    def _tenant_stats(self, tenant: Tenant) -> pb.StatsResponse:
+        """A named tenant's own traffic; nothing that moves with other tenants' use."""
+        usage = self._usage[tenant.name]
+        tiers = [pb.TierStats(name=t.name, capacity_bytes=t.capacity_bytes, hits=usage.hits[t.name],
+                              bytes_in=usage.bytes_in[t.name], bytes_out=usage.bytes_out[t.name])
+                 for t in self.store.tiers]
+        return pb.StatsResponse(tiers=tiers, misses=usage.misses, requested=usage.requested,
+                                arenas=self.arenas.count(tenant.name))
 
     @_rpc
     async def RegisterArena(self, request: pb.RegisterArenaRequest, context) -> pb.RegisterArenaResponse:
-        if len(self.arenas) >= MAX_ARENAS and not self.reap_arenas():
-            raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_ARENAS} arenas are registered already")
-        arena = Arena.attach(request.name, request.size)
-        await asyncio.get_running_loop().run_in_executor(None, arena.prefault)
-        arena_id = self._next_arena
-        self._next_arena += 1
-        self.arenas[arena_id] = arena
-        match = _ARENA_PID.fullmatch(request.name)
-        if match and _process_alive(int(match.group(1))):
-            self._arena_pids[arena_id] = int(match.group(1))
-        index = self.store.key_index
-        return pb.RegisterArenaResponse(arena_id=arena_id, index_name=index.name if index is not None else "")
+        raise BadRequest(grpc.StatusCode.FAILED_PRECONDITION,
+                         "arenas are handed out on the arena socket beside the daemon's unix socket "
+                         "(SOCKET.arena, see kvstore/arena.py), never mapped from a name")
 
     @_rpc
     async def UnregisterArena(self, request: pb.UnregisterArenaRequest, context) -> pb.CountResponse:
-        arena = self.arenas.pop(request.arena_id, None)
-        self._arena_pids.pop(request.arena_id, None)
-        if arena is None:
-            raise BadRequest(grpc.StatusCode.NOT_FOUND, f"arena {request.arena_id} is not registered")
-        arena.close()
+        try:
+            self.arenas.remove(request.arena_id, self._tenant(context))
+        except ArenaNotFound as exc:
+            raise BadRequest(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         return pb.CountResponse(count=1)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+#: Wire tags: GetResponse.results (field 1) and GetResult.inline (field 4), both length-delimited.
+_RESULTS_TAG, _INLINE_TAG = b"\x0a", b"\x22"
+
+
+def _encode_get(replies: list[tuple[pb.GetResult, memoryview | None]]) -> bytes:
+    """A serialized GetResponse whose inline payloads are copied once, from the buffers the tiers
+    read into straight into the reply (protobuf would copy each into the message, then out again)."""
+    pieces: list[bytes | memoryview] = []
+    for result, payload in replies:
+        head = result.SerializeToString()
+        if payload is None:
+            pieces += [_RESULTS_TAG, _varint(len(head)), head]
+            continue
+        inline_head = _INLINE_TAG + _varint(len(payload))
+        pieces += [_RESULTS_TAG, _varint(len(head) + len(inline_head) + len(payload)), head, inline_head, payload]
+    return b"".join(pieces)
+
+
+def _serializer(message_type) -> Callable[[object], bytes]:
+    def serialize(message) -> bytes:
+        return message if isinstance(message, bytes) else message_type.SerializeToString(message)
+    return serialize
+
+
+def add_to_server(service: KVStoreService, server: grpc.aio.Server) -> None:
+    """Register the handlers, like the generated ``add_KVStoreServicer_to_server``, except that a
+    handler may return its reply already serialized (Get does, see :func:`_encode_get`)."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["KVStore"].methods:
+        request_type = getattr(pb, method.input_type.name)
+        reply_type = getattr(pb, method.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(getattr(service, method.name), request_deserializer=request_type.FromString,
+                                     response_serializer=_serializer(reply_type))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

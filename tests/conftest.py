@@ -34,7 +34,8 @@ class DaemonProcess(SpawnedDaemon):
         self.socket = folder / "kvstore.sock"
         super().__init__({"listen": f"unix:{self.socket}", "cpu_capacity": "64MiB",
                           "disk_path": str(folder / "disk"), "disk_capacity": "256MiB",
-                          "disk_fsync": "false", "log_level": "WARNING", **settings},
+                          "disk_fsync": "false", "log_level": "WARNING",
+                          "tenant_secret_file": str(folder / "tenant-secret"), **settings},
                          log_path=folder / "daemon.log")
         self.log = self.log_path
 

@@ -90,6 +90,12 @@ class Tier(ABC):
     def delete(self, key: bytes) -> int:
         """Remove a block; returns the bytes freed (0 if absent)."""
 
+    def payload_source(self, key: bytes) -> object | None:
+        """A zero-copy view of a stored payload (host memoryview or device tensor) that stays
+        valid until the block is deleted or replaced, for tiers that hold blocks in memory; None
+        for tiers that must read (the store then reads the whole block)."""
+        return None
+
     def busy(self, key: bytes) -> bool:
         """Whether a read in a worker thread is copying ``key`` now (eviction then picks another)."""
         return False

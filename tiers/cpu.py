@@ -88,6 +88,9 @@ class CpuTier(Tier):
         start = offset + header.header_len
         return memoryview(self._arena[start : start + header.payload_len])
 
+    def payload_source(self, key: bytes) -> memoryview:
+        return self.payload_view(key)
+
     def put(self, header: BlockHeader, payload: memoryview) -> None:
         if len(payload) != header.payload_len:
             raise ValueError(f"payload is {len(payload)} bytes, header says {header.payload_len}")

@@ -81,6 +81,9 @@ class GpuTier(Tier):
         offset, header = self._blocks[key]
         return self.pool[offset : offset + header.payload_len]
 
+    def payload_source(self, key: bytes) -> torch.Tensor:
+        return self.payload_tensor(key)
+
     def put(self, header: BlockHeader, payload: memoryview | torch.Tensor) -> None:
         if isinstance(payload, torch.Tensor):
             source = payload

@@ -195,7 +195,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions_in: _Optional[int] = ..., demotions_in: _Optional[int] = ..., corrupt: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "misses", "pinned", "queue_depth", "queue_dropped", "arenas", "write_errors")
+    __slots__ = ("tiers", "misses", "pinned", "queue_depth", "queue_dropped", "arenas", "write_errors", "requested")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class StatsResponse(_message.Message):
     QUEUE_DROPPED_FIELD_NUMBER: _ClassVar[int]
     ARENAS_FIELD_NUMBER: _ClassVar[int]
     WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     misses: int
     pinned: int
@@ -210,7 +211,8 @@ class StatsResponse(_message.Message):
     queue_dropped: int
     arenas: int
     write_errors: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., misses: _Optional[int] = ..., pinned: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_dropped: _Optional[int] = ..., arenas: _Optional[int] = ..., write_errors: _Optional[int] = ...) -> None: ...
+    requested: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., misses: _Optional[int] = ..., pinned: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_dropped: _Optional[int] = ..., arenas: _Optional[int] = ..., write_errors: _Optional[int] = ..., requested: _Optional[int] = ...) -> None: ...
 
 class RegisterArenaRequest(_message.Message):
     __slots__ = ("name", "size")

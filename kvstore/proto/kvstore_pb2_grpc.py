@@ -189,7 +189,9 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterArena(self, request, context):
-        """Shared-memory data plane: the client creates /dev/shm/NAME and the daemon maps it.
+        """Shared-memory data plane: arenas are handed out on the arena socket beside a unix listen
+        socket (kvstore/arena.py), never over gRPC; RegisterArena only answers FAILED_PRECONDITION
+        naming it. UnregisterArena releases one of the caller's arenas early.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
