@@ -16,6 +16,7 @@ from engine_adapter.client import KVStoreClient
 from kvstore import shm_index
 from kvstore.shm_index import MIN_SLOTS, KeyIndexReader, KeyIndexWriter
 from tests.test_daemon import BLOCK, NS, make_blocks
+from tests.test_s3 import wait_for
 
 TIERS = ["gpu", "cpu", "disk", "s3"]
 
@@ -194,17 +195,18 @@ def test_clients_answer_lookup_locally_exactly_as_the_rpc_does(daemon_factory):
     keys, payloads = make_blocks(24, seed=11)
     with KVStoreClient(d.address) as local, KVStoreClient(d.address, local_lookup=False) as remote:
         def same(probe):
-            time.sleep(0.02)
-            a, b = local.lookup(probe), remote.lookup(probe)
-            assert a == b, (a, b)
-            return a
+            # Background promotions may move a block between the two lookups: equal once settled.
+            def agree():
+                a, b = local.lookup(probe), remote.lookup(probe)
+                return (a,) if a == b else None
+            return wait_for(agree, 5, "the local Lookup to equal the RPC's")[0]
 
         assert same(keys).hits == 0
         local.put(NS, [(k, 64, p) for k, p in zip(keys[:16], payloads[:16])])
         result = same(keys)
         assert result.hits == 16 and set(result.tiers) == {"cpu", "disk"}
         local.get(keys[:3], BLOCK)  # disk hits are promoted in the background
-        time.sleep(0.3)
+        wait_for(lambda: remote.lookup(keys[:3]).tiers == ("cpu",) * 3, 5, "the promotions")
         same(keys)
         assert local.delete([keys[5]]) == 1
         assert same(keys).hits == 5
