@@ -222,9 +222,6 @@ class BlockStore:
 
     # -- queries ------------------------------------------------------------------------------
 
-    def layout_of(self, namespace: bytes) -> KVLayout | None:
-        return self._layouts.get(namespace)
-
     def locate(self, key: bytes) -> int | None:
         """Index of the highest tier holding ``key``."""
         for level, tier in enumerate(self.tiers):
