@@ -212,6 +212,40 @@ def greedy_from(model: LlamaModel, kv: KVCache, context_len: int, question_ids: 
     return reference[:p] + decode_loop(model, kv, logits[p], max_new_tokens - p, eos)
 
 
+# -- the transform codec, calibrated on held-out contexts ---------------------------------------------------
+
+
+def kvtc_codecs(model: LlamaModel, tokenizer, args, evaluated: set[int], log) -> dict:
+    """``{spec: codec}`` for each --kvtc allocation, calibrated on --calibration-items (never evaluated ones)."""
+    from compression import calibration_store
+    from compression.calibrate import collect
+    from compression.calibration import Allocation, calibrate
+
+    overlap = evaluated & set(args.calibration_items)
+    if overlap:
+        raise SystemExit(f"--calibration-items {sorted(overlap)} are also evaluated; calibrate on other contexts")
+    items = json.loads(args.data.read_text())
+    texts = []
+    for i in args.calibration_items:
+        document = "\n\n".join(p["text"] for p in items[i]["ctxs"])
+        texts.append(document_prompt(tokenizer, document, items[i]["question"])[0])
+    start = time.perf_counter()
+    stats = collect(model, texts)
+    base = calibrate(stats.blocks, Allocation(0.5, 0.5), metric=stats.metric(1),
+                     source=f"MuSiQue dev items {args.calibration_items}, {stats.tokens} tokens")
+    log(f"kvtc calibration: {stats.tokens} tokens from dev items {args.calibration_items} "
+        f"in {time.perf_counter() - start:.0f} s")
+    out = {}
+    for text in args.kvtc:
+        parts = [float(v) for v in text.split(":")]
+        calibration = base.with_allocation(Allocation(*parts))
+        calibration_store.register(calibration)
+        spec = f"kvtc@{calibration.id[:12]}"
+        log(f"{spec}: steps {text}, {int(calibration.kept.sum())}/{calibration.kept.numel()} components kept")
+        out[spec] = get_codec(spec)
+    return out
+
+
 # -- one run -----------------------------------------------------------------------------------------------------
 
 
@@ -221,6 +255,8 @@ class CodecScore:
     fp16_bytes: int = 0
     encoded_bytes: int = 0
     kl: list[float] = field(default_factory=list)  # every answer position of every question
+    first_kl: list[float] = field(default_factory=list)  # the first answer position, per question
+    first_agree: list[bool] = field(default_factory=list)
     agree: list[bool] = field(default_factory=list)
     exact: list[bool] = field(default_factory=list)  # per question
     f1: list[float] = field(default_factory=list)
@@ -236,7 +272,9 @@ class CodecScore:
         f1 = sum(self.f1) / len(self.f1)
         return {"codec": self.codec, "ratio": self.ratio, "kl_mean": float(kl.mean()),
                 "kl_p95": float(kl.quantile(0.95)), "kl_max": float(kl.max()),
-                "agree": sum(self.agree) / len(self.agree), "exact": sum(self.exact) / len(self.exact),
+                "agree": sum(self.agree) / len(self.agree),
+                "first_kl": sum(self.first_kl) / len(self.first_kl),
+                "first_agree": sum(self.first_agree) / len(self.first_agree), "exact": sum(self.exact) / len(self.exact),
                 "f1": f1, "delta_f1": f1 - ref_f1, "positions": len(self.kl),
                 "encode_decode_gbps": self.fp16_bytes / self.codec_s / 1e9 if self.codec_s else None}
 
@@ -296,6 +334,10 @@ def main() -> int:
                         help="where each context's fp16 KV is kept between runs (default /tmp/kvstore-codec-quality)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: 2 threads on these shared cores measured 2x slower)")
+    parser.add_argument("--kvtc", nargs="*", default=[], metavar="KEY:VALUE[:DROP]",
+                        help="also measure the transform codec calibrated with these relative steps (e.g. 0.2:0.2:0.2)")
+    parser.add_argument("--calibration-items", type=int, nargs="+", default=[33, 5],
+                        help="dev.json indices whose contexts calibrate kvtc (default 33 5; must not be evaluated)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     if args.limit < 1 or args.max_new_tokens < 1:
@@ -308,6 +350,8 @@ def main() -> int:
     model, tokenizer = load_gguf(find_smollm2_gguf(), dtype=torch.float32)
     eos = tokenizer.eos_token_ids
     questions = load_questions(args.data, tokenizer, args.limit, args.seed)
+    if args.kvtc:
+        codecs.update(kvtc_codecs(model, tokenizer, args, {q.index for q in questions}, log))
     scores = {spec: CodecScore(codecs[spec].name) for spec in codecs}
     reference = CodecScore("fp16 (reference)")
     prefill_s, started = [], time.perf_counter()
@@ -344,7 +388,10 @@ def main() -> int:
                 score.fp16_bytes += fp16_bytes
                 score.encoded_bytes += encoded_bytes
                 logits = teacher_forced_logits(model, kv, n_ctx, q.question_ids, answer)
-                score.kl += kl_per_position(ref_logits, logits).tolist()
+                kl = kl_per_position(ref_logits, logits)
+                score.kl += kl.tolist()
+                score.first_kl.append(float(kl[0]))
+                score.first_agree.append(bool(logits[0].argmax() == ref_argmax[0]))
                 score.agree += (logits.argmax(-1) == ref_argmax).tolist()
                 tokens = greedy_from(model, kv, n_ctx, q.question_ids, answer, ref_argmax, logits,
                                      args.max_new_tokens, eos)
@@ -371,12 +418,15 @@ def main() -> int:
         print(f"context prefills this run: {len(prefill_s)}, mean {sum(prefill_s) / len(prefill_s):.1f} s "
               f"(cached in {args.cache_dir})")
     print(f"wall time {time.perf_counter() - started:.0f} s\n")
-    print("| codec | ratio vs fp16 | KL mean (nats) | KL p95 | agreement % | exact % | F1 | dF1 vs fp16 |")
-    print("|---|---|---|---|---|---|---|---|")
-    print(f"| fp16 (reference) | 1.00x | 0 | 0 | 100.0 | 100.0 | {ref_f1:.3f} | 0 |")
+    print("| codec | ratio vs fp16 | first KL | first agree % | KL mean (nats) | KL p95 | agreement % | exact % "
+          "| F1 | dF1 vs fp16 | enc+dec GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| fp16 (reference) | 1.00x | 0 | 100.0 | 0 | 0 | 100.0 | 100.0 | {ref_f1:.3f} | 0 | - |")
     for r in rows:
-        print(f"| {r['codec']} | {r['ratio']:.2f}x | {r['kl_mean']:.4f} | {r['kl_p95']:.4f} | "
-              f"{100 * r['agree']:.1f} | {100 * r['exact']:.1f} | {r['f1']:.3f} | {r['delta_f1']:+.3f} |")
+        print(f"| {r['codec']} | {r['ratio']:.2f}x | {r['first_kl']:.4f} | {100 * r['first_agree']:.1f} | "
+              f"{r['kl_mean']:.4f} | {r['kl_p95']:.4f} | "
+              f"{100 * r['agree']:.1f} | {100 * r['exact']:.1f} | {r['f1']:.3f} | {r['delta_f1']:+.3f} | "
+              f"{r['encode_decode_gbps']:.3f} |")
     print("\nKL and agreement are the sensitive measures: with a 135M model F1 moves in steps of one "
           f"question (1/{len(questions)} = {1 / len(questions):.3f} of F1 per fully flipped answer).")
 

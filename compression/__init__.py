@@ -7,7 +7,7 @@
 Importing this package needs torch, numpy, lz4 and zstandard, not triton.
 """
 
-from compression import codecs  # noqa: F401  (registers the codecs)
+from compression import codecs, transform  # noqa: F401  (register the codecs)
 from compression.base import (
     QUANTIZERS,
     STAGES,

@@ -163,6 +163,8 @@ class ChainCodec(Codec):
 QuantizerFactory = Callable[[int | None], Codec]  # group_size from "-g<N>" (None: default) -> Codec
 QUANTIZERS: dict[str, QuantizerFactory] = {}
 STAGES: dict[str, Callable[[], LosslessStage]] = {}
+# quantizers that need a calibration, spelled "<name>[-<option>]@<calibration id>": name -> parser(head)
+CALIBRATED: dict[str, Callable[[str], Codec]] = {}
 
 
 def register_quantizer(name: str, factory: QuantizerFactory) -> None:
@@ -173,9 +175,14 @@ def register_stage(name: str, factory: Callable[[], LosslessStage]) -> None:
     STAGES[name] = factory
 
 
+def register_calibrated(name: str, parser: Callable[[str], Codec]) -> None:
+    CALIBRATED[name] = parser
+
+
 def known_codecs() -> str:
     return (
         f"quantizers {sorted(QUANTIZERS)} (int4/int2 take -g<group_size>, e.g. int4-g32), "
+        f"calibrated {sorted(CALIBRATED)} (e.g. 'kvtc@<calibration id>', see `kvstore calibrate`), "
         f"lossless stages {sorted(STAGES)} joined with '+', e.g. 'int8+shuffle+zstd'"
     )
 
@@ -183,6 +190,15 @@ def known_codecs() -> str:
 def get_codec(spec: str) -> Codec:
     """The codec for a spec like "int4-g32+shuffle+zstd"; ValueError naming the known ones."""
     head, *stage_names = spec.split("+")
+    if "@" in head:
+        name = head.partition("@")[0].partition("-")[0]
+        if name not in CALIBRATED:
+            raise ValueError(f"unknown calibrated codec {name!r} in {spec!r}; known: {known_codecs()}")
+        for stage in stage_names:
+            if stage not in STAGES:
+                raise ValueError(f"unknown lossless stage {stage!r} in {spec!r}; known: {known_codecs()}")
+        quantizer = CALIBRATED[name](head)
+        return ChainCodec(quantizer, [STAGES[s]() for s in stage_names]) if stage_names else quantizer
     quant_name, has_group, group = head.partition("-g")
     if quant_name not in QUANTIZERS:
         raise ValueError(f"unknown codec {quant_name!r} in {spec!r}; known: {known_codecs()}")

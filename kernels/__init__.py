@@ -48,3 +48,14 @@ def ops(x: torch.Tensor, choice: str | None = None) -> ModuleType:
     from kernels import quant_ref
 
     return quant_ref
+
+
+def transform_ops(x: torch.Tensor, choice: str | None = None) -> ModuleType:
+    """kernels.transform or kernels.transform_ref for x (the transform codec's kernels); same rule as `ops`."""
+    if backend(x, choice) == "triton":
+        from kernels import transform
+
+        return transform
+    from kernels import transform_ref
+
+    return transform_ref

@@ -192,6 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ingest.add_argument("--tenant", default="", help="tenant salt of the keys")
     ingest.set_defaults(run=cmd_ingest)
+
+    from compression import calibrate  # the transform codec's calibration (kvtc)
+
+    cal = sub.add_parser("calibrate", help="learn a transform-codec calibration (kvtc) from text",
+                         description="Prefill FILEs with the model, learn a PCA basis and bit allocation per layer "
+                                     "and K/V, save it by its hash and store it in the daemon; prints the codec spec.")
+    calibrate.add_arguments(cal)
+    cal.set_defaults(run=calibrate.run)
     return parser
 
 

@@ -33,9 +33,10 @@ def decode_payload(header: BlockHeader, payload: bytes | memoryview) -> torch.Te
 
 
 def transcode(header: BlockHeader, payload: bytes | memoryview, spec: str) -> tuple[BlockHeader, memoryview]:
-    """``(header, payload)`` re-encoded with codec ``spec``; unchanged when it already is."""
+    """``(header, payload)`` re-encoded with codec ``spec``; unchanged when it already is, or when
+    the block must stay bit-exact (``codec_params["exact"]``: a codec's calibration, say)."""
     codec = get_codec(spec)
-    if codec.name == header.codec:
+    if codec.name == header.codec or header.codec_params.get("exact"):
         return header, memoryview(payload)
     encoded = codec.encode(decode_payload(header, payload))
     new_payload = memoryview(encoded.payload)

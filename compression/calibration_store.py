@@ -1,0 +1,148 @@
+"""Where calibrations live, and how a codec finds one by id.
+
+A block encoded with the transform codec names its calibration by id (SHA-256 hex) in its codec
+params; decoding calls `resolve(id)`, which looks in this order:
+
+1. calibrations already loaded in this process (`register`);
+2. the calibration directory: ``$KVSTORE_CALIBRATION_DIR``, default ``~/.cache/kvstore/calibrations``,
+   one file ``<id>.kvcal`` each (written by ``kvstore calibrate``);
+3. the sources added with `add_source`, e.g. `client_source(client)`, which Gets the calibration
+   block from a kvstore daemon, so every tier (and another host sharing the S3 bucket) serves it.
+
+A calibration is stored in the cache as a raw float16 block of the namespace
+`calibration_namespace()`: key = the first 16 bytes of its id, payload = its bytes zero-padded
+to whole 256-byte "tokens" ([1, 2, 1, tokens, 64] float16). The bytes are checked against the id
+on every load, so a wrong or damaged copy is never used.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from compression.calibration import Calibration
+
+CALIBRATION_DIR_ENV = "KVSTORE_CALIBRATION_DIR"
+SUFFIX = ".kvcal"
+CALIBRATION_MODEL_ID = "kvstore-calibration"
+_TOKEN_BYTES = 2 * 64 * 2  # one "token" of the [1, 2, 1, T, 64] float16 carrier block
+
+Source = Callable[[str], bytes | None]  # full id -> calibration bytes (possibly padded), or None
+
+_lock = threading.Lock()
+_loaded: dict[str, Calibration] = {}
+_sources: list[Source] = []
+
+
+def calibration_dir() -> Path:
+    return Path(os.environ.get(CALIBRATION_DIR_ENV) or Path.home() / ".cache" / "kvstore" / "calibrations")
+
+
+def register(calibration: Calibration) -> str:
+    """Make a calibration resolvable in this process; returns its id."""
+    with _lock:
+        _loaded[calibration.id] = calibration
+    return calibration.id
+
+
+def add_source(source: Source) -> None:
+    """Consult ``source(id)`` when an id is neither loaded nor in the calibration directory."""
+    with _lock:
+        if source not in _sources:
+            _sources.append(source)
+
+
+def remove_source(source: Source) -> None:
+    with _lock:
+        if source in _sources:
+            _sources.remove(source)
+
+
+def save(calibration: Calibration, folder: Path | None = None) -> Path:
+    """Write ``<id>.kvcal`` into the calibration directory (atomically); returns the path."""
+    folder = folder or calibration_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{calibration.id}{SUFFIX}"
+    if not path.exists():
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(calibration.to_bytes)
+        os.replace(tmp, path)
+    return path
+
+
+def _checked(raw: bytes, calibration_id: str) -> Calibration:
+    calibration = Calibration.from_bytes(raw)
+    if calibration.id != calibration_id:
+        raise ValueError(f"calibration bytes hash to {calibration.id[:16]}..., not the requested {calibration_id[:16]}...")
+    return calibration
+
+
+def resolve(id_or_prefix: str) -> Calibration:
+    """The calibration with this id (or unique id prefix of >= 8 hex digits); ValueError if none."""
+    if len(id_or_prefix) < 8:
+        raise ValueError(f"calibration id {id_or_prefix!r} is too short; give at least 8 hex digits")
+    with _lock:
+        matches = [c for i, c in _loaded.items() if i.startswith(id_or_prefix)]
+        sources = list(_sources)
+    if len(matches) == 1:
+        return matches[0]
+    folder = calibration_dir()
+    files = sorted(folder.glob(f"{id_or_prefix}*{SUFFIX}")) if folder.is_dir() else []
+    if len(matches) > 1 or len(files) > 1:
+        raise ValueError(f"calibration id prefix {id_or_prefix!r} is ambiguous; give more digits")
+    if files:
+        full_id = files[0].name[: -len(SUFFIX)]
+        calibration = _checked(files[0].read_bytes(), full_id)
+        register(calibration)
+        return calibration
+    if len(id_or_prefix) == 64:
+        for source in sources:
+            raw = source(id_or_prefix)
+            if raw is not None:
+                calibration = _checked(raw, id_or_prefix)
+                register(calibration)
+                return calibration
+    raise ValueError(f"calibration {id_or_prefix!r} is not loaded, not in {folder} and no source has it; "
+                     f"run `kvstore calibrate` (or copy its .kvcal file there), or add the daemon with "
+                     f"compression.calibration_store.add_source(client_source(client))")
+
+
+# -- the calibration as a block in the cache ----------------------------------------------------------
+
+
+def calibration_namespace(tenant: str = ""):
+    """The namespace calibration blocks are stored under (one for all models: ids are content hashes)."""
+    from kvstore.keys import KVLayout, Namespace
+
+    return Namespace(CALIBRATION_MODEL_ID, KVLayout(1, 1, 64, "float16"), tenant=tenant, chunk_tokens=65536)
+
+
+def calibration_key(calibration_id: str) -> bytes:
+    return bytes.fromhex(calibration_id)[:16]
+
+
+def calibration_block(calibration: Calibration) -> tuple[bytes, int, bytes]:
+    """``(key, tokens, payload)`` for `KVStoreClient.put` in `calibration_namespace()`."""
+    raw = calibration.to_bytes
+    tokens = -(-len(raw) // _TOKEN_BYTES)
+    return calibration_key(calibration.id), tokens, raw + bytes(tokens * _TOKEN_BYTES - len(raw))
+
+
+def put_calibration(client: Any, calibration: Calibration, tenant: str = "", durable: bool = False) -> int:
+    """Store a calibration through a `KVStoreClient` (every tier, S3 included); returns blocks stored."""
+    # "exact": the daemon never re-encodes this block for a lossy lower tier (kvstore/transcode.py).
+    return client.put(calibration_namespace(tenant), [calibration_block(calibration)], durable=durable,
+                      codec_params={"exact": True})
+
+
+def client_source(client: Any) -> Source:
+    """A source that Gets calibration blocks from a kvstore daemon through `KVStoreClient`."""
+
+    def fetch(calibration_id: str) -> bytes | None:
+        key = calibration_key(calibration_id)
+        (raw,) = client.get([key], max_payload_bytes=64 << 20)
+        return None if raw is None else bytes(raw)
+
+    return fetch

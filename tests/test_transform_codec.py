@@ -1,0 +1,160 @@
+"""The calibrated transform codec (kvtc): calibration bytes and ids, the entropy stages, the
+error bound on irregular blocks, spec parsing, and calibrations stored in and resolved from the
+cache through a real daemon."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compression import calibration_store, decode_block, get_codec
+from compression.calibration import Allocation, Calibration, calibrate
+from compression.entropy import decode_rows, encode_rows
+from compression.transform import TransformCodec
+
+LAYERS, HEADS, HEAD_DIM = 3, 2, 16
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def kv_block(tokens: int, seed: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """[L, 2, H, T, D] correlated non-zero data: a low-rank part, outlier channels, an offset, noise."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(LAYERS, 2, 8, HEADS * HEAD_DIM, generator=torch.Generator().manual_seed(99))  # shared "model"
+    latent = torch.randn(LAYERS, 2, tokens, 8, generator=g)
+    x = latent @ mix + 0.1 * torch.randn(LAYERS, 2, tokens, HEADS * HEAD_DIM, generator=g) + 0.3
+    x[..., 5] *= 6.0  # an outlier channel
+    x = x.view(LAYERS, 2, tokens, HEADS, HEAD_DIM).permute(0, 1, 3, 2, 4)
+    return x.contiguous().to(dtype)
+
+
+@pytest.fixture(scope="module")
+def calibration() -> Calibration:
+    return calibrate([kv_block(300, seed=1), kv_block(200, seed=2)], Allocation(0.2, 0.3), source="test")
+
+
+@pytest.fixture(autouse=True)
+def isolated_store(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration_store.CALIBRATION_DIR_ENV, str(tmp_path / "calibrations"))
+
+
+def test_calibration_bytes_round_trip_and_id(calibration):
+    raw = calibration.to_bytes
+    again = Calibration.from_bytes(raw + bytes(100))  # padding of a stored block is ignored
+    assert again.id == calibration.id and len(calibration.id) == 64
+    assert torch.equal(again.analysis, calibration.analysis) and torch.equal(again.step, calibration.step)
+    # analysis and synthesis invert each other; the basis puts the most variance first
+    eye = torch.bmm(calibration.analysis, calibration.synthesis)
+    assert torch.allclose(eye, torch.eye(eye.shape[-1]).expand_as(eye), atol=1e-4)
+    assert (calibration.std[:, :-1] >= calibration.std[:, 1:] - 1e-6).all()
+    other = calibration.with_allocation(Allocation(0.5, 0.5))
+    assert other.id != calibration.id and other.kept.sum() <= calibration.kept.sum()
+    assert (other.step >= calibration.step).all()
+
+
+@pytest.mark.parametrize("coder", ["rans", "zstd"])
+def test_entropy_stages_are_exact(coder):
+    g = np.random.default_rng(0)
+    codes = np.concatenate([
+        np.round(g.laplace(0, 3.0, (40, 77))), np.zeros((3, 77)),  # ordinary rows, all-zero rows
+        np.round(g.laplace(0, 0.2, (5, 77))), np.full((1, 77), -300.0),  # nearly zero, wide (int16)
+    ]).astype(np.int32)
+    codes[7, 3] = 32767
+    raw = encode_rows(codes, coder)
+    assert np.array_equal(decode_rows(raw, *codes.shape, coder), codes)
+
+
+def test_rans_beats_zstd_on_mixed_scales():
+    g = np.random.default_rng(1)
+    scales = np.geomspace(0.05, 20, 64)[:, None]
+    codes = np.round(g.laplace(0, 1.0, (64, 256)) * scales).astype(np.int32)
+    assert len(encode_rows(codes, "rans")) < 0.95 * len(encode_rows(codes, "zstd"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 37, 256])
+@pytest.mark.parametrize("coder", ["rans", "zstd"])
+def test_codec_holds_its_error_bound(calibration, dtype, tokens, coder):
+    calibration_store.register(calibration)
+    codec = get_codec(("kvtc" if coder == "rans" else "kvtc-zstd") + "@" + calibration.id[:12])
+    block = kv_block(tokens, seed=tokens + 7, dtype=dtype)
+    encoded = codec.encode(block)
+    assert encoded.params["calibration"] == calibration.id and encoded.codec == codec.name
+    decoded = decode_block(encoded, tuple(block.shape), dtype)
+    assert decoded.dtype == dtype and decoded.shape == block.shape
+    err = (decoded.double() - block.double()).abs().max().item()
+    bound = codec.error_bound(block)
+    assert err <= bound, f"max error {err} above the bound {bound}"
+    if tokens >= 37:  # (a 1-token block is mostly the stream header: row scales and the range table)
+        assert encoded.nbytes < block.numel() * 2 / 2  # at least 2x smaller than fp16 on correlated data
+
+
+def test_codec_error_shrinks_with_the_step(calibration):
+    block = kv_block(128, seed=5, dtype=torch.float32)
+    errors = []
+    for step in (0.4, 0.1, 0.02):
+        codec = TransformCodec(calibration.with_allocation(Allocation(step, step)))
+        encoded = codec.encode(block)
+        errors.append(float((codec.decode(encoded.payload, encoded.params, block.shape, block.dtype) - block).abs().mean()))
+    assert errors[0] > errors[1] > errors[2]
+
+
+def test_spec_errors_name_the_fix(calibration):
+    with pytest.raises(ValueError, match="kvtc@<calibration id>"):
+        get_codec("kvtc-lz9@0123456789ab")
+    with pytest.raises(ValueError, match="hex digits"):
+        get_codec("kvtc@xyz")
+    with pytest.raises(ValueError, match="kvstore calibrate"):
+        get_codec("kvtc@0123456789ab").encode(kv_block(4, seed=0))
+    with pytest.raises(ValueError, match="does not match"):
+        TransformCodec(calibration).encode(torch.randn(1, 2, 1, 8, 8).half() + 1)
+
+
+def test_resolve_from_directory_and_rejects_tampered_bytes(calibration, tmp_path):
+    path = calibration_store.save(calibration)
+    calibration_store._loaded.pop(calibration.id, None)
+    assert calibration_store.resolve(calibration.id[:10]).id == calibration.id
+    calibration_store._loaded.pop(calibration.id, None)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="hash to"):
+        calibration_store.resolve(calibration.id)
+
+
+def test_calibration_travels_through_the_daemon(calibration, daemon):
+    """Put through KVStoreClient, drop every local copy, decode a block by Getting it back."""
+    from engine_adapter.client import KVStoreClient
+
+    block = kv_block(64, seed=11)
+    encoded = TransformCodec(calibration).encode(block)
+    with KVStoreClient(daemon.address) as client:
+        assert calibration_store.put_calibration(client, calibration) == 1
+        calibration_store._loaded.pop(calibration.id, None)
+        source = calibration_store.client_source(client)
+        calibration_store.add_source(source)
+        try:
+            decoded = decode_block(encoded, tuple(block.shape), block.dtype)
+        finally:
+            calibration_store.remove_source(source)
+    assert (decoded.double() - block.double()).abs().max() <= TransformCodec(calibration).error_bound(block)
+
+
+def test_exact_blocks_such_as_calibrations_are_never_transcoded():
+    """A lossy disk_codec/s3_codec would destroy a calibration's bytes (their hash is checked on load)."""
+    import dataclasses
+
+    import numpy as np
+
+    from kvstore.block import BlockHeader, payload_checksum
+    from kvstore.keys import KVLayout
+    from kvstore.transcode import transcode
+
+    layout = KVLayout(2, 1, 8, "float16")
+    payload = np.random.default_rng(5).standard_normal(layout.block_bytes(4) // 2).astype(np.float16).tobytes()
+    header = BlockHeader(key=b"c" * 16, namespace=b"n" * 16, layout=layout, tokens=4, payload_len=len(payload),
+                         checksum=payload_checksum(payload), codec="raw", codec_params={"exact": True})
+    same_header, same_payload = transcode(header, payload, "int8")
+    assert same_header == header and bytes(same_payload) == payload
+    lossy_header, _ = transcode(dataclasses.replace(header, codec_params={}), payload, "int8")
+    assert lossy_header.codec == "int8"
