@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -33,10 +34,13 @@ import numpy as np
 from kvstore.arena import Arena, ArenaLease, arena_socket_path
 from kvstore.config import default_listen
 from kvstore.keys import KVLayout, Namespace
+from kvstore.limits import MAX_ITEMS_PER_CALL
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.shm_index import KeyIndexReader
 from tiers.allocator import ExtentAllocator
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -100,9 +104,12 @@ class KVStoreClient:
         self._local_lookup = local_lookup
         #: Lookups answered from the shared key index and over gRPC (for tests and benchmarks).
         self.local_lookups = self.rpc_lookups = 0
-        if shared_memory is None:
-            shared_memory = self.address.startswith("unix:")
-        if shared_memory:
+        if shared_memory is None and self.address.startswith("unix:"):
+            try:
+                self._register_arena(arena_bytes)
+            except (OSError, ConnectionError) as exc:  # refused or unreachable: bytes go inline instead
+                log.warning("no shared-memory arena from %s (%s); block bytes travel inline", self.address, exc)
+        elif shared_memory:
             self._register_arena(arena_bytes)
 
     # -- connection ---------------------------------------------------------------------------
@@ -182,7 +189,7 @@ class KVStoreClient:
         budget = self._allocator.capacity // 2 if self._allocator else 1 << 62
         start, used = 0, 0
         for i, size in enumerate(sizes):
-            if i > start and used + size > budget:
+            if i > start and (used + size > budget or i - start == MAX_ITEMS_PER_CALL):
                 yield range(start, i)
                 start, used = i, 0
             used += size + 4096
@@ -321,8 +328,8 @@ class KVStoreClient:
     def max_fetch_blocks(self, max_payload_bytes: int) -> int:
         """How many blocks one :meth:`fetch` can carry through the arena."""
         if self._allocator is None:
-            return 1 << 30
-        return max(1, self._allocator.capacity // 2 // (max_payload_bytes + 4096))
+            return MAX_ITEMS_PER_CALL
+        return max(1, min(MAX_ITEMS_PER_CALL, self._allocator.capacity // 2 // (max_payload_bytes + 4096)))
 
     def get(self, keys: Sequence[bytes], max_payload_bytes: int) -> list[bytes | None]:
         """Convenience: payload copies (None for misses)."""

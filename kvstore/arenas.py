@@ -5,7 +5,10 @@ See kvstore/arena.py for the protocol and why arenas are sealed memfds. Here:
 - ``ArenaRegistry``: arena id -> (arena, tenant, peer pid). A slice is resolved only for the
   tenant that registered the arena; any other caller gets exactly the "not registered" error of an
   unknown id (so an id's existence tells nobody anything). Caps: ``max_arena_bytes`` per arena,
-  ``max_arenas_per_client`` per peer process (from SO_PEERCRED), ``MAX_ARENAS`` in all.
+  ``max_arenas_per_client`` per peer process (from SO_PEERCRED), ``max_arena_total_bytes`` in all
+  and, with named tenants, an equal share of it per tenant (a process that forks to get around the
+  per-process cap still cannot starve another tenant), and ``MAX_ARENAS`` in all (each holds two
+  fds). Refusals name the caller's own cap, never what others hold.
 - ``ArenaSocket``: a unix socket beside the gRPC one (mode 0600), on the daemon's event loop. A
   request is one JSON line; the reply one JSON line with the memfd attached. The connection then
   stays open: when it closes (the client closed it, exited or crashed), the arena is unmapped.
@@ -29,12 +32,12 @@ from kvstore.auth import Tenant, TenantDirectory
 
 log = logging.getLogger("kvstore.arenas")
 
-#: Arenas registered at once, all clients together.
-MAX_ARENAS = 1024
+#: Arenas registered at once, all clients together (each holds the connection's fd and the mapping's).
+MAX_ARENAS = 256
 #: Connections still sending their request (a client that connects and says nothing is dropped).
-MAX_PENDING = 64
-#: Seconds a connection may take to send its request.
-REQUEST_TIMEOUT_S = 5.0
+MAX_PENDING = 256
+#: Seconds a connection may take to send its request (a local client sends it at once).
+REQUEST_TIMEOUT_S = 1.0
 
 
 class ArenaNotFound(ValueError):
@@ -50,9 +53,13 @@ class _Entry:
 
 
 class ArenaRegistry:
-    def __init__(self, max_arena_bytes: int, max_arenas_per_client: int) -> None:
+    def __init__(self, max_arena_bytes: int, max_arenas_per_client: int, max_total_bytes: int = 0,
+                 tenants: int = 1) -> None:
         self.max_arena_bytes = max_arena_bytes
         self.max_arenas_per_client = max_arenas_per_client
+        self.max_total_bytes = max_total_bytes or max_arena_bytes * max_arenas_per_client
+        #: Bytes one tenant may hold: an equal share of the total when tenants are named.
+        self.max_tenant_bytes = self.max_total_bytes // max(1, tenants)
         self._entries: dict[int, _Entry] = {}
 
     def __len__(self) -> int:
@@ -74,13 +81,19 @@ class ArenaRegistry:
     def size(self, arena_id: int, tenant: Tenant) -> int:
         return self._entry(arena_id, tenant).arena.size
 
-    def check(self, size: int, pid: int) -> None:
-        """Raise PermissionError naming the cap a new ``size``-byte arena of process ``pid`` would break."""
+    def check(self, size: int, pid: int, tenant: Tenant) -> None:
+        """Raise PermissionError naming the cap a new ``size``-byte arena of ``tenant``'s process
+        ``pid`` would break."""
         if not 0 < size <= self.max_arena_bytes:
             raise PermissionError(f"an arena of {size} bytes is outside 1..{self.max_arena_bytes} "
                                   f"(max_arena_bytes)")
-        if len(self._entries) >= MAX_ARENAS:
-            raise PermissionError(f"{MAX_ARENAS} arenas are registered already")
+        held = sum(e.arena.size for e in self._entries.values() if e.tenant == tenant.name)
+        if held + size > self.max_tenant_bytes:
+            raise PermissionError(f"your arenas would hold {held + size} bytes; your share is "
+                                  f"{self.max_tenant_bytes} (max_arena_total_bytes)")
+        if len(self._entries) >= MAX_ARENAS or \
+                sum(e.arena.size for e in self._entries.values()) + size > self.max_total_bytes:
+            raise PermissionError("the daemon has no room for another arena now; try again later")
         if sum(e.pid == pid for e in self._entries.values()) >= self.max_arenas_per_client:
             raise PermissionError(f"process {pid} holds {self.max_arenas_per_client} arenas already "
                                   f"(max_arenas_per_client)")
@@ -88,7 +101,7 @@ class ArenaRegistry:
     def add(self, arena: Arena, tenant: Tenant, pid: int) -> tuple[int, _Entry]:
         """Register a new arena of ``tenant``'s process ``pid`` (caps checked again: another
         registration may have landed while this one was being made)."""
-        self.check(arena.size, pid)
+        self.check(arena.size, pid, tenant)
         arena_id = 0
         while arena_id == 0 or arena_id in self._entries:
             arena_id = secrets.randbits(64)
@@ -218,13 +231,15 @@ class ArenaSocket:
             raise PermissionError(f"uid {uid} may not map this daemon's memory")
         try:
             request = json.loads(raw.decode())
-            size, token = int(request["size"]), str(request.get("token", ""))
-        except (ValueError, KeyError, TypeError, AttributeError):
+            size, token = request["size"], request.get("token", "")
+            if type(size) is not int or not isinstance(token, str):
+                raise TypeError
+        except Exception:  # noqa: BLE001 - any malformed request (deep nesting, 1e400, ...) gets this answer
             raise ValueError('the request must be one JSON line {"size": BYTES, "token": TOKEN}') from None
         tenant = self.tenants.resolve([("authorization", f"Bearer {token}")] if token else [])
         if tenant is None:
             raise PermissionError("missing or wrong bearer token")
-        self.registry.check(size, pid)
+        self.registry.check(size, pid, tenant)
         try:  # allocating and faulting in the pages takes a while: off the event loop
             arena, fd = await asyncio.get_running_loop().run_in_executor(None, _make_arena, size)
         except OSError as exc:

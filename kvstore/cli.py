@@ -46,6 +46,7 @@ _FIELD_HELP = {
     "tenant_secret_file": "server secret tenants' stored keys derive from (created 0600 when missing; share it between hosts sharing a bucket)",
     "max_arena_bytes": "largest shared-memory arena a client may map, e.g. 4GiB",
     "max_arenas_per_client": "shared-memory arenas one client process may hold at once",
+    "max_arena_total_bytes": "bytes of all shared-memory arenas together, e.g. 8GiB (named tenants get equal shares)",
     "tls_cert": "PEM certificate chain for TLS on TCP (with --tls-key)",
     "tls_key": "PEM private key for TLS on TCP",
     "gpu_capacity": "GPU tier size, e.g. 8GiB (0: no GPU tier)",

@@ -119,9 +119,11 @@ class DaemonConfig:
     #: Server secret tenants' stored keys are derived under (kvstore/auth.py); created (0600) when
     #: missing. Hosts that share a bucket and tenants share this file. "": in the cache folder.
     tenant_secret_file: str = field(default_factory=lambda: str(default_cache_dir() / "tenant-secret"))
-    #: Largest shared-memory arena one client may map, and arenas one client process may hold.
-    max_arena_bytes: int = 4 * 2**30
+    #: Largest shared-memory arena one client may map, arenas one client process may hold, and
+    #: bytes of all arenas together (with named tenants, each gets an equal share).
+    max_arena_bytes: int = 2 * 2**30
     max_arenas_per_client: int = 8
+    max_arena_total_bytes: int = 8 * 2**30
     #: PEM certificate chain and private key: TCP listening with TLS.
     tls_cert: str = ""
     tls_key: str = ""

@@ -83,7 +83,8 @@ class Daemon:
         self.store = BlockStore(tiers, self.metrics, write_through=config.write_policy == "write-through",
                                 queue_depth=config.queue_depth, promote_on_get=config.promote_on_get,
                                 codecs=codecs, key_index=self._key_index(tiers))
-        self.arenas = ArenaRegistry(config.max_arena_bytes, config.max_arenas_per_client)
+        self.arenas = ArenaRegistry(config.max_arena_bytes, config.max_arenas_per_client,
+                                    config.max_arena_total_bytes, len(self.tenants.tenants))
         self.service = KVStoreService(self.store, self.tenants, self.arenas, config.max_message_bytes)
         self.server: grpc.aio.Server | None = None
         #: Shared memory is offered on unix sockets only (kvstore/arena.py).
@@ -196,9 +197,20 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 1024 * 2**20)
 
 
+def raise_fd_limit() -> None:
+    """Lift the soft open-file limit to the hard one: every arena and connection holds fds, and a
+    daemon out of fds can serve no block (called once by ``kvstore serve``, never at import)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 async def run_daemon(config: DaemonConfig, ready: Callable[[str], None] | None = None) -> None:
     """Serve until SIGINT or SIGTERM, then drain queued writes and exit."""
     keep_freed_memory()
+    raise_fd_limit()
     daemon = Daemon(config)
     address = await daemon.start()
     if ready is not None:

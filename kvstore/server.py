@@ -26,16 +26,14 @@ from kvstore.arenas import ArenaNotFound, ArenaRegistry
 from kvstore.auth import ANONYMOUS, Tenant, TenantDirectory
 from kvstore.block import BlockHeader, payload_checksum
 from kvstore.keys import KEY_BYTES, KVLayout
-from kvstore.placement import BlockGoneError, BlockStore, GetResult
+from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYER_COPIES, MAX_LAYERS
+from kvstore.placement import STREAM_HOLD_S, BlockGoneError, BlockStore, GetResult
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from tiers.base import TierError, TierFullError
 
 log = logging.getLogger("kvstore.server")
 
-MAX_KEYS_PER_CALL = 65536
-#: Layers one block may have (a GetLayers stream sends one message per layer).
-MAX_LAYERS = 1024
 #: Bytes a reply needs beyond its payloads, per result (metadata, field tags); a generous bound.
 RESULT_OVERHEAD = 512
 GPU_LEASE_SECONDS = 30.0
@@ -84,9 +82,9 @@ def _rpc(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
 
 
 def _check_keys(keys, what: str = "keys") -> list[bytes]:
-    if len(keys) > MAX_KEYS_PER_CALL:
-        raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"{len(keys)} {what} in one call; at most {MAX_KEYS_PER_CALL}")
+    most = MAX_KEYS_PER_CALL if what == "keys" else MAX_ITEMS_PER_CALL
+    if len(keys) > most:
+        raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{len(keys)} {what} in one call; at most {most}")
     for i, key in enumerate(keys):
         if len(key) != KEY_BYTES:
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
@@ -176,15 +174,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                              f"{what} would copy {shared} bytes through shared memory, more than the "
                              f"{budget} bytes of the arenas it names")
 
-    def _count(self, tenant: Tenant, rpc: str, results: list[GetResult | None]) -> None:
-        """Requested keys, misses of keys no tier held, and the tenant's own counters."""
+    def _count(self, tenant: Tenant, rpc: str, results: list[GetResult | None], bytes_out: bool = True) -> None:
+        """Requested keys and the tenant's own counters (the store counts the misses)."""
         absent = sum(r is None for r in results)
         self.store.metrics.requested.labels(rpc).inc(len(results))
         if tenant.name:
             usage = self._usage[tenant.name]
             usage.requested += len(results)
             usage.misses += absent
-            for found in results:
+            for found in results if bytes_out else ():
                 if found is not None:
                     usage.hits[found.tier] += 1
                     usage.bytes_out[found.tier] += found.header.payload_len
@@ -254,6 +252,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if not request.allow_missing:
             missing = self.store.missing(keys)
             if missing:
+                self.store.metrics.misses.inc(len(missing))
+                self._count(tenant, "get", [None if k in missing else GetResult(self.store.header(k), "")
+                                            for k in keys], bytes_out=False)
                 raise BadRequest(grpc.StatusCode.NOT_FOUND,
                                  f"{len(missing)} of {len(keys)} keys are not stored "
                                  f"(first: items[{keys.index(missing[0])}]); set allow_missing to get the others")
@@ -312,22 +313,29 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                           GetResult(header, "gpu"))
         return out
 
-    async def GetLayers(self, request: pb.GetRequest, context):
+    async def GetLayers(self, request: pb.GetRequest, context) -> None:
+        """Stream through ``context.write``, each send bounded by ``STREAM_HOLD_S``: a reader that
+        takes no message for that long loses the call (and its blocks' hold, and its arenas)."""
         started = time.perf_counter()
+        stream = None
         try:
             tenant = self._tenant(context)
             _, plan = await self._plan_get(request, tenant, need_dest=True)
+            copies = sum(header.layout.num_layers for _, header, _ in plan if header is not None)
+            if copies > MAX_LAYER_COPIES:
+                raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"this GetLayers would make {copies} layer copies; at most {MAX_LAYER_COPIES}")
             stream = self.store.get_layerwise([(key, dest) for key, header, dest in plan if header is not None])
             async for layer, found in stream:
                 if found is None:
-                    yield pb.LayerReady(layer=layer)
+                    await _write(context, pb.LayerReady(layer=layer))
                     continue
                 found_iter = iter(found)
                 ordered = [next(found_iter) if header is not None else None for _, header, _ in plan]
                 self.store.metrics.misses.inc(sum(header is None for _, header, _ in plan))
                 self._count(tenant, "get", ordered)
-                yield pb.LayerReady(layer=-1, results=[self._result(item.key, r)
-                                                       for item, r in zip(request.items, ordered)])
+                await _write(context, pb.LayerReady(layer=-1, results=[self._result(item.key, r)
+                                                                       for item, r in zip(request.items, ordered)]))
         except BadRequest as exc:
             await context.abort(exc.code, str(exc))
         except ValueError as exc:
@@ -335,6 +343,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         except BlockGoneError as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
         finally:
+            if stream is not None:
+                await stream.aclose()  # the blocks' hold ends now, not when the generator is collected
             self.store.metrics.rpc_seconds.labels("GetLayers").observe(time.perf_counter() - started)
 
     @_rpc
@@ -430,6 +440,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         except ArenaNotFound as exc:
             raise BadRequest(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         return pb.CountResponse(count=1)
+
+
+async def _write(context, message) -> None:
+    try:
+        await asyncio.wait_for(context.write(message), STREAM_HOLD_S)
+    except asyncio.TimeoutError:
+        raise BadRequest(grpc.StatusCode.DEADLINE_EXCEEDED,
+                         f"the reader took no message for {STREAM_HOLD_S:.0f} s") from None
 
 
 def _varint(n: int) -> bytes:

@@ -336,3 +336,84 @@ def test_get_replies_serialized_by_hand_parse_as_protobuf():
         if payload is not None:
             expected.inline = payload.tobytes()
         assert got == expected
+
+
+def test_arena_requests_fail_in_one_line_and_tenants_keep_their_share(daemon_factory, short_tmp):
+    """guarantees: Limits — malformed arena requests get an answer; one tenant cannot take another's share."""
+    d = daemon_factory(tenants_file=_tenants(short_tmp), max_arena_bytes="4MiB", max_arena_total_bytes="8MiB",
+                       max_arenas_per_client=64)
+    for raw in (b'{"size": 1e400}\n', b"[" * 3000 + b"\n", b'{"size": "4096"}\n', b"\xff\n"):
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.connect(str(arena_socket_path(d.address)))
+        connection.sendall(raw)
+        reply = json.loads(connection.recv(4096))
+        connection.close()
+        assert "one JSON line" in reply["error"], raw[:20]
+    # Two tenants share 8 MiB: A gets its 4 MiB half and no more, whatever it does; B still gets its half.
+    held = []
+    while True:
+        connection, reply, fds = _raw_arena(d, 1 << 20, token="token-a")
+        held.append((connection, fds))
+        if "error" in reply:
+            break
+    assert len(held) == 5 and "your share" in reply["error"] and "4194304" in reply["error"]
+    connection, reply, fds = _raw_arena(d, 4 << 20, token="token-b")
+    assert "arena_id" in reply
+    held.append((connection, fds))
+    for connection, fds in held:
+        connection.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def test_calls_are_capped_in_items_and_layer_copies_and_misses_count_even_when_refused(daemon):
+    """guarantees: Limits and Observability."""
+    keys, payloads = make_blocks(2, seed=69)
+    with KVStoreClient(daemon.address, arena_bytes=8 << 20) as client:
+        client.put(NS, [(keys[0], 64, payloads[0])])
+        code, details = _code(lambda: client._stub.Get(pb.GetRequest(items=[pb.GetItem(key=keys[0])] * 4097)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "at most 4096" in details
+        before = client.stats()
+        code, _ = _code(lambda: client._stub.Get(pb.GetRequest(items=[pb.GetItem(key=k) for k in keys])))
+        assert code == grpc.StatusCode.NOT_FOUND
+        after = client.stats()
+        assert after["misses"] - before["misses"] == 1 and after["requested"] - before["requested"] == 2
+        # 4096 items of a 6-layer block is 24,576 layer copies: allowed; a 1,024-layer block 4096 times is not.
+        layout = KVLayout(num_layers=1024, num_kv_heads=1, head_dim=1, dtype="float16")
+        ns = Namespace("deep", layout, chunk_tokens=1)
+        deep = prefix_keys(ns, [7])[0]
+        client.put(ns, [(deep, 1, np.random.default_rng(70).standard_normal(2048).astype(np.float16))])
+        dest = pb.ArenaSlice(arena_id=client._arena_id, offset=0, length=layout.block_bytes(1))
+        code, details = _code(lambda: list(client._stub.GetLayers(pb.GetRequest(
+            items=[pb.GetItem(key=deep, dest=dest)] * 65))))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "layer copies" in details
+        with client.fetch_layers([deep], layout.block_bytes(1)) as stream:
+            assert list(stream) == list(range(1024))
+
+
+def test_a_disk_read_that_fails_for_want_of_fds_is_a_miss_not_a_corrupt_block(tmp_path, monkeypatch):
+    """One client exhausting the daemon's fds must not get another's blocks deleted as corrupt.
+    (An injected EMFILE: a real one needs the whole process out of descriptors.)"""
+    import errno
+
+    import tiers.disk
+    from tests.test_tiers import make_block
+    from tiers.base import TierUnavailableError
+    from tiers.disk import DiskTier
+
+    tier = DiskTier(tmp_path, 1 << 20, fsync=False)
+    header, payload = make_block(71)
+    tier.put(header, payload)
+    real_open = os.open
+
+    def exhausted(path, flags, *args):
+        if str(path).endswith(".kvb"):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(tiers.disk.os, "open", exhausted)
+    with pytest.raises(TierUnavailableError):
+        tier.read_payload_into(header.key, memoryview(bytearray(header.payload_len)))
+    monkeypatch.setattr(tiers.disk.os, "open", real_open)
+    dest = bytearray(header.payload_len)
+    assert tier.read_payload_into(header.key, memoryview(dest)) == header and bytes(dest) == bytes(payload)

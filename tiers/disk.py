@@ -18,6 +18,7 @@ benchmarks.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -28,12 +29,15 @@ from typing import Iterator
 import xxhash
 
 from kvstore.block import FIXED_BYTES, MAX_PARAMS_BYTES, BlockHeader, CorruptBlockError, payload_checksum
-from tiers.base import Tier, TierError, TierFullError
+from tiers.base import Tier, TierError, TierFullError, TierUnavailableError
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".kvb"
 _DIRECT_ALIGN = 4096
+#: Read errors that say the daemon lacks a resource now, not that the block is bad: such a read is
+#: a miss, and the block stays (another client exhausting the daemon's fds must not delete it).
+_TRANSIENT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN, errno.EINTR}
 #: Bytes per pread: small enough that a chunk is still in L2 when it is hashed, large enough that
 #: syscalls stay cheap (measured here: 128-256 KB beat both 64 KB and 1 MB).
 READ_CHUNK = 256 * 1024
@@ -170,6 +174,8 @@ class DiskTier(Tier):
         except FileNotFoundError:
             raise KeyError(key) from None
         except OSError as exc:
+            if exc.errno in _TRANSIENT_ERRNOS:  # the daemon is short of fds or memory: the block is fine
+                raise TierUnavailableError(f"{self.name}: reading {path.name}: {exc}") from exc
             raise CorruptBlockError(f"{self.name}: reading {path.name}: {exc}") from exc
         except CorruptBlockError as exc:
             raise CorruptBlockError(f"{self.name}: {path.name}: {exc}") from None

@@ -1,0 +1,11 @@
+"""Per-call limits of the kvstore.v1 API, shared by the daemon (which enforces them before any
+work) and the client (which splits its calls to stay within them)."""
+
+#: Keys in one Lookup, Prefetch, Delete, Pin, Unpin or Release (cheap per key: index probes).
+MAX_KEYS_PER_CALL = 65536
+#: Blocks in one Put, Get or GetLayers (each one is copied, checksummed and described in the reply).
+MAX_ITEMS_PER_CALL = 4096
+#: Layers one block may have (a GetLayers stream sends one message per layer).
+MAX_LAYERS = 1024
+#: Layer copies one GetLayers may ask for: the sum of its blocks' layers.
+MAX_LAYER_COPIES = 65536
