@@ -17,6 +17,7 @@ from kvstore.arena import arena_socket_path
 from kvstore.arenas import ArenaRegistry, ArenaSocket
 from kvstore.auth import TenantDirectory
 from kvstore.config import DaemonConfig
+from kvstore.instance_lock import InstanceLock
 from kvstore.metrics import Metrics
 from kvstore.placement import BlockStore
 from kvstore.server import SERVICE_NAME, KVStoreService, add_to_server
@@ -89,6 +90,7 @@ class Daemon:
         self.server: grpc.aio.Server | None = None
         #: Shared memory is offered on unix sockets only (kvstore/arena.py).
         self.arena_socket: ArenaSocket | None = None
+        self._socket_lock: InstanceLock | None = None
 
     def _key_index(self, tiers: list[Tier]) -> KeyIndexWriter | None:
         """The shared-memory key index, unless turned off, unsupported here, or tenants are set: it
@@ -114,7 +116,9 @@ class Daemon:
         address = self.config.listen
         socket_path = self.config.socket_path
         if socket_path is not None:
-            socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            # One daemon per socket: only the lock's holder may remove a stale socket file.
+            self._socket_lock = InstanceLock(socket_path.with_name(socket_path.name + ".lock"),
+                                             f"unix socket {socket_path}")
             socket_path.unlink(missing_ok=True)
         old_umask = os.umask(0o177)  # the socket is born 0600
         try:
@@ -168,6 +172,8 @@ class Daemon:
         self.arenas.close()
         if self.config.socket_path is not None:
             self.config.socket_path.unlink(missing_ok=True)
+            if self._socket_lock is not None:
+                self._socket_lock.release()
 
 
 async def _set_serving(servicer) -> None:

@@ -417,3 +417,41 @@ def test_a_disk_read_that_fails_for_want_of_fds_is_a_miss_not_a_corrupt_block(tm
     monkeypatch.setattr(tiers.disk.os, "open", real_open)
     dest = bytearray(header.payload_len)
     assert tier.read_payload_into(header.key, memoryview(dest)) == header and bytes(dest) == bytes(payload)
+
+
+def test_one_daemon_per_socket_and_per_disk_folder(daemon_factory, short_tmp):
+    """guarantees: Durability — a live daemon's socket and folder are never taken over; the rebuild
+    touches only the daemon's own file names and follows no symlink."""
+    import subprocess
+    import sys
+
+    first = daemon_factory("one")
+    keys, payloads = make_blocks(1, seed=72)
+    with KVStoreClient(first.address) as client:
+        client.put(NS, [(keys[0], 64, payloads[0])])
+
+    def serve(**flags):
+        args = [sys.executable, "-m", "kvstore.cli", "serve", "--cpu-capacity", "16MiB", "--disk-capacity", "64MiB"]
+        for name, value in flags.items():
+            args += ["--" + name.replace("_", "-"), str(value)]
+        return subprocess.run(args, capture_output=True, text=True, timeout=60)
+
+    same_socket = serve(listen=first.address, disk_path=short_tmp / "other-disk")
+    assert same_socket.returncode == 1 and f"unix socket {first.socket} is in use" in same_socket.stderr
+    same_folder = serve(listen=f"unix:{short_tmp / 'other.sock'}", disk_path=first.folder / "disk")
+    assert same_folder.returncode == 1 and f"{first.folder / 'disk'} is in use" in same_folder.stderr
+    assert f"pid {first.proc.pid}" in same_folder.stderr
+    with KVStoreClient(first.address) as client:   # the first one never noticed
+        assert client.get(keys, BLOCK) == [payloads[0].tobytes()]
+    # A folder linked under the disk path is someone else's: never read, never cleaned.
+    other = short_tmp / "elsewhere"
+    other.mkdir()
+    (other / "notes.kvb").write_bytes(b"mine")
+    (other / "report.tmp.docx").write_bytes(b"mine")
+    (first.folder / "disk" / "ab").symlink_to(other)
+    first.stop(signal_kill=True)                   # kill -9: stale socket and lock files stay behind
+    first.start()
+    with KVStoreClient(first.address) as client:
+        assert client.get(keys, BLOCK) == [payloads[0].tobytes()]
+    assert sorted(p.name for p in other.iterdir()) == ["notes.kvb", "report.tmp.docx"]
+    assert (first.folder / "disk").stat().st_mode & 0o777 == 0o700

@@ -80,11 +80,17 @@ def test_disk_tier_round_trip_and_restart(tmp_path):
     for header, payload in blocks:
         tier.put(header, payload)
     tier.check_integrity()
-    (tmp_path / blocks[0][0].key.hex()[:2] / ".leftover.tmp.1.2").write_bytes(b"partial")
+    sub = tmp_path / blocks[0][0].key.hex()[:2]
+    (sub / f".{blocks[0][0].key.hex()}.tmp.1.2").write_bytes(b"partial")
+    foreign = ("report.tmp.docx", "notes.kvb", ".leftover.tmp.1.2")  # not the daemon's names: kept
+    for name in foreign:
+        (sub / name).write_bytes(b"someone else's")
     reopened = DiskTier(tmp_path, capacity_bytes=1 << 24)
     assert set(reopened.keys()) == {h.key for h, _ in blocks}
     assert reopened.used_bytes == sum(h.block_len for h, _ in blocks)
-    assert not list(tmp_path.glob("*/.*tmp*")), "interrupted writes are cleaned at start"
+    assert not (sub / f".{blocks[0][0].key.hex()}.tmp.1.2").exists(), "interrupted writes are cleaned at start"
+    assert all((sub / name).read_bytes() == b"someone else's" for name in foreign)
+    assert tmp_path.stat().st_mode & 0o777 == 0o700
     for header, payload in blocks:
         assert read(reopened, header) == bytes(payload)
     reopened.check_integrity()

@@ -22,6 +22,7 @@ import errno
 import logging
 import mmap
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -35,6 +36,10 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".kvb"
 _DIRECT_ALIGN = 4096
+#: The only names the daemon reads or deletes in its folder: ab/<32 hex>.kvb and ab/.<32 hex>.tmp.PID.TID
+_SUBDIR = re.compile(r"[0-9a-f]{2}")
+_BLOCK_NAME = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX))
+_TEMP_NAME = re.compile(r"\.[0-9a-f]{32}\.tmp\.\d+\.\d+")
 #: Read errors that say the daemon lacks a resource now, not that the block is bad: such a read is
 #: a miss, and the block stays (another client exhausting the daemon's fds must not delete it).
 _TRANSIENT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN, errno.EINTR}
@@ -66,9 +71,17 @@ class DiskTier(Tier):
         #: Files found unreadable or corrupt while rebuilding the index (deleted).
         self.corrupt_on_start = 0
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(self.root, 0o700)  # block files would show tenants' stored keys to other users
         except OSError as exc:
             raise TierError(f"{name}: cannot create {self.root}: {exc}") from exc
+        # One daemon per folder, locked before the rebuild deletes any temp file (another daemon's).
+        from kvstore.instance_lock import InstanceLock
+
+        try:
+            self._instance = InstanceLock(self.root / ".lock", f"{name} folder {self.root}")
+        except OSError as exc:
+            raise TierError(f"{name}: {self.root} is not writable: {exc}") from exc
         self._rebuild_index()
 
     # -- index -------------------------------------------------------------------------------
@@ -77,14 +90,28 @@ class DiskTier(Tier):
         hexkey = key.hex()
         return self.root / hexkey[:2] / (hexkey + SUFFIX)
 
+    def close(self) -> None:
+        """Release the folder's lock (another daemon may then open it)."""
+        self._instance.release()
+
+    def _block_files(self) -> Iterator[Path]:
+        """Files named exactly like a block or its temp file, in the two-hex-digit subfolders; no
+        symlink is followed (a linked folder or file is another's, never read or deleted)."""
+        for sub in os.scandir(self.root):
+            if not (_SUBDIR.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)):
+                continue
+            for entry in os.scandir(sub.path):
+                if (_BLOCK_NAME.fullmatch(entry.name) or _TEMP_NAME.fullmatch(entry.name)) \
+                        and entry.is_file(follow_symlinks=False) and entry.name.lstrip(".").startswith(sub.name):
+                    yield Path(entry.path)
+
     def _rebuild_index(self) -> None:
-        for path in self.root.glob("*/*"):
-            if not path.name.endswith(SUFFIX):
-                if ".tmp." in path.name:
-                    path.unlink(missing_ok=True)  # an interrupted write
+        for path in self._block_files():
+            if _TEMP_NAME.fullmatch(path.name):
+                path.unlink(missing_ok=True)  # an interrupted write of ours (the folder is locked)
                 continue
             try:
-                with open(path, "rb") as f:
+                with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW)) as f:
                     head = f.read(FIXED_BYTES + MAX_PARAMS_BYTES)
                     size = os.fstat(f.fileno()).st_size
                 header = BlockHeader.unpack(head)
@@ -131,7 +158,7 @@ class DiskTier(Tier):
         path = self._path(header.key)
         tmp = path.with_name(f".{path.stem}.tmp.{os.getpid()}.{threading.get_ident()}")
         try:
-            path.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(exist_ok=True, mode=0o700)
             packed = header.pack()
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
@@ -224,8 +251,9 @@ class DiskTier(Tier):
 
     def check_integrity(self) -> None:
         on_disk: dict[bytes, int] = {}
-        for path in self.root.glob("*/*" + SUFFIX):
-            on_disk[bytes.fromhex(path.stem)] = path.stat().st_size
+        for path in self._block_files():
+            if _BLOCK_NAME.fullmatch(path.name):
+                on_disk[bytes.fromhex(path.stem)] = path.stat().st_size
         indexed = {key: header.block_len for key, header in self._blocks.items()}
         if on_disk != indexed:
             missing = set(indexed) - set(on_disk)

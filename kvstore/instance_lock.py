@@ -1,0 +1,52 @@
+"""One daemon per unix socket and per disk folder: an flock held for the daemon's lifetime.
+
+The lock file holds the holder's pid, so a second daemon's refusal names it. The kernel drops
+the lock when the holder exits, however it exits (kill -9 included): a stale socket or lock file
+never blocks a restart, and only the lock's holder may remove a stale socket. Within one process
+the lock is shared (tests reopen a tier on the same folder to stand for a restart).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+from pathlib import Path
+
+from tiers.base import TierError
+
+_held: dict[str, list[int]] = {}  # real path -> [fd, holders in this process]
+_guard = threading.Lock()
+
+
+class InstanceLock:
+    def __init__(self, path: Path, what: str) -> None:
+        """Take the lock at ``path`` or raise TierError naming ``what`` and the holder's pid."""
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = os.path.realpath(path)
+        self._released = False
+        with _guard:
+            if self.path in _held:
+                _held[self.path][1] += 1
+                return
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise TierError(f"{what} is in use by a running daemon (pid {holder})") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            _held[self.path] = [fd, 1]
+
+    def release(self) -> None:
+        with _guard:
+            if self._released or self.path not in _held:
+                return
+            self._released = True
+            entry = _held[self.path]
+            entry[1] -= 1
+            if entry[1] == 0:
+                os.close(entry[0])
+                del _held[self.path]
