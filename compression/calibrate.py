@@ -108,23 +108,6 @@ def calibrate_model(model, texts_ids: list[list[int]], allocation: Allocation = 
 # -- kvstore calibrate -------------------------------------------------------------------------------------
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("files", nargs="+", type=Path, help="text files to calibrate on (each prefilled alone; "
-                                                               "a few thousand tokens in all is enough)")
-    parser.add_argument("--key-step", type=float, default=DEFAULT_ALLOCATION.key_step,
-                        help=f"relative quantization step of keys (default {DEFAULT_ALLOCATION.key_step}); "
-                             f"smaller = more bits, closer to fp16")
-    parser.add_argument("--value-step", type=float, default=DEFAULT_ALLOCATION.value_step,
-                        help=f"relative quantization step of values (default {DEFAULT_ALLOCATION.value_step})")
-    parser.add_argument("--groups", type=int, default=1, help="head groups with their own basis (default 1: all "
-                                                               "KV heads of a layer share one)")
-    parser.add_argument("--max-tokens", type=int, default=8192, help="tokens read per file (default 8192)")
-    parser.add_argument("--gguf", type=Path, default=None, help="model GGUF (default: the bundled SmolLM2-135M)")
-    parser.add_argument("--address", default=None, help="daemon address (default: the serve default socket)")
-    parser.add_argument("--no-put", action="store_true", help="only write the calibration file, do not store it "
-                                                               "in the daemon")
-
-
 def run(args: argparse.Namespace) -> int:
     """`kvstore calibrate`: calibrate on files, save to the calibration directory, put into the daemon."""
     from compression import calibration_store
@@ -132,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_gguf(args.gguf or find_smollm2_gguf(), dtype=torch.float32)
     texts = [tokenizer.encode(path.read_text())[: args.max_tokens] for path in args.files]
-    allocation = Allocation(args.key_step, args.value_step)
+    allocation = Allocation(DEFAULT_ALLOCATION.key_step if args.key_step is None else args.key_step,
+                            DEFAULT_ALLOCATION.value_step if args.value_step is None else args.value_step)
     calibration = calibrate_model(model, texts, allocation, groups=args.groups,
                                   source=f"{len(texts)} files, {sum(map(len, texts))} tokens")
     path = calibration_store.save(calibration)

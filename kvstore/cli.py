@@ -124,17 +124,61 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from engine_adapter.loader import find_smollm2_gguf, load_gguf
     from engine_adapter.prompts import document_prompt
 
+    texts = {path: _read_document(path) for path in args.files}  # every file, before the model loads
     model, tokenizer = load_gguf(args.model or find_smollm2_gguf(), dtype=getattr(torch, args.dtype))
     with KVStoreClient(args.address, token=args.token) as client:
         engine = CachedEngine(model, tokenizer, client, tenant=args.tenant)
-        for path in args.files:
-            text = open(path, encoding="utf-8").read()
+        for path, text in texts.items():
             context_ids, _ = document_prompt(tokenizer, text, "")
-            chunks = len(context_ids) // engine.namespace.chunk_tokens
+            chunk_tokens = engine.namespace.chunk_tokens
+            chunks = len(context_ids) // chunk_tokens
+            if chunks == 0:
+                print(f"{path}: {len(context_ids)} tokens with the prompt, shorter than one chunk "
+                      f"({chunk_tokens} tokens): nothing stored (only full chunks are cached)")
+                continue
             with tqdm(total=chunks, desc=os.path.basename(path), unit="chunk") as bar:
                 stored, present = engine.ingest(context_ids, progress=bar.update)
             print(f"{path}: {len(context_ids)} tokens, {stored} chunks stored, {present} already cached")
     return 0
+
+
+def _read_document(path: str) -> str:
+    """The UTF-8 text of ``path``; ValueError naming the file when it cannot be read or decoded."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+
+
+def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvstore calibrate``'s flags, here so that no other command pays for importing torch."""
+    from pathlib import Path
+
+    parser.add_argument("files", nargs="+", type=Path, help="text files to calibrate on (each prefilled alone; "
+                                                               "a few thousand tokens in all is enough)")
+    parser.add_argument("--key-step", type=float, default=None,
+                        help="relative quantization step of keys (default: compression.calibrate.DEFAULT_ALLOCATION); "
+                             "smaller = more bits, closer to fp16")
+    parser.add_argument("--value-step", type=float, default=None,
+                        help="relative quantization step of values (default: compression.calibrate.DEFAULT_ALLOCATION)")
+    parser.add_argument("--groups", type=int, default=1, help="head groups with their own basis (default 1: all "
+                                                               "KV heads of a layer share one)")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="tokens read per file (default 8192)")
+    parser.add_argument("--gguf", type=Path, default=None, help="model GGUF (default: the bundled SmolLM2-135M)")
+    parser.add_argument("--address", default=None, help="daemon address (default: the serve default socket)")
+    parser.add_argument("--no-put", action="store_true", help="only write the calibration file, do not store it "
+                                                               "in the daemon")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from compression import calibrate  # the transform codec's calibration (kvtc): needs torch
+
+    return calibrate.run(args)
 
 
 def _size(n: int) -> str:
@@ -194,25 +238,26 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--tenant", default="", help="tenant salt of the keys")
     ingest.set_defaults(run=cmd_ingest)
 
-    from compression import calibrate  # the transform codec's calibration (kvtc)
-
     cal = sub.add_parser("calibrate", help="learn a transform-codec calibration (kvtc) from text",
                          description="Prefill FILEs with the model, learn a PCA basis and bit allocation per layer "
                                      "and K/V, save it by its hash and store it in the daemon; prints the codec spec.")
-    calibrate.add_arguments(cal)
-    cal.set_defaults(run=calibrate.run)
+    _calibrate_arguments(cal)
+    cal.set_defaults(run=cmd_calibrate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command. A failure the user can fix (a bad setting or file, a tier that cannot start,
+    a busy socket, port or folder) is one line on stderr, ``kvstore: ...``, and exit status 1."""
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except ValueError as exc:
+    except (ValueError, TierError) as exc:  # the message names the setting, file or tier to fix
         print(f"kvstore: {exc}", file=sys.stderr)
-        return 2
-    except TierError as exc:  # a tier that cannot start: the message says what to fix
-        print(f"kvstore: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"kvstore: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
     except Exception as exc:
         import grpc

@@ -8,6 +8,13 @@ Every field can be set three ways, named alike:
 
 Sizes accept plain bytes or a unit (KiB, MiB, GiB, TiB, KB, MB, GB). Environment overrides are read
 here and nowhere else.
+
+A bad value is a ValueError naming where it came from, so ``kvstore serve`` can say it in one line::
+
+    KVSTORE_CPU_CAPACITY: not a size: 'lots' (use e.g. 512MiB, 2GiB or a byte count)
+    --disk-fsync: not a boolean: 'maybe' (use true or false)
+    /etc/kvstore.toml: cpu_capacity: not a size: 'lots' (...)
+    /etc/kvstore.toml: Expected '=' after a key in a key/value pair (at line 3, column 5)
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from typing import Any, Mapping
 
 ENV_PREFIX = "KVSTORE_"
 WRITE_POLICIES = ("write-through", "write-back")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: sun_path holds 108 bytes with the terminating NUL.
+MAX_SOCKET_PATH_BYTES = 107
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -46,6 +56,24 @@ def _parse_bool(value: str | bool) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"not a boolean: {value!r} (use true or false)")
+
+
+def read_toml(path: str | os.PathLike, what: str) -> dict[str, Any]:
+    """The TOML table in ``path``; ValueError naming the file (``what``: "config file", ...) when it
+    is missing, unreadable, not UTF-8 or not TOML (tomllib's message gives the line)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise ValueError(f"{what} {path}: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} {path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{what} {path}: not valid TOML: {exc}") from None
 
 
 def default_cache_dir() -> Path:
@@ -154,8 +182,14 @@ class DaemonConfig:
             raise ValueError(f"queue_depth must be at least 1, got {self.queue_depth}")
         if self.max_message_bytes < 2**20:
             raise ValueError(f"max_message_bytes must be at least 1MiB, got {self.max_message_bytes}")
-        if self.metrics_listen and ":" not in self.metrics_listen:
+        if self.metrics_listen and not re.fullmatch(r".*:\d{1,5}", self.metrics_listen):
             raise ValueError(f"metrics_listen must be 'host:port' or empty, got {self.metrics_listen!r}")
+        socket_path = self.socket_path
+        if socket_path is not None and len(os.fsencode(socket_path)) > MAX_SOCKET_PATH_BYTES:
+            raise ValueError(f"listen: the unix socket path {socket_path} is {len(os.fsencode(socket_path))} bytes; "
+                             f"the limit is {MAX_SOCKET_PATH_BYTES}: choose a shorter path")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if not self.listen.startswith("unix:") and not self.listen.startswith(("127.", "localhost", "[::1]")) \
                 and not (self.auth_token or self.tenants_file):
             raise ValueError(f"listening on {self.listen} (not loopback) needs auth_token or tenants_file: set "
@@ -202,20 +236,45 @@ def field_names() -> list[str]:
 
 def load_config(file: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None,
                 environ: Mapping[str, str] | None = None) -> DaemonConfig:
-    """Defaults, then the TOML ``file``, then ``KVSTORE_*`` variables, then ``overrides`` (flags)."""
+    """Defaults, then the TOML ``file``, then ``KVSTORE_*`` variables, then ``overrides`` (flags).
+
+    Raises ValueError naming the source of a bad value: the file and key, the variable, or the flag
+    (see the module docstring). A ``tenants_file`` is read here once too, so that a missing,
+    non-UTF-8 or malformed one is named before the daemon starts (kvstore/auth.py parses it).
+    """
     values: dict[str, Any] = {}
+    #: Where each value came from, as the error messages name it.
+    sources: dict[str, str] = {}
     names = field_names()
     if file:
-        with open(file, "rb") as f:
-            table = tomllib.load(f)
+        table = read_toml(file, "config file")
         unknown = set(table) - set(names)
         if unknown:
-            raise ValueError(f"{file}: unknown keys {sorted(unknown)}; known: {names}")
+            raise ValueError(f"config file {file}: unknown keys {sorted(unknown)}; known: {names}")
         values.update(table)
+        sources.update({name: f"config file {file}: {name}" for name in table})
     environ = os.environ if environ is None else environ
     for name in names:
         env = ENV_PREFIX + name.upper()
         if env in environ:
             values[name] = environ[env]
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return DaemonConfig(**{name: _coerce(name, value) for name, value in values.items()})
+            sources[name] = env
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = value
+            sources[name] = "--" + name.replace("_", "-")
+    coerced = {}
+    for name, value in values.items():
+        try:
+            coerced[name] = _coerce(name, value)
+        except ValueError as exc:
+            raise ValueError(f"{sources[name]}: {exc}") from None
+    try:
+        config = DaemonConfig(**coerced)
+    except ValueError as exc:
+        # "cpu_capacity must be ...": say which setting gave it.
+        named = next((n for n in sorted(sources, key=len, reverse=True) if str(exc).startswith(n)), None)
+        raise ValueError(f"{exc} (from {sources[named]})" if named else str(exc)) from None
+    if config.tenants_file:
+        read_toml(config.tenants_file, "tenants file")
+    return config

@@ -4,9 +4,12 @@ an orderly shutdown that drains queued writes."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
+import stat
 from pathlib import Path
 from typing import Callable
 
@@ -107,7 +110,9 @@ class Daemon:
 
     async def start(self) -> str:
         options = [("grpc.max_receive_message_length", self.config.max_message_bytes),
-                   ("grpc.max_send_message_length", self.config.max_message_bytes)]
+                   ("grpc.max_send_message_length", self.config.max_message_bytes),
+                   # gRPC's default SO_REUSEPORT would let a second daemon share a busy port.
+                   ("grpc.so_reuseport", 0)]
         interceptors = [_BearerToken(self.tenants)] if self.tenants.required else []
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
         add_to_server(self.service, self.server)
@@ -116,22 +121,46 @@ class Daemon:
         address = self.config.listen
         socket_path = self.config.socket_path
         if socket_path is not None:
+            # A file someone put at the socket path is never removed. Checked before the lock, so
+            # that a failed start (which removes the socket path) never holds it.
+            try:
+                found = os.lstat(socket_path).st_mode
+            except OSError:
+                found = None
+            if found is not None and not stat.S_ISSOCK(found):
+                raise OSError(f"cannot listen on {address}: {socket_path} exists and is not a socket")
             # One daemon per socket: only the lock's holder may remove a stale socket file.
-            self._socket_lock = InstanceLock(socket_path.with_name(socket_path.name + ".lock"),
-                                             f"unix socket {socket_path}")
+            try:
+                self._socket_lock = InstanceLock(socket_path.with_name(socket_path.name + ".lock"),
+                                                 f"unix socket {socket_path}")
+            except OSError as exc:  # its folder cannot be created or written
+                raise OSError(f"cannot listen on {address}: {exc.filename}: {exc.strerror}") from None
             socket_path.unlink(missing_ok=True)
-        old_umask = os.umask(0o177)  # the socket is born 0600
-        try:
-            if self.config.tls_cert:
+        else:
+            # Checked first: gRPC's own refusal ("Failed to bind") says no why, and logs a C++ line.
+            reason = _why_cannot_listen(address, busy_only=True)
+            if reason:
+                raise OSError(f"cannot listen on {address}: {reason}")
+        credentials = None
+        if self.config.tls_cert:
+            try:
                 credentials = grpc.ssl_server_credentials([(Path(self.config.tls_key).read_bytes(),
                                                              Path(self.config.tls_cert).read_bytes())])
+            except OSError as exc:
+                raise OSError(f"cannot read the TLS key or certificate {exc.filename}: {exc.strerror}") from None
+        old_umask = os.umask(0o177)  # the socket is born 0600
+        try:
+            if credentials is not None:
                 port = self.server.add_secure_port(address, credentials)
             else:
                 port = self.server.add_insecure_port(address)
+        except RuntimeError:  # "Failed to bind to address": find out why
+            port = 0
         finally:
             os.umask(old_umask)
-        if socket_path is None and port == 0:
-            raise OSError(f"cannot listen on {address}")
+        if port == 0:
+            reason = None if socket_path is not None else _why_cannot_listen(address, busy_only=False)
+            raise OSError(f"cannot listen on {address}: {reason or 'gRPC could not bind it'}")
         await self.server.start()
         if socket_path is not None:
             os.chmod(socket_path, 0o600)
@@ -156,9 +185,10 @@ class Daemon:
 
         host, _, port = self.config.metrics_listen.rpartition(":")
         try:
-            start_http_server(int(port), addr=host or "127.0.0.1", registry=self.metrics.registry)
-        except OSError as exc:
-            log.warning("metrics endpoint %s not started: %s", self.config.metrics_listen, exc)
+            start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.metrics.registry)
+        except OSError as exc:  # asked for and not served: refuse to start rather than run unwatched
+            reason = "address in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc)).lower()
+            raise OSError(f"cannot serve metrics on {self.config.metrics_listen}: {reason}") from None
 
     async def stop(self, grace: float = 5.0) -> None:
         if self.arena_socket is not None:
@@ -213,12 +243,45 @@ def raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def _why_cannot_listen(address: str, busy_only: bool) -> str | None:
+    """Why TCP ``host:port`` cannot be bound, found by binding it as gRPC does (SO_REUSEADDR, no
+    SO_REUSEPORT); None if it can. ``busy_only``: report only "address in use" (a host name may
+    resolve to an address family this host lacks, which gRPC skips)."""
+    host, _, port = address.rpartition(":")
+    try:
+        candidates = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM,
+                                        flags=socket.AI_PASSIVE)
+    except (socket.gaierror, ValueError) as exc:
+        return None if busy_only else f"cannot resolve it: {exc}"
+    for family, kind, proto, _, sockaddr in candidates:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return "address in use"
+                if not busy_only:
+                    return (exc.strerror or str(exc)).lower()
+    return None
+
+
 async def run_daemon(config: DaemonConfig, ready: Callable[[str], None] | None = None) -> None:
     """Serve until SIGINT or SIGTERM, then drain queued writes and exit."""
     keep_freed_memory()
     raise_fd_limit()
     daemon = Daemon(config)
-    address = await daemon.start()
+    try:
+        address = await daemon.start()
+    except BaseException:
+        # Undo what started (store workers, tiers, the key index, arenas, our socket). Not stop()
+        # without the socket's lock: stop() removes the socket path, which may then be another
+        # daemon's socket or someone's file.
+        if config.socket_path is None or daemon._socket_lock is not None:
+            await daemon.stop(grace=0)
+        else:
+            await daemon.store.close(flush=False)
+        raise
     if ready is not None:
         ready(address)
     stop = asyncio.Event()

@@ -93,6 +93,9 @@ def test_a_full_disk_evicts_instead_of_crashing(daemon_factory, tiny_filesystem)
     # The disk tier believes it has 64 MiB; the filesystem under it holds 2 MiB (~13 blocks).
     d = daemon_factory(cpu_capacity="1MiB", disk_path=tiny_filesystem / "blocks", disk_capacity="64MiB",
                        write_policy="write-back", disk_fsync="false")
+    # The daemon shrank its capacity to the free space at start; others then take half of it, so
+    # the device fills before the tier's byte count says so (the ENOSPC path).
+    (tiny_filesystem / "filler").write_bytes(b"\x5a" * (1 << 20))
     keys, payloads = make_blocks(40, seed=31)
     with KVStoreClient(d.address) as client:
         assert client.put(NS, [(k, 64, p) for k, p in zip(keys, payloads)]) == 40

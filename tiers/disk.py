@@ -46,6 +46,8 @@ _TRANSIENT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, er
 #: Bytes per pread: small enough that a chunk is still in L2 when it is hashed, large enough that
 #: syscalls stay cheap (measured here: 128-256 KB beat both 64 KB and 1 MB).
 READ_CHUNK = 256 * 1024
+#: The least capacity the tier starts with after shrinking to the free space (DaemonConfig's minimum).
+MIN_CAPACITY = 2**20
 
 
 class DiskTier(Tier):
@@ -72,9 +74,11 @@ class DiskTier(Tier):
         self.corrupt_on_start = 0
         try:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.chmod(self.root, 0o700)  # block files would show tenants' stored keys to other users
+            # Block file names are stored keys: others may not list them (the owner's bits are kept,
+            # so a read-only folder stays read-only and fails below, at the lock).
+            os.chmod(self.root, self.root.stat().st_mode & 0o700)
         except OSError as exc:
-            raise TierError(f"{name}: cannot create {self.root}: {exc}") from exc
+            raise TierError(f"{name}: cannot create the folder {self.root}: {exc.strerror}") from exc
         # One daemon per folder, locked before the rebuild deletes any temp file (another daemon's).
         from kvstore.instance_lock import InstanceLock
 
@@ -83,6 +87,29 @@ class DiskTier(Tier):
         except OSError as exc:
             raise TierError(f"{name}: {self.root} is not writable: {exc}") from exc
         self._rebuild_index()
+        self._fit_capacity_to_free_space()
+
+    def _fit_capacity_to_free_space(self) -> None:
+        """Shrink the capacity to what the filesystem can hold: the blocks already here plus its
+        free space, warning once.
+
+        A choice, not an error: a smaller cache still works, whereas a capacity the device cannot
+        hold turns every write past the free space into a failed write and then an eviction
+        (ENOSPC, ``BlockStore._store_in``). ``Stats`` reports the shrunk capacity. Space freed later
+        is taken back only at a restart; space others take later still ends in ENOSPC evictions.
+        """
+        fs = os.statvfs(self.root)
+        free = fs.f_bavail * fs.f_frsize
+        room = self._used + free
+        if room >= self.capacity_bytes:
+            return
+        if room < MIN_CAPACITY:
+            raise TierError(f"{self.name}: only {_size(free)} free on {self.root}; the tier needs at least "
+                            f"{_size(MIN_CAPACITY)}: free some space or choose another disk_path")
+        besides = f" (besides {_size(self._used)} of blocks already there)" if self._used else ""
+        log.warning("%s tier capacity shrunk from %s to %s: only %s free on %s%s", self.name,
+                    _size(self.capacity_bytes), _size(room), _size(free), self.root, besides)
+        self.capacity_bytes = room
 
     # -- index -------------------------------------------------------------------------------
 
@@ -262,6 +289,15 @@ class DiskTier(Tier):
                                f"missing on disk, {len(extra)} files not indexed, or sizes differ")
         if sum(indexed.values()) != self._used:
             raise RuntimeError(f"{self.name}: used bytes {self._used} != sum of blocks {sum(indexed.values())}")
+
+
+def _size(n: int) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _fsync_dir(folder: Path) -> None:
