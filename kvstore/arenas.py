@@ -123,10 +123,6 @@ class ArenaRegistry:
             self.remove(arena_id)
 
 
-def _make_arena(size: int) -> tuple[Arena, int]:
-    arena, fd = Arena.create_sealed(size)
-    arena.prefault()
-    return arena, fd
 
 
 def peer_credentials(connection: socket.socket) -> tuple[int, int, int]:
@@ -240,8 +236,8 @@ class ArenaSocket:
         if tenant is None:
             raise PermissionError("missing or wrong bearer token")
         self.registry.check(size, pid, tenant)
-        try:  # allocating and faulting in the pages takes a while: off the event loop
-            arena, fd = await asyncio.get_running_loop().run_in_executor(None, _make_arena, size)
+        try:  # allocating the pages takes a while: in a worker thread (without the GIL, see arena.py)
+            arena, fd = await asyncio.get_running_loop().run_in_executor(None, Arena.create_sealed, size)
         except OSError as exc:
             raise MemoryError(f"no memory for a {size}-byte arena: {exc}") from None
         try:
