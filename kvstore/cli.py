@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from kvstore.config import ENV_PREFIX, DaemonConfig, default_listen, load_config
+from kvstore.config import ENV_PREFIX, DaemonConfig, default_listen, load_config, read_text
 from tiers.base import TierError
 
 _FIELD_HELP = {
@@ -124,7 +124,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from engine_adapter.loader import find_smollm2_gguf, load_gguf
     from engine_adapter.prompts import document_prompt
 
-    texts = {path: _read_document(path) for path in args.files}  # every file, before the model loads
+    texts = {path: read_text(path) for path in args.files}  # every file, before the model loads
     model, tokenizer = load_gguf(args.model or find_smollm2_gguf(), dtype=getattr(torch, args.dtype))
     with KVStoreClient(args.address, token=args.token) as client:
         engine = CachedEngine(model, tokenizer, client, tenant=args.tenant)
@@ -140,19 +140,6 @@ def cmd_ingest(args: argparse.Namespace) -> int:
                 stored, present = engine.ingest(context_ids, progress=bar.update)
             print(f"{path}: {len(context_ids)} tokens, {stored} chunks stored, {present} already cached")
     return 0
-
-
-def _read_document(path: str) -> str:
-    """The UTF-8 text of ``path``; ValueError naming the file when it cannot be read or decoded."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
 
 
 def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:

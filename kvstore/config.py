@@ -58,18 +58,25 @@ def _parse_bool(value: str | bool) -> bool:
     raise ValueError(f"not a boolean: {value!r} (use true or false)")
 
 
-def read_toml(path: str | os.PathLike, what: str) -> dict[str, Any]:
-    """The TOML table in ``path``; ValueError naming the file (``what``: "config file", ...) when it
-    is missing, unreadable, not UTF-8 or not TOML (tomllib's message gives the line)."""
+def read_text(path: str | os.PathLike, what: str = "") -> str:
+    """The UTF-8 text of a user's file; ValueError naming the file (``what``: "config file", ...)
+    when it is missing, unreadable or not UTF-8 (with the offending byte and offset)."""
+    name = f"{what} {path}" if what else str(path)
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as exc:
-        raise ValueError(f"{what} {path}: {exc.strerror}") from None
+        raise ValueError(f"{name}: {exc.strerror}") from None
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{what} {path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+        raise ValueError(f"{name}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+
+
+def read_toml(path: str | os.PathLike, what: str) -> dict[str, Any]:
+    """The TOML table in ``path``; ValueError naming the file (see :func:`read_text`), or saying
+    it is not TOML (tomllib's message gives the line)."""
+    text = read_text(path, what)
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

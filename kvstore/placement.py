@@ -160,6 +160,8 @@ class BlockStore:
         self.read_lanes = max(1, min(READER_THREADS, os.cpu_count() or 1))
         self._workers: list[asyncio.Task] = []
         self.write_errors = 0
+        for tier in tiers:  # fixed for the daemon's life (a disk tier fits itself to free space at start)
+            self.metrics.capacity_bytes.labels(tier.name).set(tier.capacity_bytes)
         self._refresh_gauges()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -852,7 +854,6 @@ class BlockStore:
     def _refresh_gauges(self) -> None:
         self._adopt_new_keys()
         for tier in self.tiers:
-            self.metrics.capacity_bytes.labels(tier.name).set(tier.capacity_bytes)
             self.metrics.used_bytes.labels(tier.name).set(tier.used_bytes)
             self.metrics.blocks.labels(tier.name).set(len(tier))
         self._refresh_queue_gauges()

@@ -174,16 +174,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                              f"{what} would copy {shared} bytes through shared memory, more than the "
                              f"{budget} bytes of the arenas it names")
 
-    def _count(self, tenant: Tenant, rpc: str, results: list[GetResult | None], bytes_out: bool = True) -> None:
-        """Requested keys and the tenant's own counters (the store counts the misses)."""
-        absent = sum(r is None for r in results)
-        self.store.metrics.requested.labels(rpc).inc(len(results))
+    def _count(self, tenant: Tenant, rpc: str, results: list[GetResult | None], requested: int | None = None) -> None:
+        """Keys asked for (``requested``, default one per result) and the tenant's own counters of
+        its results (the store counts the misses)."""
+        requested = len(results) if requested is None else requested
+        self.store.metrics.requested.labels(rpc).inc(requested)
         if tenant.name:
             usage = self._usage[tenant.name]
-            usage.requested += len(results)
-            usage.misses += absent
-            for found in results if bytes_out else ():
-                if found is not None:
+            usage.requested += requested
+            for found in results:
+                if found is None:
+                    usage.misses += 1
+                else:
                     usage.hits[found.tier] += 1
                     usage.bytes_out[found.tier] += found.header.payload_len
 
@@ -253,8 +255,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             missing = self.store.missing(keys)
             if missing:
                 self.store.metrics.misses.inc(len(missing))
-                self._count(tenant, "get", [None if k in missing else GetResult(self.store.header(k), "")
-                                            for k in keys], bytes_out=False)
+                self._count(tenant, "get", [None] * len(missing), requested=len(keys))
                 raise BadRequest(grpc.StatusCode.NOT_FOUND,
                                  f"{len(missing)} of {len(keys)} keys are not stored "
                                  f"(first: items[{keys.index(missing[0])}]); set allow_missing to get the others")
