@@ -135,6 +135,44 @@ def prefix_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> lis
     return keys
 
 
+def tail_key(namespace: Namespace, parent: bytes | None, tail: Sequence[int] | np.ndarray) -> bytes:
+    """Key of a *partial* chunk (1 .. chunk_tokens-1 tokens) after the chunk keyed ``parent``.
+
+    An engine whose cache works in pages smaller than a chunk stores the tokens after a prompt's last
+    full chunk, cut down to a whole number of its pages, as one short block under this key, so a
+    repeat of the prompt hits up to its last page boundary instead of its last chunk boundary. The
+    key is in its own hash domain: no full chunk's key ever equals a tail's.
+    """
+    count = len(tail)
+    if not 0 < count < namespace.chunk_tokens:
+        raise ValueError(f"a tail holds 1..{namespace.chunk_tokens - 1} tokens, got {count}")
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvstore-tail")
+    h.update(namespace.id)
+    h.update(parent if parent is not None else _ROOT)
+    h.update(_tokens_bytes(tail))
+    return h.digest()
+
+
+def paged_prefix_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray,
+                      page_tokens: int) -> tuple[list[bytes], int]:
+    """:func:`prefix_keys` of ``tokens``, then (if any) the :func:`tail_key` of the tokens after the
+    last full chunk up to the last multiple of ``page_tokens``; and that tail's length (0: no tail).
+
+    Full chunks are keyed as for every engine, so they stay shared; a tail is shared by engines with
+    the same page size. ``page_tokens`` = 1 gives a tail of every remaining token.
+    """
+    if page_tokens < 1:
+        raise ValueError(f"page_tokens must be positive, got {page_tokens}")
+    keys = prefix_keys(namespace, tokens)
+    start = len(keys) * namespace.chunk_tokens
+    tail = len(tokens) // page_tokens * page_tokens - start  # up to the last page boundary (< one chunk)
+    if tail <= 0:
+        return keys, 0
+    array = np.asarray(tokens, dtype=np.int64)
+    keys.append(tail_key(namespace, keys[-1] if keys else None, array[start : start + tail]))
+    return keys, tail
+
+
 def chunk_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> bytes:
     """Position-independent key of a chunk (CacheBlend): the tokens alone, not what precedes them."""
     h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvstore-chunk")

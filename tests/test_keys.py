@@ -85,3 +85,34 @@ def test_bad_inputs_raise_value_error():
         Namespace("", LAYOUT)
     with pytest.raises(ValueError, match="int32"):
         prefix_keys(NS, [-1] * 16)
+
+
+@pytest.mark.parametrize("page", [1, 16, 96, 128, 256, 512])
+@pytest.mark.parametrize("length", [0, 1, 100, 255, 256, 257, 383, 700, 1023])
+def test_paged_prefix_keys_reach_the_last_page_boundary(page, length):
+    from kvstore.keys import paged_prefix_keys, tail_key
+
+    ns = Namespace("m", KVLayout(2, 1, 4, "float16"), chunk_tokens=256)
+    tokens = np.random.default_rng(length).integers(0, 50_000, length)
+    keys, tail = paged_prefix_keys(ns, tokens, page)
+    full = prefix_keys(ns, tokens)
+    assert keys[: len(full)] == full  # full chunks keep every engine's keys
+    covered = len(full) * 256 + tail
+    assert covered == max(length // page * page, len(full) * 256)  # the last page boundary (or chunk)
+    assert 0 <= tail < 256 and len(keys) == len(full) + (tail > 0)
+    if tail:
+        assert keys[-1] == tail_key(ns, full[-1] if full else None, tokens[len(full) * 256 : covered])
+        assert keys[-1] not in full
+
+
+def test_tail_keys_are_their_own_domain():
+    from kvstore.keys import prefix_key, tail_key
+
+    ns = Namespace("m", KVLayout(2, 1, 4, "float16"), chunk_tokens=4)
+    assert tail_key(ns, None, [1, 2, 3]) != prefix_key(ns, None, [1, 2, 3])
+    assert tail_key(ns, None, [1, 2, 3]) != tail_key(ns, None, [1, 2])
+    parent = prefix_key(ns, None, [9, 9, 9, 9])
+    assert tail_key(ns, parent, [1, 2]) != tail_key(ns, None, [1, 2])
+    for bad in ([], [1, 2, 3, 4]):
+        with pytest.raises(ValueError, match="tail holds"):
+            tail_key(ns, None, bad)
