@@ -34,7 +34,7 @@ import numpy as np
 from kvstore.arena import Arena, ArenaLease, arena_socket_path
 from kvstore.config import default_listen
 from kvstore.keys import KVLayout, Namespace
-from kvstore.limits import MAX_ITEMS_PER_CALL
+from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.shm_index import KeyIndexReader
@@ -198,8 +198,18 @@ class KVStoreClient:
 
     # -- API ----------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """The longest run of leading ``keys`` the daemon holds, and the highest tier of each."""
+    def lookup(self, keys: Sequence[bytes], lease_s: float = 0.0) -> LookupResult:
+        """The longest run of leading ``keys`` the daemon holds, and the highest tier of each.
+
+        ``lease_s`` > 0: the daemon also keeps the hit blocks from eviction and demotion for that
+        long (at most ``kvstore.limits.MAX_LEASE_MS``), so a hit reported now is there at the load;
+        such a lookup is an RPC, never the local index.
+        """
+        if lease_s > 0:
+            self.rpc_lookups += 1
+            lease_ms = max(1, min(int(lease_s * 1000), MAX_LEASE_MS))
+            reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys, lease_ms=lease_ms))
+            return LookupResult(reply.hits, tuple(reply.tiers))
         if self._index is not None and all(isinstance(k, bytes) and len(k) == 16 for k in keys):
             with self._index_lock:
                 local = self._index.lookup(keys) if self._index is not None else None

@@ -9,3 +9,6 @@ MAX_ITEMS_PER_CALL = 4096
 MAX_LAYERS = 1024
 #: Layer copies one GetLayers may ask for: the sum of its blocks' layers.
 MAX_LAYER_COPIES = 65536
+#: Longest lease a Lookup may take on its hits (``LookupRequest.lease_ms``): long enough for an
+#: engine to schedule and load, short enough that a client that never loads frees the space soon.
+MAX_LEASE_MS = 30_000

@@ -517,8 +517,12 @@ class BlockStore:
         return offset_of(key) if offset_of is not None and key in self.tiers[0] else None
 
     def lease(self, key: bytes, seconds: float) -> None:
-        """Keep ``key`` from eviction for ``seconds`` (a client is copying it by reference)."""
-        self._leases[key] = time.monotonic() + seconds
+        """Keep ``key`` from eviction and demotion for ``seconds`` (a client is copying it by
+        reference, or will load it soon); an existing longer lease stays."""
+        now = time.monotonic()
+        if len(self._leases) > 4 * max(sum(map(len, self._lru)), 1024):  # keys deleted while leased: drop the expired
+            self._leases = {k: t for k, t in self._leases.items() if t > now}
+        self._leases[key] = max(self._leases.get(key, 0.0), now + seconds)
 
     def release(self, keys: list[bytes]) -> int:
         return sum(self._leases.pop(k, None) is not None for k in keys)

@@ -26,7 +26,7 @@ from kvstore.arenas import ArenaNotFound, ArenaRegistry
 from kvstore.auth import ANONYMOUS, Tenant, TenantDirectory
 from kvstore.block import BlockHeader, payload_checksum
 from kvstore.keys import KEY_BYTES, KVLayout
-from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYER_COPIES, MAX_LAYERS
+from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYER_COPIES, MAX_LAYERS, MAX_LEASE_MS
 from kvstore.placement import STREAM_HOLD_S, BlockGoneError, BlockStore, GetResult
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -195,6 +195,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         keys = self._stored_keys(tenant, request.keys)
         await self.store.discover(keys)  # blocks other hosts put in a shared tier since we looked
         result = self.store.lookup(keys)
+        if request.lease_ms and result.hits:
+            seconds = min(request.lease_ms, MAX_LEASE_MS) / 1000
+            for key in keys[: result.hits]:
+                self.store.lease(key, seconds)
         if tenant.name:
             usage = self._usage[tenant.name]
             usage.requested += len(keys)

@@ -94,6 +94,25 @@ def test_eight_concurrent_clients_lose_and_mix_nothing(daemon_factory):
     assert results == ["ok"] * 8
 
 
+def test_lookup_lease_keeps_a_reported_hit_until_the_load(daemon_factory):
+    """A Lookup with a lease keeps its hits from eviction (a CPU tier of ~10 blocks, no disk: evicted
+    means gone) until the lease ends; a Lookup without one, or a miss, leases nothing."""
+    d = daemon_factory(cpu_capacity="1500KiB", disk_path="")
+    keys, payloads = make_blocks(24, seed=11)
+    with KVStoreClient(d.address) as client:
+        client.put(NS, [(k, 64, p) for k, p in zip(keys[:4], payloads[:4])])
+        assert client.lookup(keys[:2], lease_s=30).hits == 2  # leased: keys 0, 1
+        assert client.lookup(keys[2:4]).hits == 2             # not leased
+        assert client.lookup([keys[20]], lease_s=30).hits == 0
+        for start in range(4, 20, 4):  # 16 more blocks through a tier of ~10: LRU evicts the oldest
+            client.put(NS, [(k, 64, p) for k, p in zip(keys[start : start + 4], payloads[start : start + 4])])
+        assert client.lookup(keys[:2]).hits == 2 and client.get(keys[:2], BLOCK) == [p.tobytes() for p in payloads[:2]]
+        assert client.lookup(keys[2:3]).hits == 0
+        assert client.rpc_lookups >= 2  # leasing lookups go to the daemon, never the local index
+        stats = client.stats()
+        assert stats["tiers"]["cpu"]["evictions"] >= 8
+
+
 def test_pin_delete_clear_and_cli(daemon_factory):
     d = daemon_factory()
     keys, payloads = make_blocks(4, seed=4)
