@@ -1,25 +1,36 @@
-"""vLLM time to first token on a ~4k-token document: cold, warm through kvstore, and vLLM's own
-in-process prefix cache (the resident limit), each measured in the same run.
+"""vLLM time to first token on a ~4k-token document: cold, warm through kvstore (in a fresh process
+and in an already-running one), and vLLM's own resident prefix cache, each measured in every repeat.
 
     .venv-vllm/bin/python bench/vllm_ttft.py [--repeats 3] [--json out.json]
 
-Needs the vLLM CPU build (see .ci/run for the .venv-vllm recipe). Every vLLM run is a fresh process
-(engine_adapter/vllm/run.py) with greedy decoding of one token, so its per-prompt wall time is
-the time to first token:
+Needs the vLLM CPU build (see .ci/run for the .venv-vllm recipe). vLLM runs as fresh processes
+(engine_adapter/vllm/run.py), greedy, one new token, so a request's wall time is its time to first
+token (vLLM's own start-up is not in it). Per repeat, with a fresh daemon (CPU tier):
 
-- cold: a fresh vLLM with kvstore and an empty daemon (it stores the document's chunks);
-- warm: another fresh vLLM process, the same prompt, hits from the daemon's CPU tier;
-- resident: one vLLM process without kvstore, the prompt twice; the second hits vLLM's own cache.
+- running:  one vLLM process with kvstore and its own prefix cache off: the prompt cold (it stores
+            the prompt's chunks and tail), then again once stored: a warm hit from kvstore in an
+            already-running process;
+- fresh:    a new vLLM process with kvstore: the same prompt, warm from the daemon;
+- resident: one vLLM process without kvstore: the prompt cold, then again: vLLM's own prefix cache.
+
+The first token of every request of every repeat is checked against the cold one of vLLM without
+kvstore. Then the page copy of a load (the vLLM CPU backend's cache-write op, as the connector runs
+it) is timed against a plain memcpy of the same bytes, in this process.
+
+Targets (issue #15): running <= 1.3x resident, fresh <= 2x resident, page copy <= 3x memcpy.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -28,23 +39,79 @@ sys.path.insert(0, str(ROOT))
 
 from kvstore.spawn import DaemonProcess  # noqa: E402
 
+TARGETS = {"running_vs_resident": 1.3, "fresh_vs_resident": 2.0, "copy_vs_memcpy": 3.0}
 
-def vllm_run(folder: Path, model: Path, prompts: list[list[int]], address: str | None, tag: str) -> dict:
-    prompts_file, out = folder / f"{tag}.prompts.json", folder / f"{tag}.out.json"
+
+def vllm_run(folder: Path, model: Path, prompts: list[list[int]], address: str | None, tag: str,
+             *args: str) -> dict:
+    prompts_file, out, log = folder / f"{tag}.prompts.json", folder / f"{tag}.out.json", folder / f"{tag}.log"
     prompts_file.write_text(json.dumps(prompts))
     cmd = [sys.executable, "-m", "engine_adapter.vllm.run", "--model", str(model), "--prompts", str(prompts_file),
-           "--out", str(out), "--max-tokens", "1"]
+           "--out", str(out), "--max-tokens", "1", *args]
     if address:
-        cmd += ["--kvstore", address, "--wait-stored", "60"]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+        cmd += ["--kvstore", address, "--wait-each", "60"]
+    with open(log, "wb") as log_file:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
+    if proc.returncode:
+        sys.exit(f"vLLM run {tag} failed ({proc.returncode}); see {log}:\n{log.read_text()[-3000:]}")
+    result = json.loads(out.read_text())
+    result["log"] = log.read_text()
+    return result
+
+
+def page_writes(log: str) -> tuple[float, float]:
+    """(MB, ms) of the connector's page writes, from its shutdown line."""
+    found = re.search(r"loaded \d+ pieces \(([\d.]+) MB, page writes ([\d.]+) ms\)", log)
+    return (float(found.group(1)), float(found.group(2))) if found else (0.0, 0.0)
+
+
+def copy_benchmark(tokens: int, repeats: int = 5) -> dict:
+    """The connector's load copy (vLLM's CPU cache-write op with a slot mapping, and the older
+    per-element layout path) against a memcpy of the same bytes, on SmolLM2's shapes."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from engine_adapter.vllm.connector import cpu_cache_write
+    from engine_adapter.vllm.layout import PagedKV, PagedSpan, measure_page_layout
+
+    layers, heads, head_dim, page, chunk = 30, 3, 64, 128, 256
+    isa = _get_attn_isa(torch.bfloat16, page, head_dim)
+    write = cpu_cache_write(isa)
+    layout = measure_page_layout(write, heads, page, head_dim, torch.bfloat16)
+    pages = tokens // page + 8
+    caches = [torch.zeros(pages, heads, page, 2 * head_dim, dtype=torch.bfloat16) for _ in range(layers)]
+    chunks = tokens // chunk
+    blocks = [torch.randn(layers, 2, heads, chunk, head_dim).to(torch.bfloat16) for _ in range(chunks)]
+    order = torch.randperm(pages)[: chunks * chunk // page].tolist()  # an irregular page table
+    spans = [PagedSpan(tuple(order[c * chunk // page : (c + 1) * chunk // page]), 0, chunk) for c in range(chunks)]
+    nbytes = sum(b.numel() * b.element_size() for b in blocks)
+    source, target = torch.randn(nbytes // 2).to(torch.bfloat16), torch.empty(nbytes // 2, dtype=torch.bfloat16)
+
+    def timed(fn) -> float:
+        fn()  # warm
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - began)
+        return statistics.median(times)
+
+    fast, slow = PagedKV(caches, layout, heads, page, write=write), PagedKV(caches, layout, heads, page)
+    op_s = timed(lambda: [fast.scatter(b, s) for b, s in zip(blocks, spans)])
+    layout_s = timed(lambda: [slow.scatter(b, s) for b, s in zip(blocks, spans)])
+    memcpy_s = timed(lambda: target.copy_(source))
+    return {"isa": isa, "mb": nbytes / 1e6, "op_ms": op_s * 1e3, "layout_ms": layout_s * 1e3,
+            "memcpy_ms": memcpy_s * 1e3, "copy_vs_memcpy": op_s / memcpy_s, "layout_vs_memcpy": layout_s / memcpy_s}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4000, help="prompt length (default 4000; vLLM max 4096)")
     parser.add_argument("--repeats", type=int, default=3, help="fresh daemons and processes per mode (default 3)")
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--json", metavar="PATH", help="write every repeat's figures as JSON")
+    parser.add_argument("--layerwise", action="store_true",
+                        help="also time the running-process warm request with layer-wise loading")
     args = parser.parse_args()
 
     from engine_adapter.loader import find_smollm2_gguf, load_gguf
@@ -57,31 +124,58 @@ def main() -> int:
     prompt = context[: args.tokens - len(question)] + question
     folder = Path(tempfile.mkdtemp(prefix="kvvllm-"))
     model = write_hf_folder(folder / "model")
-    cold, warm, resident = [], [], []
-    hits = {}
+    repeats = []
     for repeat in range(args.repeats):
-        print(f"repeat {repeat + 1}/{args.repeats}: cold, warm, resident ...", flush=True)
+        print(f"repeat {repeat + 1}/{args.repeats}: running, fresh, resident ...", flush=True)
         with DaemonProcess.in_folder(folder / f"daemon{repeat}", cpu_capacity="2GiB", disk_path="") as daemon:
-            first = vllm_run(folder, model, [prompt], daemon.address, f"cold{repeat}")
-            second = vllm_run(folder, model, [prompt], daemon.address, f"warm{repeat}")
-        own = vllm_run(folder, model, [prompt, prompt], None, f"resident{repeat}")
-        cold.append(first["outputs"][0]["seconds"])
-        warm.append(second["outputs"][0]["seconds"])
-        resident.append(own["outputs"][1]["seconds"])
-        hits = {"cold": first["outputs"][0]["num_cached_tokens"], "warm": second["outputs"][0]["num_cached_tokens"],
-                "resident": own["outputs"][1]["num_cached_tokens"]}
-        same = first["outputs"][0]["token_ids"] == second["outputs"][0]["token_ids"] == own["outputs"][1]["token_ids"]
-    report = {"prompt_tokens": len(prompt), "cold_s": statistics.median(cold), "warm_s": statistics.median(warm),
-              "resident_s": statistics.median(resident), "cached_tokens": hits, "same_first_token": same}
-    print(f"\nSmolLM2-135M (bf16) on the vLLM CPU build, {len(prompt)}-token prompt, median of {args.repeats}")
-    print(f"{'mode':<28} {'TTFT':>8} {'cached tokens':>14} {'vs cold':>8}")
-    for mode, key in (("cold (fresh vLLM)", "cold"), ("warm through kvstore (fresh)", "warm"),
-                      ("vLLM prefix cache (resident)", "resident")):
-        seconds = report[f"{key}_s"]
-        print(f"{mode:<28} {seconds:>7.2f}s {hits[key]:>14} {report['cold_s'] / seconds:>7.1f}x")
-    print(f"first token identical in all three: {same}")
+            running = vllm_run(folder, model, [prompt, prompt], daemon.address, f"running{repeat}",
+                               "--no-prefix-caching")
+            fresh = vllm_run(folder, model, [prompt], daemon.address, f"fresh{repeat}")
+            if args.layerwise:  # the daemon holds the prompt now: both requests are warm
+                layerwise = vllm_run(folder, model, [prompt, prompt], daemon.address, f"layerwise{repeat}",
+                                     "--no-prefix-caching", "--kv-extra", json.dumps({"layerwise": True}))
+        resident = vllm_run(folder, model, [prompt, prompt], None, f"resident{repeat}")
+        outputs = {"cold": running["outputs"][0], "running": running["outputs"][1], "fresh": fresh["outputs"][0],
+                   "plain_cold": resident["outputs"][0], "resident": resident["outputs"][1]}
+        if args.layerwise:
+            outputs["running_layerwise"] = layerwise["outputs"][1]
+        first = {mode: out["token_ids"][0] for mode, out in outputs.items()}
+        mb, ms = page_writes(fresh["log"])
+        row = {"repeat": repeat, **{f"{mode}_s": out["seconds"] for mode, out in outputs.items()},
+               "cached_tokens": {mode: out["num_cached_tokens"] for mode, out in outputs.items()},
+               "first_tokens": first, "same_first_token": len(set(first.values())) == 1,
+               "fresh_page_writes_mb": mb, "fresh_page_writes_ms": ms}
+        row["running_vs_resident"] = row["running_s"] / row["resident_s"]
+        row["fresh_vs_resident"] = row["fresh_s"] / row["resident_s"]
+        repeats.append(row)
+        print(f"  cold {row['cold_s']:.2f}s  running {row['running_s']:.3f}s  fresh {row['fresh_s']:.3f}s  "
+              f"resident {row['resident_s']:.3f}s  first token same: {row['same_first_token']}", flush=True)
+    copy = copy_benchmark(len(prompt) // 256 * 256)
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in repeats)
+
+    print(f"\nSmolLM2-135M (bf16) on the vLLM CPU build, {len(prompt)}-token prompt, {args.repeats} repeats (median)")
+    print(f"{'mode':<40} {'TTFT':>8} {'cached':>7} {'vs resident':>12}")
+    last = repeats[-1]["cached_tokens"]
+    for mode, label in (("cold", "cold (kvstore, stores)"), ("plain_cold", "cold (vLLM alone)"),
+                        ("running", "warm via kvstore, running process"), ("fresh", "warm via kvstore, fresh process"),
+                        ("running_layerwise", "warm via kvstore, running, layer-wise"),
+                        ("resident", "vLLM's own prefix cache (resident)")):
+        if mode not in last:
+            continue
+        print(f"{label:<40} {median(mode + '_s'):>7.3f}s {last[mode]:>7} {median(mode + '_s') / median('resident_s'):>11.2f}x")
+    print(f"first token identical in every mode and repeat: {all(r['same_first_token'] for r in repeats)}")
+    print(f"page copy of {copy['mb']:.1f} MB: vLLM's cache-write op {copy['op_ms']:.1f} ms, per-element layout path "
+          f"{copy['layout_ms']:.1f} ms, memcpy {copy['memcpy_ms']:.1f} ms: op {copy['copy_vs_memcpy']:.2f}x memcpy "
+          f"(layout path {copy['layout_vs_memcpy']:.2f}x); ISA {copy['isa']}")
+    checks = {"running_vs_resident": median("running_vs_resident"), "fresh_vs_resident": median("fresh_vs_resident"),
+              "copy_vs_memcpy": copy["copy_vs_memcpy"]}
+    for name, value in checks.items():
+        print(f"target {name} <= {TARGETS[name]}: {value:.2f} {'met' if value <= TARGETS[name] else 'MISSED'}")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        Path(args.json).write_text(json.dumps({"prompt_tokens": len(prompt), "repeats": repeats, "copy": copy,
+                                               "medians": checks, "targets": TARGETS}, indent=2))
     return 0
 
 

@@ -34,6 +34,7 @@ parallelism 1 (a block holds every layer and head), KV cache dtype "auto".
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -53,7 +54,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from engine_adapter.client import KVStoreClient
 from engine_adapter.loader import hf_rope
 from engine_adapter.prefix_cache import fetch_slot_bytes, fetched_tensor
-from engine_adapter.vllm.layout import PagedKV, PageLayout, measure_page_layout
+from engine_adapter.vllm.layout import PagedKV, PageLayout, measure_page_layout, split_cache_write
 from engine_adapter.vllm.plan import ChunkLoad, Planner, StepPlan
 from kvstore.config import default_listen
 from kvstore.keys import KVLayout, Namespace
@@ -64,10 +65,12 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+# A child of vLLM's logger: the connector's lines go wherever vLLM's go, at vLLM's level.
+log = logging.getLogger("vllm.kvstore_connector")
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # daemon tier -> where vLLM's metrics say the hit came from
@@ -86,6 +89,9 @@ class ConnectorSettings:
     timeout_s: float = 5.0       # per daemon call
     retry_s: float = 10.0        # after a failed call, serve without the daemon this long
     save_queue_chunks: int = 16  # completed chunks waiting for Put; beyond it they are dropped (counted)
+    tail_blocks: bool = True     # also store/load the tokens after the last full chunk, up to the last page
+    lease_s: float = 10.0        # the daemon keeps a reported hit from eviction this long (0: no lease)
+    layerwise: bool = False      # write layer i's pages while vLLM computes layer i-1 (docs/vllm.md: measured)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":
@@ -98,16 +104,18 @@ class ConnectorSettings:
         for name, value in extra.items():
             kind = type(known[name].default)
             try:
+                if kind is bool and not isinstance(value, bool):
+                    value = {"true": True, "1": True, "false": False, "0": False}[str(value).strip().lower()]
                 values[name] = kind(value)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, KeyError):
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be a {kind.__name__}, "
                                  f"got {value!r}") from None
         settings = cls(**values)
         for name in ("chunk_tokens", "arena_bytes", "save_queue_chunks"):
             if getattr(settings, name) <= 0:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be positive, got {getattr(settings, name)}")
-        if settings.timeout_s <= 0 or settings.retry_s < 0:
-            raise ValueError("kv_connector_extra_config 'timeout_s' must be > 0 and 'retry_s' >= 0")
+        if settings.timeout_s <= 0 or settings.retry_s < 0 or settings.lease_s < 0:
+            raise ValueError("kv_connector_extra_config 'timeout_s' must be > 0, 'retry_s' and 'lease_s' >= 0")
         return settings
 
 
@@ -142,9 +150,10 @@ class DaemonLink:
         self.shared_memory = shared_memory
         self.arena_bytes = arena_bytes or settings.arena_bytes
         self.errors = 0
+        self.outages = 0
         self._client: KVStoreClient | None = None
         self._down_until = 0.0
-        self._warned = False
+        self._down_since: float | None = None  # set while in an outage (logged once when it starts and ends)
         self._lock = threading.Lock()
 
     def client(self) -> KVStoreClient | None:
@@ -161,6 +170,15 @@ class DaemonLink:
                 self._fail_locked("connect", exc)
             return self._client
 
+    def ok(self) -> None:
+        """A call succeeded: ends an outage (and says so)."""
+        if self._down_since is not None:
+            with self._lock:
+                if self._down_since is not None:
+                    log.warning("kvstore daemon at %s is back after %.1f s; vLLM uses it again",
+                                self.address, time.monotonic() - self._down_since)
+                    self._down_since = None
+
     def failed(self, what: str, exc: BaseException) -> None:
         with self._lock:
             self._fail_locked(what, exc)
@@ -174,10 +192,13 @@ class DaemonLink:
             except Exception:  # noqa: BLE001
                 pass
             self._client = None
-        if not self._warned:
+        if self._down_since is None:  # an outage starts: say so once, and once more when it ends
+            self._down_since = time.monotonic()
+            self.outages += 1
             log.warning("kvstore daemon at %s: %s failed (%s); vLLM serves without it (retrying every %.0f s)",
                         self.address, what, exc, self.settings.retry_s)
-            self._warned = True
+        else:
+            log.debug("kvstore daemon at %s: %s failed again (%s)", self.address, what, exc)
 
     def close(self) -> None:
         with self._lock:
@@ -196,6 +217,73 @@ def cpu_cache_write(isa: str):
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
 
     return write
+
+
+class LayerwiseLoad:
+    """One step's loads, layer by layer: the daemon streams each layer of every block into the arena
+    (GetLayers) and a thread writes that layer's pages; vLLM's attention for layer i waits only for
+    layer i (``wait``). Any failure fails every piece from the first one not fully written."""
+
+    def __init__(self, connector: "KVStoreConnector", client: KVStoreClient, pieces: list[ChunkLoad], slot: int) -> None:
+        self.connector = connector
+        self.pieces = pieces
+        layers = connector.namespace.layout.num_layers
+        self.ready = [threading.Event() for _ in range(layers)]
+        self.failed = False
+        self._stack = contextlib.ExitStack()
+        self._thread: threading.Thread | None = None
+        try:
+            stream = self._stack.enter_context(client.fetch_layers([p.key for p in pieces], slot))
+            layout = connector.namespace.layout
+            for piece, block in zip(pieces, stream.blocks):
+                if block is None or block.tokens != piece.tokens or block.layout != layout or block.codec != "raw":
+                    raise LookupError(f"block {piece.key.hex()} vanished or is not a raw block of this layout")
+        except Exception as exc:  # noqa: BLE001
+            self._fail("get", exc)
+            return
+        self._thread = threading.Thread(target=self._run, args=(stream,), name="kvstore-layer-load", daemon=True)
+        self._thread.start()
+
+    def _run(self, stream) -> None:
+        paged = self.connector.paged
+        jobs = [(fetched_tensor(block)[:, :, :, p.lo : p.hi], paged.slots(p.span)) for p, block in zip(self.pieces, stream.blocks)]
+        began = time.perf_counter()
+        try:
+            for layer in stream:
+                cache = paged.caches[layer]
+                for tensor, slots in jobs:
+                    paged.write(tensor[layer, 0].transpose(0, 1), tensor[layer, 1].transpose(0, 1), cache, slots)
+                self.ready[layer].set()
+            if not all(event.is_set() for event in self.ready):
+                raise LookupError("the daemon's layer stream ended early")
+        except Exception as exc:  # noqa: BLE001
+            self._fail("get", exc)
+        self.connector.load_copy_s += time.perf_counter() - began
+
+    def _fail(self, what: str, exc: BaseException) -> None:
+        self.failed = True
+        self.connector.link.failed(what, exc)
+        for event in self.ready:
+            event.set()  # never leave the forward waiting; the pages are reported failed
+
+    def wait(self, layer: int) -> None:
+        if not self.ready[layer].wait(self.connector.settings.timeout_s):
+            self._fail("get", TimeoutError(f"layer {layer} not loaded within {self.connector.settings.timeout_s} s"))
+
+    def finish(self) -> None:
+        if self._thread is not None:
+            self._thread.join(self.connector.settings.timeout_s)
+            if self._thread.is_alive():
+                self._fail("get", TimeoutError("the layer-wise load did not finish"))
+        self._stack.close()
+        connector = self.connector
+        if self.failed:
+            for piece in self.pieces:
+                connector._failed_pages.update(piece.span.page_ids)
+        else:
+            connector.loaded_chunks += len(self.pieces)
+            connector.load_bytes += sum(connector.namespace.layout.block_bytes(p.hi - p.lo) for p in self.pieces)
+            connector.link.ok()
 
 
 class KVStoreConnectorMetadata(KVConnectorMetadata):
@@ -228,16 +316,26 @@ class KVStoreConnector(KVConnectorBase_V1):
         log.info("KVStoreConnector (%s): model %s, %s, address %s", role.name, self.namespace.model_id,
                  self.namespace.layout, self.link.address)
         if role == KVConnectorRole.SCHEDULER:
-            self.planner = Planner(self.namespace, self.page_tokens)
+            self.planner = Planner(self.namespace, self.page_tokens, tails=self.settings.tail_blocks)
+            self._requests: dict[str, "Request"] = {}  # to correct vLLM's cached-token count after a failed load
+            # request -> (page ids, load start, end, step outputs seen): kept for two step outputs
+            # (the load's step and, with async scheduling, the one before it)
+            self._loading: dict[str, list] = {}
         else:
             self.paged: PagedKV | None = None
             self.loaded_chunks = 0
             self.saved_chunks = 0
             self.dropped_chunks = 0  # completed chunks not saved (daemon down, or the queue full)
+            self.load_copy_s = 0.0   # time in the page writes of loads (after the Get)
+            self.load_s = 0.0        # time in start_load_kv's loads, Gets included
+            self.load_bytes = 0
             self._failed_pages: set[int] = set()
+            self._layer_index: dict[str, int] = {}
+            self._layerwise: LayerwiseLoad | None = None  # this step's layer-wise load, until wait_for_save
             self._saves: queue.Queue = queue.Queue(maxsize=self.settings.save_queue_chunks)
             self._saver = threading.Thread(target=self._save_loop, name="kvstore-save", daemon=True)
             self._saver.start()
+        self.link.client()  # connect (and map the arena) now, not on the first request
 
     # ==== scheduler side ======================================================================
 
@@ -245,16 +343,25 @@ class KVStoreConnector(KVConnectorBase_V1):
         prompt = request.prompt_token_ids
         if not prompt:
             return 0, False
-        keys = self.planner.keys_of(request.request_id, prompt)
+        request_id = request.request_id
+        keys = self.planner.keys_of(request_id, prompt)
         hits, tiers = 0, ()
         client = self.link.client() if keys else None
         if client is not None:
             try:
-                found = client.lookup(keys)
+                found = client.lookup(keys)  # the local key index: no round trip
+                if found.hits and self.settings.lease_s > 0 \
+                        and self.planner.record_hit(request_id, found.hits, num_computed_tokens) > 0:
+                    # a hit vLLM will load: confirm it and keep it from eviction until the load
+                    found = client.lookup(keys[: found.hits], lease_s=self.settings.lease_s)
                 hits, tiers = found.hits, found.tiers
+                self.link.ok()
             except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
                 self.link.failed("lookup", exc)
-        return self.planner.record_hit(request.request_id, hits, num_computed_tokens, tiers), False
+        external = self.planner.record_hit(request_id, hits, num_computed_tokens, tiers)
+        if external:
+            self._requests[request_id] = request
+        return external, False
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
         sources: dict[CacheHitSource, int] = {}
@@ -266,7 +373,10 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if num_external_tokens > 0:
-            self.planner.plan_load(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+            page_ids = blocks.get_block_ids()[0]
+            self.planner.plan_load(request.request_id, page_ids, num_external_tokens)
+            start = self.planner.requests[request.request_id].local_tokens
+            self._loading[request.request_id] = [list(page_ids), start, start + num_external_tokens, 0]
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         scheduled = [(req.req_id, req.num_computed_tokens) for req in scheduler_output.scheduled_new_reqs]
@@ -281,11 +391,41 @@ class KVStoreConnector(KVConnectorBase_V1):
                 raise RuntimeError(f"vLLM gave no page table for request {request_id}")
             return block_ids[0]
 
+        if scheduler_output.preempted_req_ids:
+            log.info("KVStoreConnector: %d requests preempted; their stored pieces are hits when they resume",
+                     len(scheduler_output.preempted_req_ids))
         plan = self.planner.plan_step([(rid, before, counts.get(rid, 0)) for rid, before in scheduled], page_ids_of)
         return KVStoreConnectorMetadata(plan)
 
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """After a step: for a load that failed, vLLM recomputes from the first failed page; make
+        its cached-token count say so, and save the recomputed pieces."""
+        invalid = connector_output.invalid_block_ids or set()
+        for request_id, entry in list(self._loading.items()):
+            page_ids, start, end, seen = entry
+            entry[3] = seen + 1
+            if entry[3] >= 2:
+                del self._loading[request_id]
+            page = self.page_tokens
+            failed = [i for i in range(start // page, (end + page - 1) // page) if page_ids[i] in invalid]
+            if not failed:
+                continue
+            self._loading.pop(request_id, None)
+            kept = failed[0] * page  # vLLM truncates the computed tokens at the first failed page
+            self.planner.lost(request_id, kept)
+            request = self._requests.get(request_id)
+            stats = getattr(request, "prefill_stats", None) if request is not None else None
+            if stats is not None and hasattr(stats, "set"):
+                local = stats.num_local_cached_tokens
+                stats.set(num_prompt_tokens=stats.num_prompt_tokens, num_local_cached_tokens=local,
+                          num_external_cached_tokens=max(0, kept - local))
+            log.warning("KVStoreConnector: request %s loaded %d of %d hit tokens; vLLM computes the rest",
+                        request_id, max(0, kept - start), end - start)
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.planner.forget(request.request_id)
+        self._requests.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)
         return False, None  # saves copy their pages within the step: vLLM may free them now
 
     # ==== worker side =========================================================================
@@ -306,12 +446,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             if not all(cache.is_contiguous() for cache in caches):
                 raise ValueError("KVStoreConnector expects CPU KV caches laid out [pages, kv_heads, page_tokens, 2*head_dim]")
             isa = self._cpu_isa(names[0], kernel_tokens)
-            page_layout = measure_page_layout(cpu_cache_write(isa), layout.num_kv_heads, kernel_tokens,
-                                              layout.head_dim, caches[0].dtype)
+            write = cpu_cache_write(isa)
+            page_layout = measure_page_layout(write, layout.num_kv_heads, kernel_tokens, layout.head_dim, caches[0].dtype)
             log.info("KVStoreConnector: CPU attention ISA %s, page layout measured", isa)
         else:
-            page_layout = PageLayout.split(kernel_tokens, layout.head_dim)
-        self.paged = PagedKV(caches, page_layout, layout.num_kv_heads, self.page_tokens)
+            page_layout, write = PageLayout.split(kernel_tokens, layout.head_dim), split_cache_write
+        self.paged = PagedKV(caches, page_layout, layout.num_kv_heads, self.page_tokens, write=write)
+        self._layer_index = {name: i for i, name in enumerate(names)}
 
     def _cpu_isa(self, layer_name: str, kernel_tokens: int) -> str:
         """The ISA the CPU attention backend chose for this model (it packs pages by it)."""
@@ -332,27 +473,49 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not self.has_connector_metadata():
             return
         plan: StepPlan = self._get_connector_metadata().plan
+        began = time.perf_counter()
+        pieces = [chunk for chunks in plan.loads.values() for chunk in chunks]
+        if self.settings.layerwise and pieces and self._start_layerwise(pieces):
+            self.load_s += time.perf_counter() - began
+            return
         for chunks in plan.loads.values():
             self._load(chunks)
+        self.load_s += time.perf_counter() - began
+
+    def _start_layerwise(self, pieces: list[ChunkLoad]) -> bool:
+        """Start this step's loads layer by layer (GetLayers, then a thread writing each layer's
+        pages as it lands); False when they do not fit the arena at once (then they load whole)."""
+        client = self.link.client()
+        if client is None or self.paged is None:
+            return False
+        slot = fetch_slot_bytes(self.namespace.layout, self.namespace.chunk_tokens)
+        if len(pieces) > client.max_fetch_blocks(slot):
+            return False
+        self._layerwise = LayerwiseLoad(self, client, pieces, slot)
+        return True
 
     def _load(self, chunks: list[ChunkLoad]) -> None:
-        """Load one request's chunks in order; the pages of any chunk not loaded are reported failed."""
-        n, layout = self.namespace.chunk_tokens, self.namespace.layout
+        """Load one request's pieces in order; the pages of any piece not loaded are reported failed."""
+        layout = self.namespace.layout
         loaded = 0
         client = self.link.client()
         if client is not None and self.paged is not None:
-            slot = fetch_slot_bytes(layout, n)
+            slot = fetch_slot_bytes(layout, self.namespace.chunk_tokens)
             step = client.max_fetch_blocks(slot)
             try:
                 for start in range(0, len(chunks), step):
                     batch = chunks[start : start + step]
                     with client.fetch([c.key for c in batch], slot) as blocks:
                         for chunk, block in zip(batch, blocks):
-                            if block is None or block.tokens != n or block.layout != layout:
+                            if block is None or block.tokens != chunk.tokens or block.layout != layout:
                                 raise LookupError(f"block {chunk.key.hex()} vanished or has another layout")
                             tensor = fetched_tensor(block)  # [L, 2, H, n, D]; a view of the arena for raw
+                            began = time.perf_counter()
                             self.paged.scatter(tensor[:, :, :, chunk.lo : chunk.hi], chunk.span)
+                            self.load_copy_s += time.perf_counter() - began
+                            self.load_bytes += layout.block_bytes(chunk.hi - chunk.lo)
                             loaded += 1
+                self.link.ok()
             except Exception as exc:  # noqa: BLE001
                 self.link.failed("get", exc)
         self.loaded_chunks += loaded
@@ -364,13 +527,20 @@ class KVStoreConnector(KVConnectorBase_V1):
         return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish in start_load_kv
+        if self._layerwise is not None:  # otherwise loads finished in start_load_kv
+            self._layerwise.wait(self._layer_index.get(layer_name, self.namespace.layout.num_layers - 1))
+
+    def _finish_layerwise(self) -> None:
+        if self._layerwise is not None:
+            self._layerwise.finish()
+            self._layerwise = None
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
-        return  # chunks are saved whole, after the forward (wait_for_save)
+        return  # pieces are saved whole, after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:
+        self._finish_layerwise()  # before vLLM asks for load errors
         if not self.has_connector_metadata() or self.paged is None:
             return
         saves = self._get_connector_metadata().plan.saves
@@ -380,13 +550,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.dropped_chunks += len(saves)
             return
         for save in saves:
-            try:
-                self._saves.put_nowait((save.key, self.paged.gather(save.span)))  # a copy: pages may be reused
-            except queue.Full:
+            if self._saves.full():
                 self.dropped_chunks += 1
+                continue
+            # a plain copy of the pages (vLLM may reuse them after this step); the save thread permutes
+            self._saves.put_nowait((save.key, *self.paged.copy_pages(save.span)))
 
     def _save_loop(self) -> None:
-        n = self.namespace.chunk_tokens
         while True:
             item = self._saves.get()
             if item is None:
@@ -402,12 +572,14 @@ class KVStoreConnector(KVConnectorBase_V1):
                     break
                 batch.append(more)
             client = self.link.client()
-            if client is None:
+            if client is None or self.paged is None:
                 self.dropped_chunks += len(batch)
                 continue
             try:
-                client.put(self.namespace, [(key, n, block) for key, block in batch])
+                blocks = [(key, span.tokens, self.paged.block_of_pages(pages, span)) for key, pages, span in batch]
+                client.put(self.namespace, blocks)
                 self.saved_chunks += len(batch)
+                self.link.ok()
             except Exception as exc:  # noqa: BLE001
                 self.link.failed("put", exc)
                 self.dropped_chunks += len(batch)
@@ -419,6 +591,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             except queue.Full:
                 pass
             self._saver.join(timeout=30.0)
-            log.info("KVStoreConnector worker: loaded %d chunks, saved %d, dropped %d, daemon errors %d",
-                     self.loaded_chunks, self.saved_chunks, self.dropped_chunks, self.link.errors)
+            log.info("KVStoreConnector worker: loaded %d pieces (%.1f MB, page writes %.1f ms, loads %.1f ms in all), "
+                     "saved %d, dropped %d, daemon errors %d in %d outages", self.loaded_chunks, self.load_bytes / 1e6,
+                     self.load_copy_s * 1e3, self.load_s * 1e3, self.saved_chunks, self.dropped_chunks,
+                     self.link.errors, self.link.outages)
         self.link.close()

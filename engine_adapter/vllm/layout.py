@@ -105,8 +105,18 @@ class PageLayout:
         return cls.from_offsets(torch.stack((k, k + page_tokens * head_dim)))
 
 
-# (key [T, H, D], value [T, H, D], plane [1, H, page_tokens, 2D] to write, slots [T]) -> None
+# (key [T, H, D], value [T, H, D], layer cache [pages, H, page_tokens, 2D] to write, slots [T]) -> None;
+# slot = kernel page * page_tokens + row. key and value may be strided views.
 CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def split_cache_write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """The :meth:`PageLayout.split` placement as a :data:`CacheWrite`: one indexed copy per K and V,
+    on the cache's device (FLASH_ATTN / TRITON pages on CUDA; the reference for any ``split`` cache)."""
+    page_tokens, d = cache.shape[2], key.shape[-1]
+    pages, rows = slots // page_tokens, slots % page_tokens
+    cache[pages, :, rows, :d] = key.to(cache.dtype)  # advanced indices around a slice: [T, H, D]
+    cache[pages, :, rows, d:] = value.to(cache.dtype)
 
 
 def measure_page_layout(write: CacheWrite, num_kv_heads: int, page_tokens: int, head_dim: int,
@@ -153,7 +163,7 @@ class PagedKV:
     """
 
     def __init__(self, layer_caches: Sequence[torch.Tensor], layout: PageLayout, num_kv_heads: int,
-                 page_tokens: int) -> None:
+                 page_tokens: int, write: CacheWrite | None = None) -> None:
         if not layer_caches:
             raise ValueError("PagedKV needs at least one layer")
         kernel_tokens, head_dim = layout.page_tokens, layout.head_dim
@@ -167,6 +177,7 @@ class PagedKV:
         self.caches = list(layer_caches)
         self.layout = layout
         self.page_tokens = page_tokens
+        self.write = write  # the backend's own cache-write op: scatter's fast path (one call per layer)
         device = self.caches[0].device
         self._plane_rows = layout.plane_rows.to(device)
         self._plane_cols = layout.plane_cols.to(device)
@@ -209,11 +220,35 @@ class PagedKV:
                     block[layer, kind][:, rest] = values.permute(2, 0, 1)  # [H, T, D]
         return block
 
+    def slots(self, span: PagedSpan) -> torch.Tensor:
+        """Each token's slot in the layer caches (kernel page * kernel page tokens + row), on their device."""
+        page, row = span.rows(self.page_tokens, self.layout.page_tokens)
+        return (page * self.layout.page_tokens + row).to(self.caches[0].device)
+
+    def copy_pages(self, span: PagedSpan) -> tuple[torch.Tensor, PagedSpan]:
+        """A plain copy of the kernel pages holding ``span`` ([layers, pages, H, N, 2D]), and the span
+        within that copy: the save's only work in vLLM's step; :meth:`block_of_pages` permutes later."""
+        k = self.page_tokens // self.layout.page_tokens
+        kernel_pages = torch.tensor([p * k + j for p in span.page_ids for j in range(k)], dtype=torch.int64,
+                                    device=self.caches[0].device)
+        pages = torch.stack([cache.index_select(0, kernel_pages) for cache in self.caches])
+        return pages, PagedSpan(tuple(range(len(span.page_ids))), span.offset, span.tokens)
+
+    def block_of_pages(self, pages: torch.Tensor, span: PagedSpan) -> torch.Tensor:
+        """The block ``[layers, 2, kv_heads, span.tokens, head_dim]`` of a :meth:`copy_pages` result."""
+        return PagedKV(list(pages), self.layout, pages.shape[2], self.page_tokens).gather(span)
+
     def scatter(self, block: torch.Tensor, span: PagedSpan) -> None:
         """Write a block ``[layers, 2, kv_heads, span.tokens, head_dim]`` into the span's pages."""
         if block.dim() != 5 or block.shape[0] != self.num_layers or block.shape[3] != span.tokens:
             raise ValueError(f"block shape {tuple(block.shape)} is not [layers={self.num_layers}, 2, kv_heads, "
                              f"tokens={span.tokens}, head_dim]")
+        if self.write is not None:
+            slots = self.slots(span)
+            block = block.to(self.caches[0].device)
+            for cache, layer in zip(self.caches, block):
+                self.write(layer[0].transpose(0, 1), layer[1].transpose(0, 1), cache, slots)  # [T, H, D] views
+            return
         pages, whole, page, row, rest = self._pieces(span)
         heads, n, d = block.shape[2], self.layout.page_tokens, self.layout.head_dim
         block = block.to(self.caches[0].dtype)

@@ -4,20 +4,24 @@ Pure Python (no vLLM import), so the range arithmetic is unit-tested on its own.
 ``connector.py`` feeds it vLLM's requests and scheduler output.
 
 Per request, the prompt minus its last token is cut into chunks with chained keys, exactly as the
-reference engine does (``CachedEngine``), so a block stored by either engine is a hit for both::
+reference engine does (``CachedEngine``), so a block stored by either engine is a hit for both;
+then the tokens after the last full chunk, up to the last page boundary, form one short *tail*
+block (``kvstore.keys.tail_key``), so a repeat hits up to the last page, not the last chunk::
 
-    prompt           |--chunk 0--|--chunk 1--|--chunk 2--|-tail-|x|     x: last token, always computed
-    keys             k0          k1          k2                        prefix_keys(prompt[:-1])
-    vLLM's own hit   |=====local=====|                                 (page-aligned, any length)
-    kvstore hit      |=========== hits * n ===========|
-    load             ................|xxxxxxxxxxxxxxxx|                local .. hits*n (partial chunk 1, chunk 2)
-    compute                                           |xxxxxxxxxxxxxxxxxx|
+    prompt           |--chunk 0--|--chunk 1--|--chunk 2--|-tail-|..|x|  x: last token, always computed
+    keys             k0          k1          k2          t3            paged_prefix_keys(prompt[:-1])
+    pages            |   |   |   |   |   |   |   |   |   |   |   |     (tail ends on a page boundary)
+    vLLM's own hit   |=====local=====|                                  (page-aligned, any length)
+    kvstore hit      |=============== hit pieces ===============|
+    load             ................|xxxxxxxxxxxxxxxxxxxxxxxxxxx|       local .. hit end (partial chunk 1, ...)
+    compute                                                      |xxxx|
 
-Each chunk kvstore lacks is saved once, in the first step after which vLLM holds all of it (the
-step whose forward completes it, or the first step for chunks vLLM's own prefix cache supplied)::
+Each piece (chunk or tail) kvstore lacks is saved once, in the first step after which vLLM holds
+all of it (the step whose forward completes it, or the first step for pieces vLLM's own prefix
+cache supplied)::
 
-    step computes tokens [before, after):  save chunks c in [saved, min(len(keys), after // n)),
-                                            saved = kvstore's hit in chunks, then advanced to the end
+    step computes tokens [before, after):  save pieces i in [saved, pieces ending at or before after),
+                                            saved = kvstore's hit in pieces, then advanced to the end
 """
 
 from __future__ import annotations
@@ -26,22 +30,23 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from engine_adapter.vllm.layout import PagedSpan
-from kvstore.keys import Namespace, prefix_keys
+from kvstore.keys import Namespace, paged_prefix_keys
 
 
 @dataclass(frozen=True)
 class ChunkLoad:
-    """Tokens ``lo .. hi-1`` (chunk-relative) of the block ``key``, into ``span``."""
+    """Tokens ``lo .. hi-1`` (block-relative) of the block ``key`` of ``tokens`` tokens, into ``span``."""
 
     key: bytes
     lo: int
     hi: int
     span: PagedSpan
+    tokens: int
 
 
 @dataclass(frozen=True)
 class ChunkSave:
-    """The whole chunk ``key``, read from ``span``."""
+    """The whole block ``key`` (``span.tokens`` tokens: a chunk or a tail), read from ``span``."""
 
     key: bytes
     span: PagedSpan
@@ -51,7 +56,7 @@ class ChunkSave:
 class StepPlan:
     """One step's work for the workers (pickled into vLLM's connector metadata)."""
 
-    loads: dict[str, list[ChunkLoad]] = field(default_factory=dict)  # request id -> chunks, in order
+    loads: dict[str, list[ChunkLoad]] = field(default_factory=dict)  # request id -> pieces, in order
     saves: list[ChunkSave] = field(default_factory=list)
 
     def __bool__(self) -> bool:
@@ -62,11 +67,12 @@ class StepPlan:
 class RequestChunks:
     """Scheduler-side state of one request."""
 
-    keys: list[bytes]
-    hit_tokens: int = 0     # kvstore's hit at the last lookup (whole chunks)
+    keys: list[bytes]       # full chunks, then the tail (if any)
+    tail: int = 0           # tokens of the last key's block when it is a tail; 0: every key is a full chunk
+    hit_tokens: int = 0     # kvstore's hit at the last lookup (whole pieces)
     local_tokens: int = 0   # vLLM's own computed tokens at that lookup: a load starts here
-    hit_tiers: tuple[str, ...] = ()  # the daemon tier holding each hit chunk
-    saved_chunks: int = -1  # chunks before this index are stored or need no saving; -1 until first scheduled
+    hit_tiers: tuple[str, ...] = ()  # the daemon tier holding each hit piece
+    saved_chunks: int = -1  # pieces before this index are stored or need no saving; -1 until first scheduled
 
 
 class Planner:
@@ -75,11 +81,13 @@ class Planner:
     Calls, in vLLM's order: :meth:`keys_of` / :meth:`record_hit` from ``get_num_new_matched_tokens``
     (which may repeat for a request), :meth:`plan_load` from ``update_state_after_alloc``,
     :meth:`plan_step` from ``build_connector_meta`` once a step, :meth:`forget` when a request ends.
+    ``tails=False`` keeps to full chunks (hits end on a chunk boundary).
     """
 
-    def __init__(self, namespace: Namespace, page_tokens: int) -> None:
+    def __init__(self, namespace: Namespace, page_tokens: int, tails: bool = True) -> None:
         self.namespace = namespace
         self.page_tokens = page_tokens
+        self.tails = tails
         self.requests: dict[str, RequestChunks] = {}
         self._loads: dict[str, list[ChunkLoad]] = {}
 
@@ -88,66 +96,102 @@ class Planner:
         return self.namespace.chunk_tokens
 
     def keys_of(self, request_id: str, prompt_ids: Sequence[int]) -> list[bytes]:
-        """Prefix keys of the prompt's full chunks before its last token (computed once a request)."""
+        """Keys of the prompt's pieces before its last token (computed once a request)."""
         state = self.requests.get(request_id)
         if state is None:
-            state = RequestChunks(prefix_keys(self.namespace, list(prompt_ids)[: max(len(prompt_ids) - 1, 0)]))
+            tokens = list(prompt_ids)[: max(len(prompt_ids) - 1, 0)]
+            page = self.page_tokens if self.tails else self.chunk_tokens
+            keys, tail = paged_prefix_keys(self.namespace, tokens, page)
+            state = RequestChunks(keys, tail)
             self.requests[request_id] = state
         return state.keys
 
+    def _bounds(self, state: RequestChunks, i: int) -> tuple[int, int]:
+        """Token range [start, end) of piece ``i``."""
+        n = self.chunk_tokens
+        size = state.tail if state.tail and i == len(state.keys) - 1 else n
+        return i * n, i * n + size
+
+    def _end(self, state: RequestChunks, pieces: int) -> int:
+        """Tokens covered by the first ``pieces`` pieces."""
+        return self._bounds(state, pieces - 1)[1] if pieces > 0 else 0
+
     def record_hit(self, request_id: str, hit_chunks: int, computed_tokens: int, tiers: Sequence[str] = ()) -> int:
-        """Remember kvstore's hit; returns the tokens to load beyond vLLM's own ``computed_tokens``."""
+        """Remember kvstore's hit (in pieces); returns the tokens to load beyond vLLM's own ``computed_tokens``."""
         state = self.requests[request_id]
-        state.hit_tokens = min(hit_chunks, len(state.keys)) * self.chunk_tokens
+        state.hit_tokens = self._end(state, min(hit_chunks, len(state.keys)))
         state.local_tokens = computed_tokens
         state.hit_tiers = tuple(tiers)
         return max(0, state.hit_tokens - computed_tokens)
 
+    def _overlapping(self, state: RequestChunks, start: int, end: int) -> list[tuple[int, int, int]]:
+        """(piece, lo, hi): the pieces holding tokens [start, end), with the absolute range in each."""
+        out = []
+        for i in range(start // self.chunk_tokens, len(state.keys)):
+            lo, hi = self._bounds(state, i)
+            if lo >= end:
+                break
+            if hi > start:
+                out.append((i, max(lo, start), min(hi, end)))
+        return out
+
     def hit_sources(self, request_id: str, tokens: int) -> dict[str, int]:
         """Tokens of the load after vLLM's own hit, by the daemon tier that holds them."""
         state = self.requests[request_id]
-        n, start = self.chunk_tokens, state.local_tokens
         sources: dict[str, int] = {}
-        for c in range(start // n, (start + tokens + n - 1) // n):
-            tier = state.hit_tiers[c] if c < len(state.hit_tiers) else "unknown"
-            overlap = min(start + tokens, (c + 1) * n) - max(start, c * n)
-            sources[tier] = sources.get(tier, 0) + overlap
+        for i, lo, hi in self._overlapping(state, state.local_tokens, state.local_tokens + tokens):
+            tier = state.hit_tiers[i] if i < len(state.hit_tiers) else "unknown"
+            sources[tier] = sources.get(tier, 0) + hi - lo
         return sources
 
-    def plan_load(self, request_id: str, page_ids: Sequence[int], tokens: int) -> None:
-        """Plan loading ``tokens`` prompt tokens after vLLM's own hit into the request's pages."""
+    def plan_load(self, request_id: str, page_ids: Sequence[int], tokens: int) -> list[bytes]:
+        """Plan loading ``tokens`` prompt tokens after vLLM's own hit into the request's pages;
+        returns the keys to load."""
         if tokens <= 0:
-            return
+            return []
         state = self.requests[request_id]
-        n, start = self.chunk_tokens, state.local_tokens
+        start = state.local_tokens
         end = start + tokens
         if end > state.hit_tokens:
             raise ValueError(f"request {request_id}: load up to token {end} beyond the kvstore hit {state.hit_tokens}")
         loads = []
-        for c in range(start // n, (end + n - 1) // n):
-            lo, hi = max(start, c * n), min(end, (c + 1) * n)
-            loads.append(ChunkLoad(state.keys[c], lo - c * n, hi - c * n, PagedSpan.of(page_ids, self.page_tokens, lo, hi)))
+        for i, lo, hi in self._overlapping(state, start, end):
+            first, last = self._bounds(state, i)
+            loads.append(ChunkLoad(state.keys[i], lo - first, hi - first, PagedSpan.of(page_ids, self.page_tokens, lo, hi),
+                                   last - first))
         self._loads[request_id] = loads
+        return [load.key for load in loads]
 
     def plan_step(self, scheduled: Sequence[tuple[str, int, int]],
                   page_ids_of: Callable[[str], Sequence[int]]) -> StepPlan:
         """This step's plan from ``(request id, computed tokens before it, scheduled tokens)`` per
-        request; ``page_ids_of(request id)`` is asked only for requests with chunks to save."""
+        request; ``page_ids_of(request id)`` is asked only for requests with pieces to save."""
         plan = StepPlan(loads=self._loads)
         self._loads = {}
-        n = self.chunk_tokens
         for request_id, before, scheduled_tokens in scheduled:
             state = self.requests.get(request_id)
             if state is None:
                 continue
-            if state.saved_chunks < 0:
-                state.saved_chunks = state.hit_tokens // n  # kvstore has these; vLLM's own hits are saved
-            first, last = state.saved_chunks, min(len(state.keys), (before + scheduled_tokens) // n)
+            if state.saved_chunks < 0:  # kvstore has the hit pieces; vLLM's own hits are saved
+                state.saved_chunks = sum(1 for i in range(len(state.keys)) if self._end(state, i + 1) <= state.hit_tokens)
+            after = before + scheduled_tokens
+            first = last = state.saved_chunks
+            while last < len(state.keys) and self._bounds(state, last)[1] <= after:
+                last += 1
             page_ids = page_ids_of(request_id) if last > first else ()
-            for c in range(first, last):
-                plan.saves.append(ChunkSave(state.keys[c], PagedSpan.of(page_ids, self.page_tokens, c * n, (c + 1) * n)))
-            state.saved_chunks = max(state.saved_chunks, last)
+            for i in range(first, last):
+                lo, hi = self._bounds(state, i)
+                plan.saves.append(ChunkSave(state.keys[i], PagedSpan.of(page_ids, self.page_tokens, lo, hi)))
+            state.saved_chunks = last
         return plan
+
+    def lost(self, request_id: str, loaded_tokens: int) -> None:
+        """The workers loaded only ``loaded_tokens`` of the planned hit: the rest is computed, and saved."""
+        state = self.requests.get(request_id)
+        if state is not None and loaded_tokens < state.hit_tokens:
+            state.hit_tokens = loaded_tokens
+            state.saved_chunks = min(state.saved_chunks, sum(
+                1 for i in range(len(state.keys)) if self._end(state, i + 1) <= loaded_tokens))
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

@@ -3,7 +3,8 @@
     python -m engine_adapter.vllm.run --model DIR --prompts prompts.json --out result.json \\
         [--kvstore unix:/path/kvstore.sock] [--max-tokens 16] [--wait-stored 60]
 
-``prompts.json`` is a list of token-id lists; each is generated greedily, one request at a time.
+``prompts.json`` is a list of token-id lists; each is generated greedily, one request at a time
+(``--together``: all in one ``generate`` call, so vLLM batches them).
 The result holds, per prompt, the new token ids, vLLM's ``num_cached_tokens`` (its own prefix-cache
 hit plus kvstore's) and the wall time; with ``--wait-stored`` it also waits until the daemon holds
 every full chunk of each prompt (the connector saves in the background) and reports the namespace
@@ -21,23 +22,25 @@ import time
 from pathlib import Path
 
 
-def kv_transfer_config(address: str, **extra: object):
+def kv_transfer_config(address: str, module: str = "engine_adapter.vllm.connector", **extra: object):
     """The ``KVTransferConfig`` that plugs kvstore into vLLM."""
     from vllm.config import KVTransferConfig
 
-    return KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="engine_adapter.vllm.connector",
+    return KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path=module,
                             kv_role="kv_both", kv_load_failure_policy="recompute",
                             kv_connector_extra_config={"address": address, **extra})
 
 
 def wait_stored(llm, address: str, prompts: list[list[int]], timeout: float) -> tuple[str, list[int]]:
-    """Poll the daemon until it holds every full chunk of each prompt; (namespace id hex, hits per prompt)."""
+    """Poll the daemon until it holds every piece (full chunks and tail) of each prompt;
+    (namespace id hex, pieces stored per prompt)."""
     from engine_adapter.client import KVStoreClient
     from engine_adapter.vllm.connector import ConnectorSettings, vllm_namespace
-    from kvstore.keys import prefix_keys
+    from kvstore.keys import paged_prefix_keys
 
-    namespace = vllm_namespace(llm.llm_engine.vllm_config, ConnectorSettings(address=address))
-    keys = [prefix_keys(namespace, prompt[:-1]) for prompt in prompts]
+    config = llm.llm_engine.vllm_config
+    namespace = vllm_namespace(config, ConnectorSettings(address=address))
+    keys = [paged_prefix_keys(namespace, prompt[:-1], config.cache_config.block_size)[0] for prompt in prompts]
     deadline = time.monotonic() + timeout
     with KVStoreClient(address, shared_memory=False) as client:
         while True:
@@ -56,8 +59,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn off vLLM's own prefix cache")
+    parser.add_argument("--together", action="store_true", help="submit every prompt at once (one batch)")
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    parser.add_argument("--num-pages", type=int, default=None, help="vLLM KV pages (num_gpu_blocks_override)")
+    parser.add_argument("--connector-module", default="engine_adapter.vllm.connector",
+                        help="module holding KVStoreConnector (tests inject faults with a subclass)")
+    parser.add_argument("--kv-extra", default="{}", help="JSON: more kv_connector_extra_config keys")
     parser.add_argument("--wait-stored", type=float, default=0.0, metavar="SECONDS",
                         help="after generating, wait up to this long for the daemon to hold every chunk")
+    parser.add_argument("--wait-each", type=float, default=0.0, metavar="SECONDS",
+                        help="after each request, wait up to this long for the daemon to hold its chunks "
+                             "(untimed), so a repeat in this process can hit them")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
@@ -66,18 +78,23 @@ def main(argv: list[str] | None = None) -> None:
 
     prompts = json.loads(Path(args.prompts).read_text())
     started = time.perf_counter()
+    extra = {"num_gpu_blocks_override": args.num_pages} if args.num_pages else {}
+    transfer = kv_transfer_config(args.kvstore, args.connector_module, **json.loads(args.kv_extra)) if args.kvstore else None
     llm = LLM(model=args.model, dtype="bfloat16", max_model_len=args.max_model_len, enforce_eager=True,
-              enable_prefix_caching=not args.no_prefix_caching,
-              kv_transfer_config=kv_transfer_config(args.kvstore) if args.kvstore else None)
+              enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=transfer, **extra)
     result: dict = {"startup_s": time.perf_counter() - started, "outputs": []}
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    for prompt in prompts:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos)
+    batches = [prompts] if args.together else [[prompt] for prompt in prompts]
+    for batch in batches:
         start = time.perf_counter()
-        (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        result["outputs"].append({"token_ids": list(output.outputs[0].token_ids),
-                                  "text": output.outputs[0].text,
-                                  "num_cached_tokens": output.num_cached_tokens,
-                                  "seconds": time.perf_counter() - start})
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in batch], params, use_tqdm=False)
+        for output in outputs:
+            result["outputs"].append({"token_ids": list(output.outputs[0].token_ids),
+                                      "text": output.outputs[0].text,
+                                      "num_cached_tokens": output.num_cached_tokens,
+                                      "seconds": time.perf_counter() - start})
+        if args.kvstore and args.wait_each > 0:
+            wait_stored(llm, args.kvstore, batch, args.wait_each)
     if args.kvstore and args.wait_stored > 0:
         result["namespace"], result["stored_chunks"] = wait_stored(llm, args.kvstore, prompts, args.wait_stored)
     Path(args.out).write_text(json.dumps(result))
