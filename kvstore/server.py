@@ -441,7 +441,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     @_rpc
     async def UnregisterArena(self, request: pb.UnregisterArenaRequest, context) -> pb.CountResponse:
         try:
-            self.arenas.remove(request.arena_id, self._tenant(context))
+            await self.arenas.release(request.arena_id, self._tenant(context))
         except ArenaNotFound as exc:
             raise BadRequest(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         return pb.CountResponse(count=1)
