@@ -187,6 +187,8 @@ class EventPublisher:
         self._pub.setsockopt(zmq.SNDHWM, SEND_HWM)
         if self.replay_endpoint:
             self._replay = self._bind(zmq.ROUTER, self.replay_endpoint, "events_replay")
+        self._signalled = True  # what the store queued before the start (the blocks found on disk) goes first
+        os.write(self._wake_w, b"\0")
         self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
         self._thread.start()
         log.info("publishing KV events on %s%s", self.endpoint,
