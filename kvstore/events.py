@@ -241,8 +241,11 @@ class EventPublisher:
         while True:
             ready = dict(poller.poll())
             if self._wake_r in ready:
-                self._signalled = False  # before draining: an event queued from now on wakes us again
+                # Empty the pipe, then clear the flag, then drain: an event queued before the clear
+                # is drained below, one queued after it writes a byte that wakes the next poll.
+                # (Clearing before the read could swallow that byte and sleep on a queued event.)
                 os.read(self._wake_r, 4096)
+                self._signalled = False
             try:
                 while self._pending:
                     self._publish(encoder)
