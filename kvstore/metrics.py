@@ -33,6 +33,9 @@ class Metrics:
                                    registry=r)
         self.discovered = Counter("kvstore_discovered", "Blocks found in a shared tier that another host stored",
                                   ["tier"], registry=r)
+        self.events_published = Counter("kvstore_events_published", "KV events published for routers", registry=r)
+        self.events_dropped = Counter("kvstore_events_dropped",
+                                      "KV events dropped because the publisher's queue was full", registry=r)
         self.used_bytes = Gauge("kvstore_used_bytes", "Bytes stored, by tier", ["tier"], registry=r)
         self.blocks = Gauge("kvstore_blocks", "Blocks stored, by tier", ["tier"], registry=r)
         self.capacity_bytes = Gauge("kvstore_capacity_bytes", "Bytes a tier may hold (0: unbounded)", ["tier"],

@@ -35,7 +35,7 @@ import warnings
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
 
 from kvstore.block import BlockHeader, CorruptBlockError
 from kvstore.keys import KVLayout
@@ -43,6 +43,9 @@ from kvstore.metrics import Metrics
 from kvstore.shm_index import TICK_S, KeyIndexWriter
 from kvstore.transcode import transcode
 from tiers.base import Tier, TierError, TierFullError, TierUnavailableError
+
+if TYPE_CHECKING:
+    from kvstore.events import EventPublisher
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,36 +81,46 @@ class GetResult:
 
 
 class _TierLRU(OrderedDict):
-    """One tier's LRU order (oldest first) that also mirrors membership into the shared key index.
+    """One tier's LRU order (oldest first), and the one path by which the store records a block
+    entering or leaving a tier: ``d[key] = None``, ``pop`` and ``clear``. Each change is mirrored
+    into the shared key index and the KV-event stream here, so neither can miss one (put, demotion,
+    promotion, write-behind copy, eviction, delete, clear, a shared tier's adopted keys)."""
 
-    Every place the store records a block entering or leaving a tier goes through ``d[key] = None``,
-    ``pop`` or ``clear``, so the index cannot miss a change."""
-
-    def __init__(self, index: KeyIndexWriter | None, level: int) -> None:
+    def __init__(self, tier: Tier, level: int, index: KeyIndexWriter | None, events: EventPublisher | None) -> None:
         super().__init__()
-        self._index, self._level = index, level
+        self._tier, self._level = tier, level
+        self._index, self._events = index, events
 
     def __setitem__(self, key: bytes, value: None) -> None:
-        if self._index is not None and key not in self:
-            self._index.add(key, self._level)
+        if key not in self:
+            if self._index is not None:
+                self._index.add(key, self._level)
+            if self._events is not None:
+                self._events.stored(key, self._level, self._tier.header(key).tokens if key in self._tier else 0)
         super().__setitem__(key, value)
 
     def pop(self, key: bytes, *default):
-        if self._index is not None and key in self:
-            self._index.remove(key, self._level)
+        if key in self:
+            if self._index is not None:
+                self._index.remove(key, self._level)
+            if self._events is not None:
+                self._events.removed(key, self._level)
         return super().pop(key, *default)
 
     def clear(self) -> None:
-        if self._index is not None:
-            for key in self:
+        for key in self:
+            if self._index is not None:
                 self._index.remove(key, self._level)
+            if self._events is not None:
+                self._events.removed(key, self._level)
         super().clear()
 
 
 class BlockStore:
     def __init__(self, tiers: list[Tier], metrics: Metrics | None = None, write_through: bool = True,
                  queue_depth: int = 256, promote_on_get: bool = True, codecs: list[str | None] | None = None,
-                 discover_timeout_s: float = DISCOVER_TIMEOUT_S, key_index: KeyIndexWriter | None = None) -> None:
+                 discover_timeout_s: float = DISCOVER_TIMEOUT_S, key_index: KeyIndexWriter | None = None,
+                 events: EventPublisher | None = None) -> None:
         if not tiers:
             raise ValueError("BlockStore needs at least one tier")
         names = [t.name for t in tiers]
@@ -124,7 +137,10 @@ class BlockStore:
         self.discover_timeout_s = discover_timeout_s
         #: Same-host clients' view of which tier holds what (kvstore/shm_index.py); None: not published.
         self.key_index = key_index
-        self._lru: list[OrderedDict[bytes, None]] = [_TierLRU(key_index, level) for level in range(len(tiers))]
+        #: KV events for routers (kvstore/events.py); None: not published. Started and closed by the daemon.
+        self.events = events
+        self._lru: list[OrderedDict[bytes, None]] = [_TierLRU(tier, level, key_index, events)
+                                                     for level, tier in enumerate(tiers)]
         for level, tier in enumerate(tiers):
             for key in tier.keys():
                 self._lru[level][key] = None

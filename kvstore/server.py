@@ -421,7 +421,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.StatsResponse(tiers=tiers, misses=m.value(m.misses), pinned=self.store.pinned,
                                 queue_depth=self.store.queue_depth, queue_dropped=m.value(m.queue_dropped),
                                 arenas=len(self.arenas), write_errors=self.store.write_errors,
-                                requested=m.total(m.requested))
+                                requested=m.total(m.requested), events_published=m.value(m.events_published),
+                                events_dropped=m.value(m.events_dropped))
 
     def _tenant_stats(self, tenant: Tenant) -> pb.StatsResponse:
         """A named tenant's own traffic; nothing that moves with other tenants' use."""
