@@ -62,7 +62,7 @@ def vllm_run(folder: Path, model: Path, prompts: list[list[int]], address: str |
 
 def page_writes(log: str) -> tuple[float, float]:
     """(MB, ms) of the connector's page writes, from its shutdown line."""
-    found = re.search(r"loaded \d+ pieces \(([\d.]+) MB, page writes ([\d.]+) ms\)", log)
+    found = re.search(r"loaded \d+ pieces \(([\d.]+) MB, page writes ([\d.]+) ms", log)
     return (float(found.group(1)), float(found.group(2))) if found else (0.0, 0.0)
 
 

@@ -43,7 +43,7 @@ from engine_adapter.vllm.hf_folder import write_hf_folder  # noqa: E402
 from engine_adapter.vllm.layout import PagedKV, PagedSpan, PageLayout, measure_page_layout  # noqa: E402
 from engine_adapter.vllm.plan import Planner  # noqa: E402
 from kvstore.keys import KVLayout, Namespace, prefix_keys  # noqa: E402
-from tests.conftest import ROOT, DaemonProcess  # noqa: E402
+from tests.conftest import ROOT, DaemonProcess, MotoServer  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -290,6 +290,15 @@ def test_plan_tail_keys_are_shared_by_equal_page_sizes_and_never_equal_a_chunk_k
     assert prefix_keys(a.namespace, prompt)[0] == a.requests["x"].keys[0]
 
 
+def test_plan_of_a_consumer_loads_and_never_saves():
+    plan = Planner(Namespace("m", KVLayout(2, 1, 4, "bfloat16")), 128, saves=False)
+    plan.keys_of("r", list(range(3 * CHUNK + 10)))
+    assert plan.record_hit("r", hit_chunks=1, computed_tokens=0) == CHUNK
+    plan.plan_load("r", list(range(7)), CHUNK)
+    step = plan.plan_step([("r", 0, 3 * CHUNK + 10)], lambda rid: list(range(7)))
+    assert len(step.loads["r"]) == 1 and step.saves == []
+
+
 def test_plan_lost_load_is_saved_after_recompute():
     plan = planner(page_tokens=128)
     prompt = list(range(3 * CHUNK + 10))
@@ -312,6 +321,8 @@ def test_connector_settings_are_validated():
     with pytest.raises(ValueError, match="must be positive"):
         ConnectorSettings.from_extra_config({"chunk_tokens": 0})
     assert ConnectorSettings.from_extra_config({"tail_blocks": "false"}).tail_blocks is False
+    with pytest.raises(ValueError, match="save_mode.*one of"):
+        ConnectorSettings.from_extra_config({"save_mode": "later"})
     with pytest.raises(ValueError, match="tail_blocks.*must be a bool"):
         ConnectorSettings.from_extra_config({"tail_blocks": "maybe"})
 
@@ -396,8 +407,9 @@ def scenario(hf_folder, reference, prompts):
             assert engine.generate(prompts["A"], max_new_tokens=1).store_done.wait(60) and engine.errors == 0
         down = f"unix:{work / 'no-daemon.sock'}"
         edges, shared = prompts["edges"], prompts["shared"]
+        events = EventCollector()  # vLLM's KV-event stream of the first run
         runs = {"first": run_vllm(hf_folder, work, "first", [prompts["A"], prompts["B"], *edges, shared[0]],
-                                  daemon.address, wait_stored=60),
+                                  daemon.address, wait_stored=60, args=("--kv-events", events.endpoint)),
                 "fresh": run_vllm(hf_folder, work, "fresh", [prompts["A"], *edges], daemon.address),
                 "layerwise": run_vllm(hf_folder, work, "layerwise", [prompts["A"]], daemon.address,
                                       args=("--kv-extra", json.dumps({"layerwise": True}))),
@@ -420,11 +432,53 @@ def scenario(hf_folder, reference, prompts):
                   + ", ".join(f"{o['num_cached_tokens']} cached in {o['seconds']:.2f} s" for o in run["outputs"]))
         with KVStoreClient(daemon.address, shared_memory=False) as client:
             stats = client.stats()
-        yield {"runs": runs, "daemon": daemon, "stats": stats}
+        yield {"runs": runs, "daemon": daemon, "stats": stats, "events": events.stop()}
     finally:
         daemon.stop()
         victim.stop(signal_kill=True)
         shutil.rmtree(work, ignore_errors=True)
+
+
+class EventCollector:
+    """A ZMQ subscriber to a vLLM process's KV-event stream, decoding with vLLM's own classes."""
+
+    def __init__(self) -> None:
+        import socket as socket_module
+        import threading
+
+        import zmq
+
+        with socket_module.socket() as probe:  # a free port for vLLM to bind
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.setsockopt(zmq.RCVTIMEO, 200)
+        self._socket.connect(self.endpoint)
+        self.batches: list = []
+        self._running = True
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while self._running:
+            try:
+                *_, payload = self._socket.recv_multipart()
+            except zmq.Again:
+                continue
+            self.batches.append(decoder.decode(payload))
+
+    def stop(self) -> list:
+        self._running = False
+        self._thread.join()
+        self._socket.close()
+        return [event for batch in self.batches for event in batch.events]
 
 
 def full_chunks(prompt: list[int]) -> int:
@@ -500,12 +554,95 @@ def test_hit_lost_before_the_load_is_recomputed_and_counted(scenario, prompts):
     assert "kvstore daemon at" in fault["log"] and "computes the rest" in fault["log"]
 
 
+def test_kvstore_blocks_show_in_vllms_kv_events(scenario, prompts):
+    """A router fed by vLLM's KV events sees kvstore's tier: each piece the connector stored is a
+    BlockStored in vLLM's own page hashes (the same hashes vLLM's own events use), medium CPU,
+    owned by kvstore's tier, with its tokens."""
+    from vllm.distributed.kv_events import BlockStored
+
+    stored = [e for e in scenario["events"] if isinstance(e, BlockStored)]
+    ours = [e for e in stored if (e.ownership or "").startswith("kvstore/")]
+    own_hashes = {h for e in stored if e not in ours for h in e.block_hashes}
+    assert ours and own_hashes
+    assert all(e.medium == "CPU" and e.ownership == "kvstore/cpu" and e.block_size == PAGE for e in ours)
+    assert all(h in own_hashes for e in ours for h in e.block_hashes)  # the pages vLLM itself announced
+    a = prompts["A"]
+    pieces_of_a = [e for e in ours if e.token_ids == a[: len(e.token_ids)] and e.parent_block_hash is None]
+    assert pieces_of_a and len(pieces_of_a[0].token_ids) == CHUNK  # A's first chunk, its two pages
+    tokens_of_a = sorted(len(e.token_ids) for e in ours if any(e.token_ids == a[i : i + len(e.token_ids)]
+                                                                 for i in range(0, page_hit(a), PAGE)))
+    assert sum(tokens_of_a) >= page_hit(a)
+
+
 def test_daemon_down_leaves_vllm_serving(scenario):
     first, down = scenario["runs"]["first"], scenario["runs"]["down"]
     assert [o["num_cached_tokens"] for o in down["outputs"]] == [0, 0]
     assert down["outputs"][0]["token_ids"] == first["outputs"][0]["token_ids"]  # A cold, both runs
     assert all(len(o["token_ids"]) == NEW_TOKENS for o in down["outputs"])
     assert down["log"].count("kvstore daemon at") == 2  # one outage: said once by the scheduler, once by the worker
+
+
+# ---- prefill/decode through the cache ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def disaggregated(hf_folder, prompts):
+    """A prefill instance (kv_producer, one token) then a decode instance (kv_consumer) on the same
+    prompt: through one daemon (same host), and through two daemons sharing an S3 bucket (moto's
+    server; the producer's saves are durable, so the bucket holds them when its request returns)."""
+    work = Path(tempfile.mkdtemp(prefix="kvs-pd-"))
+    moto = MotoServer(work).start()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    old_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the daemons' S3 credentials
+    moto.client().create_bucket(Bucket="kv-pd")
+    s3 = {"s3_endpoint": moto.url, "s3_bucket": "kv-pd", "disk_path": ""}
+    daemons = {name: DaemonProcess(work / name, cpu_capacity="256MiB", **settings)
+               for name, settings in (("one", {"disk_path": ""}), ("prefill", s3), ("decode", s3))}
+    try:
+        for name, daemon in daemons.items():
+            (work / name).mkdir()
+            daemon.start()
+        a = prompts["A"]
+        runs = {"same_prefill": run_vllm(hf_folder, work, "same_prefill", [a], daemons["one"].address, new_tokens=1,
+                                         args=("--kv-role", "kv_producer")),
+                "same_decode": run_vllm(hf_folder, work, "same_decode", [a], daemons["one"].address,
+                                        args=("--kv-role", "kv_consumer")),
+                "cross_prefill": run_vllm(hf_folder, work, "cross_prefill", [a], daemons["prefill"].address,
+                                          new_tokens=1, args=("--kv-role", "kv_producer",
+                                                              "--kv-extra", json.dumps({"save_mode": "durable"}))),
+                "cross_decode": run_vllm(hf_folder, work, "cross_decode", [a], daemons["decode"].address,
+                                         args=("--kv-role", "kv_consumer"))}
+        stats = {}
+        for name, daemon in daemons.items():
+            with KVStoreClient(daemon.address, shared_memory=False) as client:
+                stats[name] = client.stats()
+        yield {"runs": runs, "stats": stats}
+    finally:
+        for daemon in daemons.values():
+            daemon.stop()
+        moto.stop()
+        for k, v in old_env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.parametrize("where", ["same", "cross"])
+def test_prefill_decode_through_the_cache(disaggregated, scenario, prompts, where):
+    """The decode instance prefills at most one page of the prompt and starts as one instance does;
+    it stores nothing (a consumer), and across hosts its hits came through the bucket."""
+    a = prompts["A"]
+    prefill, decode = (disaggregated["runs"][f"{where}_{side}"]["outputs"][0] for side in ("prefill", "decode"))
+    plain = scenario["runs"]["plain"]["outputs"][0]
+    assert prefill["num_cached_tokens"] == 0 and len(prefill["token_ids"]) == 1
+    assert decode["num_cached_tokens"] == page_hit(a) and len(a) - decode["num_cached_tokens"] <= PAGE
+    assert decode["token_ids"][0] == plain["token_ids"][0] == prefill["token_ids"][0]
+    assert len(decode["token_ids"]) == NEW_TOKENS
+    decode_daemon = disaggregated["stats"]["one" if where == "same" else "decode"]
+    pieces = full_chunks(a) // CHUNK + (page_hit(a) > full_chunks(a))
+    if where == "cross":
+        assert decode_daemon["tiers"]["s3"]["hits"] >= pieces  # found in the bucket, not stored locally
+        assert disaggregated["stats"]["prefill"]["tiers"]["s3"]["blocks"] >= pieces
 
 
 def test_reference_engine_blocks_are_a_hit_in_vllm(scenario, prompts):

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_events import KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -77,6 +78,9 @@ _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.floa
 _HIT_SOURCES = {"gpu": CacheHitSource.DEVICE, "cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 
+SAVE_MODES = ("auto", "async", "sync", "durable")
+
+
 @dataclass(frozen=True)
 class ConnectorSettings:
     """``kv_connector_extra_config`` keys, validated."""
@@ -92,6 +96,9 @@ class ConnectorSettings:
     tail_blocks: bool = True     # also store/load the tokens after the last full chunk, up to the last page
     lease_s: float = 10.0        # the daemon keeps a reported hit from eviction this long (0: no lease)
     layerwise: bool = False      # write layer i's pages while vLLM computes layer i-1 (docs/vllm.md: measured)
+    event_tier: str = "cpu"      # the daemon tier a Put lands in, named in vLLM's KV events (medium, ownership)
+    save_mode: str = "auto"      # async: Put from a thread; sync: Put in the step; durable: sync, and on
+                                 # disk or S3 when the step ends; auto: sync for kv_producer, else async
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":
@@ -114,6 +121,9 @@ class ConnectorSettings:
         for name in ("chunk_tokens", "arena_bytes", "save_queue_chunks"):
             if getattr(settings, name) <= 0:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be positive, got {getattr(settings, name)}")
+        if settings.save_mode not in SAVE_MODES:
+            raise ValueError(f"kv_connector_extra_config['save_mode'] must be one of {SAVE_MODES}, "
+                             f"got {settings.save_mode!r}")
         if settings.timeout_s <= 0 or settings.retry_s < 0 or settings.lease_s < 0:
             raise ValueError("kv_connector_extra_config 'timeout_s' must be > 0, 'retry_s' and 'lease_s' >= 0")
         return settings
@@ -286,6 +296,50 @@ class LayerwiseLoad:
             connector.link.ok()
 
 
+class KVStoreEvents(KVConnectorKVEvents):
+    """The KV events of pieces the worker stored, carried to the scheduler in vLLM's connector
+    output (one worker: tensor and pipeline parallelism are 1)."""
+
+    def __init__(self, events: list | None = None) -> None:
+        self._events = list(events or [])
+
+    def add_events(self, events: list) -> None:
+        self._events.extend(events)
+
+    def aggregate(self) -> "KVStoreEvents":
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        return
+
+    def get_all_events(self) -> list:
+        return list(self._events)
+
+    def get_number_of_workers(self) -> int:
+        return 1
+
+    def clear_events(self) -> None:
+        self._events.clear()
+
+
+def stored_event(request: "Request", piece_start: int, piece_end: int, page_tokens: int, tier: str):
+    """vLLM's ``BlockStored`` for a piece kvstore now holds, in vLLM's own page hashes (a router
+    matches them to its own); None when the request has no hashes for those pages (vLLM computes
+    them only with its prefix cache on) or the piece does not cover whole pages."""
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    first, last = piece_start // page_tokens, piece_end // page_tokens
+    hashes = list(getattr(request, "block_hashes", ()) or ())
+    if len(hashes) < last or piece_start % page_tokens or piece_end % page_tokens:
+        return None
+    medium = {"gpu": "GPU", "cpu": "CPU"}.get(tier, "STORAGE")
+    return BlockStored(block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:last]],
+                       parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
+                       token_ids=list(request.prompt_token_ids[piece_start:piece_end]), block_size=page_tokens,
+                       lora_id=None, medium=medium, lora_name=None, ownership=f"kvstore/{tier}")
+
+
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     """One step's :class:`StepPlan`, sent from the scheduler to the workers."""
 
@@ -307,6 +361,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
         self.namespace = vllm_namespace(vllm_config, self.settings)
         self.page_tokens = vllm_config.cache_config.block_size
+        # prefill/decode through the cache: a producer stores what it computes before its request
+        # returns; a consumer only loads; kv_both does both, storing in the background
+        self.kv_role = vllm_config.kv_transfer_config.kv_role or "kv_both"
+        mode = self.settings.save_mode
+        self.save_mode = ("sync" if self.kv_role == "kv_producer" else "async") if mode == "auto" else mode
         if role == KVConnectorRole.WORKER:
             self.link = DaemonLink(self.settings, shared_memory=True)
         else:
@@ -316,8 +375,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         log.info("KVStoreConnector (%s): model %s, %s, address %s", role.name, self.namespace.model_id,
                  self.namespace.layout, self.link.address)
         if role == KVConnectorRole.SCHEDULER:
-            self.planner = Planner(self.namespace, self.page_tokens, tails=self.settings.tail_blocks)
-            self._requests: dict[str, "Request"] = {}  # to correct vLLM's cached-token count after a failed load
+            self.planner = Planner(self.namespace, self.page_tokens, tails=self.settings.tail_blocks,
+                                   saves=self.kv_role != "kv_consumer")
+            # every request being served: its cached-token count is corrected after a failed load,
+            # and its page hashes name the pieces it stores in vLLM's KV events
+            self._requests: dict[str, "Request"] = {}
+            events = vllm_config.kv_events_config
+            self._events_on = bool(events is not None and events.enable_kv_cache_events)
+            self._events: list = []  # stored pieces reported by the worker, for take_events
             # request -> (page ids, load start, end, step outputs seen): kept for two step outputs
             # (the load's step and, with async scheduling, the one before it)
             self._loading: dict[str, list] = {}
@@ -331,6 +396,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.load_bytes = 0
             self._failed_pages: set[int] = set()
             self._layer_index: dict[str, int] = {}
+            self._stored_events: list = []  # BlockStored of pieces Put since the last step (save thread appends)
             self._layerwise: LayerwiseLoad | None = None  # this step's layer-wise load, until wait_for_save
             self._saves: queue.Queue = queue.Queue(maxsize=self.settings.save_queue_chunks)
             self._saver = threading.Thread(target=self._save_loop, name="kvstore-save", daemon=True)
@@ -358,10 +424,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self.link.ok()
             except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
                 self.link.failed("lookup", exc)
-        external = self.planner.record_hit(request_id, hits, num_computed_tokens, tiers)
-        if external:
-            self._requests[request_id] = request
-        return external, False
+        self._requests[request_id] = request
+        return self.planner.record_hit(request_id, hits, num_computed_tokens, tiers), False
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
         sources: dict[CacheHitSource, int] = {}
@@ -394,12 +458,23 @@ class KVStoreConnector(KVConnectorBase_V1):
         if scheduler_output.preempted_req_ids:
             log.info("KVStoreConnector: %d requests preempted; their stored pieces are hits when they resume",
                      len(scheduler_output.preempted_req_ids))
-        plan = self.planner.plan_step([(rid, before, counts.get(rid, 0)) for rid, before in scheduled], page_ids_of)
+        def event_of(request_id: str, start: int, end: int):
+            request = self._requests.get(request_id)
+            return stored_event(request, start, end, self.page_tokens, self.settings.event_tier) if request else None
+
+        plan = self.planner.plan_step([(rid, before, counts.get(rid, 0)) for rid, before in scheduled], page_ids_of,
+                                      event_of if self._events_on else None)
         return KVStoreConnectorMetadata(plan)
+
+    def take_events(self):
+        events, self._events = self._events, []
+        yield from events
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         """After a step: for a load that failed, vLLM recomputes from the first failed page; make
         its cached-token count say so, and save the recomputed pieces."""
+        if connector_output.kv_cache_events is not None:
+            self._events.extend(connector_output.kv_cache_events.get_all_events())
         invalid = connector_output.invalid_block_ids or set()
         for request_id, entry in list(self._loading.items()):
             page_ids, start, end, seen = entry
@@ -522,6 +597,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         for chunk in chunks[loaded:]:
             self._failed_pages.update(chunk.span.page_ids)
 
+    def get_kv_connector_kv_cache_events(self) -> KVStoreEvents | None:
+        if not self._stored_events:
+            return None
+        events, self._stored_events = self._stored_events, []  # a swap: the save thread appends to the new list
+        return KVStoreEvents(events)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_pages = self._failed_pages, set()
         return failed
@@ -549,12 +630,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self.link.client() is None:
             self.dropped_chunks += len(saves)
             return
+        if self.save_mode != "async":  # stored before this step ends (and its request returns)
+            self._put([(save.key, *self.paged.copy_pages(save.span), save.event) for save in saves],
+                      durable=self.save_mode == "durable")
+            return
         for save in saves:
             if self._saves.full():
                 self.dropped_chunks += 1
                 continue
             # a plain copy of the pages (vLLM may reuse them after this step); the save thread permutes
-            self._saves.put_nowait((save.key, *self.paged.copy_pages(save.span)))
+            self._saves.put_nowait((save.key, *self.paged.copy_pages(save.span), save.event))
 
     def _save_loop(self) -> None:
         while True:
@@ -571,18 +656,23 @@ class KVStoreConnector(KVConnectorBase_V1):
                     self._saves.put(None)
                     break
                 batch.append(more)
-            client = self.link.client()
-            if client is None or self.paged is None:
-                self.dropped_chunks += len(batch)
-                continue
-            try:
-                blocks = [(key, span.tokens, self.paged.block_of_pages(pages, span)) for key, pages, span in batch]
-                client.put(self.namespace, blocks)
-                self.saved_chunks += len(batch)
-                self.link.ok()
-            except Exception as exc:  # noqa: BLE001
-                self.link.failed("put", exc)
-                self.dropped_chunks += len(batch)
+            self._put(batch)
+
+    def _put(self, batch: list, durable: bool = False) -> None:
+        """Put copied pages ``(key, pages, span, event)`` as blocks; a failure drops them (counted)."""
+        client = self.link.client()
+        if client is None or self.paged is None:
+            self.dropped_chunks += len(batch)
+            return
+        try:
+            blocks = [(key, span.tokens, self.paged.block_of_pages(pages, span)) for key, pages, span, _ in batch]
+            client.put(self.namespace, blocks, durable=durable)
+            self.saved_chunks += len(batch)
+            self._stored_events.extend(event for *_, event in batch if event is not None)
+            self.link.ok()
+        except Exception as exc:  # noqa: BLE001
+            self.link.failed("put", exc)
+            self.dropped_chunks += len(batch)
 
     def shutdown(self) -> None:
         if self.role == KVConnectorRole.WORKER:

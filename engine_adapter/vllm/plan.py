@@ -46,10 +46,12 @@ class ChunkLoad:
 
 @dataclass(frozen=True)
 class ChunkSave:
-    """The whole block ``key`` (``span.tokens`` tokens: a chunk or a tail), read from ``span``."""
+    """The whole block ``key`` (``span.tokens`` tokens: a chunk or a tail), read from ``span``;
+    ``event``: what to tell vLLM's KV-event stream once it is stored (None: events are off)."""
 
     key: bytes
     span: PagedSpan
+    event: object = None
 
 
 @dataclass
@@ -81,13 +83,14 @@ class Planner:
     Calls, in vLLM's order: :meth:`keys_of` / :meth:`record_hit` from ``get_num_new_matched_tokens``
     (which may repeat for a request), :meth:`plan_load` from ``update_state_after_alloc``,
     :meth:`plan_step` from ``build_connector_meta`` once a step, :meth:`forget` when a request ends.
-    ``tails=False`` keeps to full chunks (hits end on a chunk boundary).
+    ``tails=False`` keeps to full chunks (hits end on a chunk boundary); ``saves=False`` plans loads only.
     """
 
-    def __init__(self, namespace: Namespace, page_tokens: int, tails: bool = True) -> None:
+    def __init__(self, namespace: Namespace, page_tokens: int, tails: bool = True, saves: bool = True) -> None:
         self.namespace = namespace
         self.page_tokens = page_tokens
         self.tails = tails
+        self.saves = saves  # False: a consumer (P/D decode side) loads and never stores
         self.requests: dict[str, RequestChunks] = {}
         self._loads: dict[str, list[ChunkLoad]] = {}
 
@@ -162,10 +165,11 @@ class Planner:
         self._loads[request_id] = loads
         return [load.key for load in loads]
 
-    def plan_step(self, scheduled: Sequence[tuple[str, int, int]],
-                  page_ids_of: Callable[[str], Sequence[int]]) -> StepPlan:
+    def plan_step(self, scheduled: Sequence[tuple[str, int, int]], page_ids_of: Callable[[str], Sequence[int]],
+                  event_of: Callable[[str, int, int], object] | None = None) -> StepPlan:
         """This step's plan from ``(request id, computed tokens before it, scheduled tokens)`` per
-        request; ``page_ids_of(request id)`` is asked only for requests with pieces to save."""
+        request; ``page_ids_of(request id)`` is asked only for requests with pieces to save, and
+        ``event_of(request id, start, end)`` (if given) for each piece saved."""
         plan = StepPlan(loads=self._loads)
         self._loads = {}
         for request_id, before, scheduled_tokens in scheduled:
@@ -176,12 +180,13 @@ class Planner:
                 state.saved_chunks = sum(1 for i in range(len(state.keys)) if self._end(state, i + 1) <= state.hit_tokens)
             after = before + scheduled_tokens
             first = last = state.saved_chunks
-            while last < len(state.keys) and self._bounds(state, last)[1] <= after:
+            while self.saves and last < len(state.keys) and self._bounds(state, last)[1] <= after:
                 last += 1
             page_ids = page_ids_of(request_id) if last > first else ()
             for i in range(first, last):
                 lo, hi = self._bounds(state, i)
-                plan.saves.append(ChunkSave(state.keys[i], PagedSpan.of(page_ids, self.page_tokens, lo, hi)))
+                event = event_of(request_id, lo, hi) if event_of is not None else None
+                plan.saves.append(ChunkSave(state.keys[i], PagedSpan.of(page_ids, self.page_tokens, lo, hi), event))
             state.saved_chunks = last
         return plan
 

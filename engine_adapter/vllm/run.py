@@ -22,12 +22,14 @@ import time
 from pathlib import Path
 
 
-def kv_transfer_config(address: str, module: str = "engine_adapter.vllm.connector", **extra: object):
-    """The ``KVTransferConfig`` that plugs kvstore into vLLM."""
+def kv_transfer_config(address: str, module: str = "engine_adapter.vllm.connector", role: str = "kv_both",
+                       **extra: object):
+    """The ``KVTransferConfig`` that plugs kvstore into vLLM (``role``: kv_both, or kv_producer /
+    kv_consumer for prefill/decode through the cache)."""
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path=module,
-                            kv_role="kv_both", kv_load_failure_policy="recompute",
+                            kv_role=role, kv_load_failure_policy="recompute",
                             kv_connector_extra_config={"address": address, **extra})
 
 
@@ -65,6 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--connector-module", default="engine_adapter.vllm.connector",
                         help="module holding KVStoreConnector (tests inject faults with a subclass)")
     parser.add_argument("--kv-extra", default="{}", help="JSON: more kv_connector_extra_config keys")
+    parser.add_argument("--kv-role", default="kv_both", choices=("kv_both", "kv_producer", "kv_consumer"),
+                        help="kv_producer: a prefill instance (stores before returning); kv_consumer: decode (loads only)")
+    parser.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                        help="publish vLLM's KV events (its own and kvstore's) on this ZMQ endpoint, e.g. tcp://*:5557")
     parser.add_argument("--wait-stored", type=float, default=0.0, metavar="SECONDS",
                         help="after generating, wait up to this long for the daemon to hold every chunk")
     parser.add_argument("--wait-each", type=float, default=0.0, metavar="SECONDS",
@@ -78,8 +84,13 @@ def main(argv: list[str] | None = None) -> None:
 
     prompts = json.loads(Path(args.prompts).read_text())
     started = time.perf_counter()
-    extra = {"num_gpu_blocks_override": args.num_pages} if args.num_pages else {}
-    transfer = kv_transfer_config(args.kvstore, args.connector_module, **json.loads(args.kv_extra)) if args.kvstore else None
+    extra: dict = {"num_gpu_blocks_override": args.num_pages} if args.num_pages else {}
+    if args.kv_events:
+        from vllm.config import KVEventsConfig
+
+        extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=args.kv_events)
+    transfer = (kv_transfer_config(args.kvstore, args.connector_module, args.kv_role, **json.loads(args.kv_extra))
+                if args.kvstore else None)
     llm = LLM(model=args.model, dtype="bfloat16", max_model_len=args.max_model_len, enforce_eager=True,
               enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=transfer, **extra)
     result: dict = {"startup_s": time.perf_counter() - started, "outputs": []}
