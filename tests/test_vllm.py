@@ -440,22 +440,23 @@ def scenario(hf_folder, reference, prompts):
 
 
 class EventCollector:
-    """A ZMQ subscriber to a vLLM process's KV-event stream, decoding with vLLM's own classes."""
+    """A ZMQ subscriber to a vLLM process's KV-event stream, decoding with vLLM's own classes.
+
+    The subscriber binds and vLLM's publisher connects to it: vLLM binds only a wildcard, ipc or
+    inproc endpoint and connects to any other (``ZmqEventPublisher._is_bind_endpoint``), so an
+    explicit ``tcp://127.0.0.1:PORT`` handed to vLLM must have a listener behind it, as a router's
+    collector would be."""
 
     def __init__(self) -> None:
-        import socket as socket_module
         import threading
 
         import zmq
 
-        with socket_module.socket() as probe:  # a free port for vLLM to bind
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        self.endpoint = f"tcp://127.0.0.1:{port}"
         self._socket = zmq.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.setsockopt(zmq.RCVTIMEO, 200)
-        self._socket.connect(self.endpoint)
+        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
         self.batches: list = []
         self._running = True
         self._thread = threading.Thread(target=self._run, daemon=True)
