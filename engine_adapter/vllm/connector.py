@@ -10,23 +10,30 @@ Start vLLM with it (README: "Using kvstore with vLLM")::
 vLLM builds two instances: the scheduler side (in the engine-core process) and the worker side
 (in each worker process). A request's path through them:
 
-    1. keys     get_num_new_matched_tokens  prefix keys of prompt[:-1], as the reference engine
-    2. lookup                               daemon Lookup (side-effect free); returns the hit
+    1. keys     get_num_new_matched_tokens  keys of prompt[:-1]: full chunks as the reference engine
+                                            computes them, then a tail block up to the last page
+    2. lookup                               the daemon's shared key index (no round trip); a hit
+                                            vLLM will load is leased (one Lookup RPC, lease_s) so
+                                            eviction cannot take it before the load; returns the hit
                                             tokens beyond vLLM's own prefix-cache hit
-    3. plan     update_state_after_alloc    which chunk rows go to which vLLM pages (plan.py)
-                build_connector_meta        this step's loads, and the chunks it completes
-    4. load     start_load_kv               Get through the shared-memory arena, scatter into the
-                                            pages (layout.py), before the forward (a sync load)
+    3. plan     update_state_after_alloc    which block rows go to which vLLM pages (plan.py)
+                build_connector_meta        this step's loads, and the pieces it completes
+    4. load     start_load_kv               Get through the shared-memory arena, then the backend's
+                                            own cache-write op with a slot mapping writes the pages
+                                            before the forward (layerwise: one layer at a time,
+                                            awaited in wait_for_layer_load)
     5. compute  vLLM's forward              only the tokens after the hit
-    6. save     wait_for_save               gather each completed chunk from the pages (a copy of a
-                                            few MB), hand it to a thread that Puts it: decode
-                                            never waits on the daemon
+    6. save     wait_for_save               copy the whole pages of each completed piece (one
+                                            index_select per layer); a thread reorders them into a
+                                            block and Puts it (save_mode async), or the step does
+                                            (sync / durable, e.g. a kv_producer)
 
 A daemon that is down, slow or wrong costs misses, never a failed request: every call is guarded,
-counted and logged once, and a failed connection is retried after ``retry_s``. A block that
-vanishes between Lookup and Get is reported to vLLM as a failed load
-(``get_block_ids_with_load_errors``); with ``kv_load_failure_policy="recompute"`` vLLM then
-computes those tokens (its default, "fail", fails the request).
+counted and logged (each outage and each recovery once), and a failed connection is retried after
+``retry_s``. A block that vanishes between Lookup and Get is reported to vLLM as a failed load
+(``get_block_ids_with_load_errors``) and the request's cached-token count is corrected; with
+``kv_load_failure_policy="recompute"`` vLLM then computes those tokens (its default, "fail", fails
+the request).
 
 Limits: one KV-cache group of full attention (Llama-family models), tensor and pipeline
 parallelism 1 (a block holds every layer and head), KV cache dtype "auto".
