@@ -34,17 +34,15 @@ from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_t
 from engine_adapter.generate import decode_after, sample_next
 from engine_adapter.model import LlamaModel, ModelConfig
 from engine_adapter.tokenizer import Tokenizer
+from kvstore.dtypes import TORCH_DTYPE_NAMES
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 
 log = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-_DTYPES = {name: dtype for dtype, name in _TORCH_DTYPES.items()}
-
 
 def model_namespace(model: LlamaModel, tenant: str = "", chunk_tokens: int = 256) -> Namespace:
     """The namespace of a model's KV: any engine with the same weights, dtype and tenant shares it."""
-    return config_namespace(model.config, _TORCH_DTYPES[model.dtype], tenant, chunk_tokens)
+    return config_namespace(model.config, TORCH_DTYPE_NAMES[model.dtype], tenant, chunk_tokens)
 
 
 def config_namespace(config: ModelConfig, dtype: str, tenant: str = "", chunk_tokens: int = 256) -> Namespace:

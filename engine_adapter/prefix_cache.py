@@ -14,11 +14,10 @@ from typing import Callable
 import torch
 
 from engine_adapter.client import FetchedBlock, KVStoreClient
+from kvstore.dtypes import TORCH_DTYPES
 from kvstore.keys import KVLayout, Namespace
 
 log = logging.getLogger(__name__)
-
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def block_tensor(payload: memoryview, layout: KVLayout, tokens: int) -> torch.Tensor:
