@@ -33,7 +33,7 @@ import numpy as np
 
 from kvstore.arena import Arena, ArenaLease, arena_socket_path
 from kvstore.config import default_listen
-from kvstore.keys import KVLayout, Namespace
+from kvstore.keys import KVLayout, LookupResult, Namespace
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -41,12 +41,6 @@ from kvstore.shm_index import KeyIndexReader
 from tiers.allocator import ExtentAllocator
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    hits: int
-    tiers: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,14 @@ def chunk_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> bytes
 
 
 @dataclass(frozen=True)
+class LookupResult:
+    """A Lookup's answer, the daemon's and the client's alike."""
+
+    hits: int               # keys[0:hits] are stored
+    tiers: tuple[str, ...]  # highest tier of each hit
+
+
+@dataclass(frozen=True)
 class ChunkSpan:
     """Token range ``[start, end)`` of chunk ``index`` in a prompt."""
 
