@@ -38,6 +38,7 @@ from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.shm_index import KeyIndexReader
+from kvstore.wire import layout_from_message, layout_message
 from tiers.allocator import ExtentAllocator
 
 log = logging.getLogger(__name__)
@@ -224,14 +225,13 @@ class KVStoreClient:
         ``durable``: return only once a durable tier (fsynced disk, S3) holds them; otherwise a
         Put is acknowledged once the daemon's top tier holds them (see docs/guarantees.md).
         """
-        layout = namespace.layout
+        layout = layout_message(namespace.layout)
         params = json.dumps(codec_params) if codec_params else ""
         views = [payload_view(payload) for _, _, payload in blocks]
         stored = 0
         for batch in self._batches([len(v) for v in views]):
             metas = [pb.BlockMeta(key=blocks[i][0], namespace=namespace.id, tokens=blocks[i][1],
-                                  layout=pb.Layout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                                                   head_dim=layout.head_dim, dtype=layout.dtype),
+                                  layout=layout,
                                   codec=codec, codec_params_json=params, payload_len=len(views[i]))
                      for i in batch]
             if self._arena is None:
@@ -379,7 +379,7 @@ def _fetched(key: bytes, result: pb.GetResult, payload: memoryview) -> FetchedBl
     meta = result.meta
     return FetchedBlock(
         key=key,
-        layout=KVLayout(meta.layout.num_layers, meta.layout.num_kv_heads, meta.layout.head_dim, meta.layout.dtype),
+        layout=layout_from_message(meta.layout),
         tokens=meta.tokens, codec=meta.codec,
         codec_params=json.loads(meta.codec_params_json) if meta.codec_params_json else {},
         tier=result.tier, payload=payload)
