@@ -33,7 +33,7 @@ import numpy as np
 
 from kvstore.arena import Arena, ArenaLease, arena_socket_path
 from kvstore.config import default_listen
-from kvstore.keys import KVLayout, LookupResult, Namespace
+from kvstore.keys import KEY_BYTES, KVLayout, LookupResult, Namespace
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -205,7 +205,7 @@ class KVStoreClient:
             lease_ms = max(1, min(int(lease_s * 1000), MAX_LEASE_MS))
             reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys, lease_ms=lease_ms))
             return LookupResult(reply.hits, tuple(reply.tiers))
-        if self._index is not None and all(isinstance(k, bytes) and len(k) == 16 for k in keys):
+        if self._index is not None and all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys):
             with self._index_lock:
                 local = self._index.lookup(keys) if self._index is not None else None
             if local is not None:
