@@ -115,7 +115,7 @@ class KVStoreClient:
         lease = ArenaLease.request(arena_socket_path(self.address), size, self._token, timeout=self.timeout)
         lease.arena.prefault()
         self._lease, self._arena, self._arena_id = lease, lease.arena, lease.arena_id
-        self._allocator = ExtentAllocator(size, align=4096)
+        self._allocator = ExtentAllocator(size, align=_ARENA_ALIGN)
         if lease.index_name and self._local_lookup:
             try:
                 self._index = KeyIndexReader.attach(lease.index_name)
@@ -149,14 +149,22 @@ class KVStoreClient:
         return method(request, timeout=self.timeout, metadata=self._metadata)
 
     # -- arena slices -------------------------------------------------------------------------
+    #
+    # The arena budget, one way for put, fetch and fetch_layers: a call needs the sum of
+    # `_slot_bytes` of its items. A call may take the whole arena (`_slices` refuses more: it could
+    # never be served); put's batches and `max_fetch_blocks` plan for half of it, so that a
+    # background store and a load share the arena instead of queueing behind each other.
 
     @contextlib.contextmanager
     def _slices(self, sizes: Sequence[int]) -> Iterator[list[int]]:
-        """Reserve arena extents for one call, waiting while other threads hold the space."""
+        """Reserve arena extents for one call, waiting while other threads hold the space;
+        ValueError when the call needs more than the whole arena."""
         assert self._allocator is not None
-        total = sum(max(s, 1) for s in sizes)
-        if total > self._allocator.capacity:
-            raise ValueError(f"one call needs {total} arena bytes; the arena has {self._allocator.capacity}")
+        needed = sum(_slot_bytes(s) for s in sizes)
+        if needed > self._allocator.capacity:
+            raise ValueError(f"{len(sizes)} blocks of up to {max(sizes)} bytes need {needed} arena bytes; the "
+                             f"arena has {self._allocator.capacity}: move fewer blocks per call (see "
+                             f"max_fetch_blocks) or create the client with a larger arena_bytes")
         offsets: list[int] = []
         with self._space:
             while True:
@@ -179,15 +187,19 @@ class KVStoreClient:
                     self._allocator.free(offset)
                 self._space.notify_all()
 
+    def _planned_bytes(self) -> int:
+        """Arena bytes one call is planned to take: half the arena (none: no limit)."""
+        return self._allocator.capacity // 2 if self._allocator else 1 << 62
+
     def _batches(self, sizes: Sequence[int]) -> Iterator[range]:
-        """Split items into runs whose sizes fit in half the arena (so two threads can overlap)."""
-        budget = self._allocator.capacity // 2 if self._allocator else 1 << 62
+        """Split items into runs that fit `_planned_bytes` (a single larger item goes alone)."""
+        budget = self._planned_bytes()
         start, used = 0, 0
         for i, size in enumerate(sizes):
-            if i > start and (used + size > budget or i - start == MAX_ITEMS_PER_CALL):
+            if i > start and (used + _slot_bytes(size) > budget or i - start == MAX_ITEMS_PER_CALL):
                 yield range(start, i)
                 start, used = i, 0
-            used += size + 4096
+            used += _slot_bytes(size)
         if start < len(sizes):
             yield range(start, len(sizes))
 
@@ -262,10 +274,6 @@ class KVStoreClient:
             yield [_fetched(k, r, memoryview(r.inline)) if r.found else None
                    for k, r in zip(keys, reply.results)]
             return
-        if len(keys) * (max_payload_bytes + 4096) > self._allocator.capacity:
-            raise ValueError(f"{len(keys)} blocks of up to {max_payload_bytes} bytes exceed the "
-                             f"{self._allocator.capacity}-byte arena; fetch fewer keys at a time "
-                             f"(see max_fetch_blocks) or create the client with a larger arena_bytes")
         with self._slices([max_payload_bytes] * len(keys)) as offsets:
             items = [pb.GetItem(key=k, dest=pb.ArenaSlice(arena_id=self._arena_id, offset=o,
                                                           length=max_payload_bytes))
@@ -333,7 +341,7 @@ class KVStoreClient:
         """How many blocks one :meth:`fetch` can carry through the arena."""
         if self._allocator is None:
             return MAX_ITEMS_PER_CALL
-        return max(1, min(MAX_ITEMS_PER_CALL, self._allocator.capacity // 2 // (max_payload_bytes + 4096)))
+        return max(1, min(MAX_ITEMS_PER_CALL, self._planned_bytes() // _slot_bytes(max_payload_bytes)))
 
     def get(self, keys: Sequence[bytes], max_payload_bytes: int) -> list[bytes | None]:
         """Convenience: payload copies (None for misses)."""
@@ -362,6 +370,15 @@ class KVStoreClient:
                  for t in reply.tiers}
         top = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields if f.name != "tiers"}
         return {"tiers": tiers, **top}
+
+
+#: Arena bytes an item may take beyond its size: the client's allocator aligns extents to 4 KiB.
+_ARENA_ALIGN = 4096
+
+
+def _slot_bytes(size: int) -> int:
+    """Arena bytes one item of ``size`` bytes takes at most (its extent, aligned)."""
+    return max(size, 1) + _ARENA_ALIGN
 
 
 class LayerStream:
