@@ -12,12 +12,12 @@ A request's path (docs/blend.md has the same list with the design choices)::
     6. decode    first token out (TTFT stops here), then more on the assembled cache
 
 A daemon that is down, slow or wrong costs misses (computed chunks), never a failed request: every
-call to it is guarded, counted in ``BlendEngine.errors`` and logged once.
+call to it goes through the engines' shared guard (engine_adapter/prefix_cache.py), counted in
+``BlendEngine.errors`` and logged once.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,14 +29,14 @@ from blend.assemble import BlendLayout, Segment, chunk_block, place_block
 from blend.controller import LoadingController
 from blend.recompute import blend_prefill
 from blend.select import DEFAULT_SELECTOR, TokenSelector, get_selector
-from engine_adapter.cached import fetch_slot_bytes, fetched_tensor, model_namespace
-from engine_adapter.client import KVStoreClient
+from engine_adapter.cached import model_namespace
+from engine_adapter.client import FetchedBlock, KVStoreClient
+from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
 from engine_adapter.generate import decode_after, sample_next
 from engine_adapter.model import LlamaModel
 from engine_adapter.tokenizer import Tokenizer
 from kvstore.keys import chunk_key
 
-log = logging.getLogger(__name__)
 
 DEFAULT_SEPARATOR = "<|chunk|>"
 DEFAULT_RATIO = 0.15
@@ -112,15 +112,12 @@ class BlendEngine:
         self.ratio = ratio
         self.controller = controller
         self.namespace = model_namespace(model, tenant)
-        self.errors = 0
-        self._warned = False
-        self._store_lock = threading.Lock()
+        self.cache = PrefixCache(client, self.namespace)
 
-    def _daemon_failed(self, what: str, exc: Exception) -> None:
-        self.errors += 1
-        if not self._warned:
-            log.warning("kvstore daemon %s failed (%s); blending without the cache", what, exc)
-            self._warned = True
+    @property
+    def errors(self) -> int:
+        """Daemon failures so far (each one cost misses, not a request)."""
+        return self.cache.errors
 
     def chunk_keys(self, segments: Sequence[Sequence[int]]) -> list[bytes]:
         return [chunk_key(self.namespace, tokens) for tokens in segments]
@@ -131,45 +128,32 @@ class BlendEngine:
                ) -> list[bool]:
         """Fetch and place every stored block; returns which segments were found."""
         found = [False] * len(keys)
-        if self.client is None or not keys:
+        if not keys:
             return found
         layout = self.namespace.layout
-        slot = fetch_slot_bytes(layout, max(len(p) for p in parts))
-        step = self.client.max_fetch_blocks(slot)
-        try:
-            for first in range(0, len(keys), step):
-                batch = range(first, min(len(keys), first + step))
-                started = time.perf_counter()
-                per_tier: dict[str, int] = {}
-                with self.client.fetch([keys[i] for i in batch], slot) as blocks:
-                    for i, block in zip(batch, blocks):
-                        if block is None or block.tokens != len(parts[i]) or block.layout != layout:
-                            continue
-                        place_block(self.model, kv, fetched_tensor(block), placed[i])
-                        found[i] = True
-                        size = layout.block_bytes(block.tokens)
-                        result.tiers.append(block.tier)
-                        result.loaded_tokens += block.tokens
-                        result.loaded_bytes += size
-                        per_tier[block.tier] = per_tier.get(block.tier, 0) + size
-                seconds = time.perf_counter() - started
-                if self.controller is not None and per_tier:
-                    moved = sum(per_tier.values())
-                    for tier, size in per_tier.items():
-                        self.controller.observe_load(tier, size, seconds * size / moved)
-        except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
-            self._daemon_failed("get", exc)
-        return found
+        per_tier: dict[str, int] = {}  # bytes loaded per tier in the current Get
 
-    def _store(self, blocks: list[tuple[bytes, int, torch.Tensor]], done: threading.Event) -> None:
-        try:
-            with self._store_lock:
-                for block in blocks:
-                    self.client.put(self.namespace, [block])
-        except Exception as exc:  # noqa: BLE001
-            self._daemon_failed("put", exc)
-        finally:
-            done.set()
+        def take(i: int, block: FetchedBlock | None) -> bool:
+            if block is None or block.tokens != len(parts[i]) or block.layout != layout:
+                return True  # a miss: computed later
+            place_block(self.model, kv, fetched_tensor(block), placed[i])
+            found[i] = True
+            size = layout.block_bytes(block.tokens)
+            result.tiers.append(block.tier)
+            result.loaded_tokens += block.tokens
+            result.loaded_bytes += size
+            per_tier[block.tier] = per_tier.get(block.tier, 0) + size
+            return True
+
+        def batch_done(seconds: float) -> None:
+            if self.controller is not None and per_tier:
+                moved = sum(per_tier.values())
+                for tier, size in per_tier.items():
+                    self.controller.observe_load(tier, size, seconds * size / moved)
+            per_tier.clear()
+
+        self.cache.fetch_blocks(keys, fetch_slot_bytes(layout, max(len(p) for p in parts)), take, batch_done)
+        return found
 
     def _compute_block(self, tokens: list[int]) -> torch.Tensor:
         started = time.perf_counter()
@@ -249,11 +233,7 @@ class BlendEngine:
         result.first_logits = prefill.logits
         result.recomputed_tokens = int(prefill.selected.numel())
         result.prefilled_tokens = prefill.token_layers / len(self.model.layers) + computed_tokens
-        if store and self.client is not None and missing:
-            threading.Thread(target=self._store, name="blend-store", daemon=True,
-                             args=(missing, result.store_done)).start()
-        else:
-            result.store_done.set()
+        self.cache.store_blocks_async(len(missing) if store else 0, missing.__getitem__, result.store_done)
         result.tokens = decode_after(self.model, kv, first, max_new_tokens, self.tokenizer.eos_token_ids,
                                      temperature, top_p, generator)
         result.total_s = time.perf_counter() - start

@@ -34,17 +34,15 @@ from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_t
 from engine_adapter.generate import decode_after, sample_next
 from engine_adapter.model import LlamaModel, ModelConfig
 from engine_adapter.tokenizer import Tokenizer
+from kvstore.dtypes import TORCH_DTYPE_NAMES
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 
 log = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-_DTYPES = {name: dtype for dtype, name in _TORCH_DTYPES.items()}
-
 
 def model_namespace(model: LlamaModel, tenant: str = "", chunk_tokens: int = 256) -> Namespace:
     """The namespace of a model's KV: any engine with the same weights, dtype and tenant shares it."""
-    return config_namespace(model.config, _TORCH_DTYPES[model.dtype], tenant, chunk_tokens)
+    return config_namespace(model.config, TORCH_DTYPE_NAMES[model.dtype], tenant, chunk_tokens)
 
 
 def config_namespace(config: ModelConfig, dtype: str, tenant: str = "", chunk_tokens: int = 256) -> Namespace:
@@ -110,20 +108,20 @@ class CachedEngine:
                         break  # a gap ends the run
                     run.append(fetched_tensor(block))  # raw: views that fill in layer by layer
                 reused = len(run) * n
-                model = self.model
-                h = model.embed(torch.tensor(prompt_ids[reused:], dtype=torch.long, device=model.device))
-                cos, sin = model.rope(torch.arange(reused, len(prompt_ids), device=model.device))
-                kv.reserve(len(prompt_ids))
                 ready = iter(stream)
-                for index, layer in enumerate(model.layers):
+
+                def load_layer(index: int) -> None:  # before the model runs layer `index`
                     if next(ready) != index:
                         raise RuntimeError("layers arrived out of order")
                     for c, block in enumerate(run):  # [layers, 2, kv_heads, n, head_dim]
                         kv.write(index, c * n, block[index, 0], block[index, 1])
-                    h = layer(h, cos, sin, kv, reused)
-                kv.length = len(prompt_ids)
+
+                kv.reserve(len(prompt_ids))
+                kv.length = reused  # the run's tokens: load_layer writes each layer's before it reads them
+                logits = self.model(torch.tensor(prompt_ids[reused:], dtype=torch.long), kv, reused,
+                                    last_only=True, before_layer=load_layer)[-1]
                 tiers.extend(b.tier for b in stream.blocks[: len(run)])
-                return model.final_logits(h[-1:])[-1]
+                return logits
         except Exception as exc:  # noqa: BLE001 - any daemon failure: fall back to the plain path
             self.cache.failed("layer-wise get", exc)
             tiers.clear()

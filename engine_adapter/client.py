@@ -33,20 +33,15 @@ import numpy as np
 
 from kvstore.arena import Arena, ArenaLease, arena_socket_path
 from kvstore.config import default_listen
-from kvstore.keys import KVLayout, Namespace
+from kvstore.keys import KEY_BYTES, KVLayout, LookupResult, Namespace
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.shm_index import KeyIndexReader
+from kvstore.wire import layout_from_message, layout_message
 from tiers.allocator import ExtentAllocator
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    hits: int
-    tiers: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -120,7 +115,7 @@ class KVStoreClient:
         lease = ArenaLease.request(arena_socket_path(self.address), size, self._token, timeout=self.timeout)
         lease.arena.prefault()
         self._lease, self._arena, self._arena_id = lease, lease.arena, lease.arena_id
-        self._allocator = ExtentAllocator(size, align=4096)
+        self._allocator = ExtentAllocator(size, align=_ARENA_ALIGN)
         if lease.index_name and self._local_lookup:
             try:
                 self._index = KeyIndexReader.attach(lease.index_name)
@@ -154,14 +149,22 @@ class KVStoreClient:
         return method(request, timeout=self.timeout, metadata=self._metadata)
 
     # -- arena slices -------------------------------------------------------------------------
+    #
+    # The arena budget, one way for put, fetch and fetch_layers: a call needs the sum of
+    # `_slot_bytes` of its items. A call may take the whole arena (`_slices` refuses more: it could
+    # never be served); put's batches and `max_fetch_blocks` plan for half of it, so that a
+    # background store and a load share the arena instead of queueing behind each other.
 
     @contextlib.contextmanager
     def _slices(self, sizes: Sequence[int]) -> Iterator[list[int]]:
-        """Reserve arena extents for one call, waiting while other threads hold the space."""
+        """Reserve arena extents for one call, waiting while other threads hold the space;
+        ValueError when the call needs more than the whole arena."""
         assert self._allocator is not None
-        total = sum(max(s, 1) for s in sizes)
-        if total > self._allocator.capacity:
-            raise ValueError(f"one call needs {total} arena bytes; the arena has {self._allocator.capacity}")
+        needed = sum(_slot_bytes(s) for s in sizes)
+        if needed > self._allocator.capacity:
+            raise ValueError(f"{len(sizes)} blocks of up to {max(sizes)} bytes need {needed} arena bytes; the "
+                             f"arena has {self._allocator.capacity}: move fewer blocks per call (see "
+                             f"max_fetch_blocks) or create the client with a larger arena_bytes")
         offsets: list[int] = []
         with self._space:
             while True:
@@ -184,15 +187,19 @@ class KVStoreClient:
                     self._allocator.free(offset)
                 self._space.notify_all()
 
+    def _planned_bytes(self) -> int:
+        """Arena bytes one call is planned to take: half the arena (none: no limit)."""
+        return self._allocator.capacity // 2 if self._allocator else 1 << 62
+
     def _batches(self, sizes: Sequence[int]) -> Iterator[range]:
-        """Split items into runs whose sizes fit in half the arena (so two threads can overlap)."""
-        budget = self._allocator.capacity // 2 if self._allocator else 1 << 62
+        """Split items into runs that fit `_planned_bytes` (a single larger item goes alone)."""
+        budget = self._planned_bytes()
         start, used = 0, 0
         for i, size in enumerate(sizes):
-            if i > start and (used + size > budget or i - start == MAX_ITEMS_PER_CALL):
+            if i > start and (used + _slot_bytes(size) > budget or i - start == MAX_ITEMS_PER_CALL):
                 yield range(start, i)
                 start, used = i, 0
-            used += size + 4096
+            used += _slot_bytes(size)
         if start < len(sizes):
             yield range(start, len(sizes))
 
@@ -210,7 +217,7 @@ class KVStoreClient:
             lease_ms = max(1, min(int(lease_s * 1000), MAX_LEASE_MS))
             reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys, lease_ms=lease_ms))
             return LookupResult(reply.hits, tuple(reply.tiers))
-        if self._index is not None and all(isinstance(k, bytes) and len(k) == 16 for k in keys):
+        if self._index is not None and all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys):
             with self._index_lock:
                 local = self._index.lookup(keys) if self._index is not None else None
             if local is not None:
@@ -230,14 +237,13 @@ class KVStoreClient:
         ``durable``: return only once a durable tier (fsynced disk, S3) holds them; otherwise a
         Put is acknowledged once the daemon's top tier holds them (see docs/guarantees.md).
         """
-        layout = namespace.layout
+        layout = layout_message(namespace.layout)
         params = json.dumps(codec_params) if codec_params else ""
         views = [payload_view(payload) for _, _, payload in blocks]
         stored = 0
         for batch in self._batches([len(v) for v in views]):
             metas = [pb.BlockMeta(key=blocks[i][0], namespace=namespace.id, tokens=blocks[i][1],
-                                  layout=pb.Layout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                                                   head_dim=layout.head_dim, dtype=layout.dtype),
+                                  layout=layout,
                                   codec=codec, codec_params_json=params, payload_len=len(views[i]))
                      for i in batch]
             if self._arena is None:
@@ -268,10 +274,6 @@ class KVStoreClient:
             yield [_fetched(k, r, memoryview(r.inline)) if r.found else None
                    for k, r in zip(keys, reply.results)]
             return
-        if len(keys) * (max_payload_bytes + 4096) > self._allocator.capacity:
-            raise ValueError(f"{len(keys)} blocks of up to {max_payload_bytes} bytes exceed the "
-                             f"{self._allocator.capacity}-byte arena; fetch fewer keys at a time "
-                             f"(see max_fetch_blocks) or create the client with a larger arena_bytes")
         with self._slices([max_payload_bytes] * len(keys)) as offsets:
             items = [pb.GetItem(key=k, dest=pb.ArenaSlice(arena_id=self._arena_id, offset=o,
                                                           length=max_payload_bytes))
@@ -339,7 +341,7 @@ class KVStoreClient:
         """How many blocks one :meth:`fetch` can carry through the arena."""
         if self._allocator is None:
             return MAX_ITEMS_PER_CALL
-        return max(1, min(MAX_ITEMS_PER_CALL, self._allocator.capacity // 2 // (max_payload_bytes + 4096)))
+        return max(1, min(MAX_ITEMS_PER_CALL, self._planned_bytes() // _slot_bytes(max_payload_bytes)))
 
     def get(self, keys: Sequence[bytes], max_payload_bytes: int) -> list[bytes | None]:
         """Convenience: payload copies (None for misses)."""
@@ -370,6 +372,15 @@ class KVStoreClient:
         return {"tiers": tiers, **top}
 
 
+#: Arena bytes an item may take beyond its size: the client's allocator aligns extents to 4 KiB.
+_ARENA_ALIGN = 4096
+
+
+def _slot_bytes(size: int) -> int:
+    """Arena bytes one item of ``size`` bytes takes at most (its extent, aligned)."""
+    return max(size, 1) + _ARENA_ALIGN
+
+
 class LayerStream:
     """The blocks of a layer-wise fetch and an iterator of the layers as they become ready."""
 
@@ -385,7 +396,7 @@ def _fetched(key: bytes, result: pb.GetResult, payload: memoryview) -> FetchedBl
     meta = result.meta
     return FetchedBlock(
         key=key,
-        layout=KVLayout(meta.layout.num_layers, meta.layout.num_kv_heads, meta.layout.head_dim, meta.layout.dtype),
+        layout=layout_from_message(meta.layout),
         tokens=meta.tokens, codec=meta.codec,
         codec_params=json.loads(meta.codec_params_json) if meta.codec_params_json else {},
         tier=result.tier, payload=payload)

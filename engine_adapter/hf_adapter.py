@@ -35,11 +35,10 @@ from engine_adapter.cached import GenerationResult
 from engine_adapter.prefix_cache import PrefixCache
 from engine_adapter.client import KVStoreClient
 from engine_adapter.loader import hf_rope
+from kvstore.dtypes import TORCH_DTYPE_NAMES
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 
 log = logging.getLogger(__name__)
-
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 # --- block layout <-> DynamicCache ----------------------------------------------------------------
@@ -82,10 +81,10 @@ def hf_namespace(model, model_id: str, tenant: str = "", chunk_tokens: int = 256
     loaded from the same weights in the same dtype when ``model_id`` is the same (the reference
     GGUF loader uses the file stem, e.g. "SmolLM2-135M-Instruct.Q4_1")."""
     config = model.config
-    if model.dtype not in _DTYPE_NAMES:
-        raise ValueError(f"model dtype {model.dtype} has no KV layout; use one of {list(_DTYPE_NAMES)}")
+    if model.dtype not in TORCH_DTYPE_NAMES:
+        raise ValueError(f"model dtype {model.dtype} has no KV layout; use one of {list(TORCH_DTYPE_NAMES)}")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, head_dim, _DTYPE_NAMES[model.dtype])
+    layout = KVLayout(config.num_hidden_layers, config.num_key_value_heads, head_dim, TORCH_DTYPE_NAMES[model.dtype])
     theta, scaling = hf_rope(config.to_dict())  # the reference loader reads HF configs the same way
     rope = Namespace.rope_params(theta=theta, scaling=scaling)
     return Namespace(model_id, layout, rope=rope, tenant=tenant, chunk_tokens=chunk_tokens)

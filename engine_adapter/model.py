@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -410,13 +410,16 @@ class LlamaModel(nn.Module):
         """float32 logits [T, vocab] from the residual stream [T, hidden]."""
         return self.lm_head(self.norm(h)).float()
 
-    def forward(self, input_ids: torch.Tensor, kv: KVCache, start_pos: int, last_only: bool = False) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, kv: KVCache, start_pos: int, last_only: bool = False,
+                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits [T, vocab] (float32) for tokens [T] at positions start_pos..start_pos+T-1.
 
         Attends to kv tokens 0..start_pos-1 plus the new tokens causally, writes the new K and V at
         start_pos.., and sets kv.length to start_pos + T (anything after is dropped). With
         ``last_only`` only the last position's logits are computed ([1, vocab]): a prefill needs
         no more, and the LM head over every prompt token costs ~10% of a 4k-token prefill.
+        ``before_layer(index)`` runs before each layer does: a layer-wise load writes that layer's
+        tokens 0..start_pos-1 there, just before the layer reads them.
         """
         if input_ids.dim() != 1 or input_ids.numel() == 0:
             raise ValueError(f"input_ids must be a non-empty 1-D tensor [T], got shape {tuple(input_ids.shape)}")
@@ -428,6 +431,8 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope(torch.arange(start_pos, end, device=self.device))
         h = self.embed(input_ids)
         for layer in self.layers:
+            if before_layer is not None:
+                before_layer(layer.index)
             h = layer(h, cos, sin, kv, start_pos)
         kv.length = end
         return self.final_logits(h[-1:] if last_only else h)

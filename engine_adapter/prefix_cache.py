@@ -1,24 +1,26 @@
-"""An engine's guarded view of the daemon: load a prompt's stored run of chunks, store new ones.
+"""An engine's guarded view of the daemon: load stored blocks, store new ones from a thread.
 
-Shared by every engine adapter (the reference engine, transformers). A daemon that is down, slow
-or wrong costs misses, never a failed request: each failure is counted in :attr:`errors` and
-logged once.
+Shared by the engine adapters: the reference engine and transformers load a prompt's stored run of
+chunks (`load_run`, `store_async`); CacheBlend loads whichever chunks are stored (`fetch_blocks`,
+`store_blocks_async`). A daemon that is down, slow or wrong costs misses, never a failed request:
+each failure is counted in :attr:`errors` and logged once. (The vLLM connector has its own load and
+store path, engine_adapter/vllm/connector.py.)
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 import torch
 
 from engine_adapter.client import FetchedBlock, KVStoreClient
+from kvstore.dtypes import TORCH_DTYPES
 from kvstore.keys import KVLayout, Namespace
 
 log = logging.getLogger(__name__)
-
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def block_tensor(payload: memoryview, layout: KVLayout, tokens: int) -> torch.Tensor:
@@ -72,37 +74,63 @@ class PrefixCache:
             self.failed("lookup", exc)
             return 0
         n, layout = self.namespace.chunk_tokens, self.namespace.layout
-        slot = fetch_slot_bytes(layout, n)
-        step = self.client.max_fetch_blocks(slot)
         loaded = 0
-        try:
-            for start in range(0, hits, step):
-                with self.client.fetch(keys[start : min(hits, start + step)], slot) as blocks:
-                    for block in blocks:
-                        if block is None or block.tokens != n or block.layout != layout:
-                            return loaded  # a gap ends the run
-                        sink(loaded, fetched_tensor(block))
-                        tiers.append(block.tier)
-                        loaded += 1
-        except Exception as exc:  # noqa: BLE001
-            self.failed("get", exc)
+
+        def take(index: int, block: FetchedBlock | None) -> bool:
+            nonlocal loaded
+            if block is None or block.tokens != n or block.layout != layout:
+                return False  # a gap ends the run
+            sink(loaded, fetched_tensor(block))
+            tiers.append(block.tier)
+            loaded += 1
+            return True
+
+        self.fetch_blocks(keys[:hits], fetch_slot_bytes(layout, n), take)
         return loaded
+
+    def fetch_blocks(self, keys: list[bytes], slot: int, take: Callable[[int, FetchedBlock | None], bool],
+                     batch_done: Callable[[float], None] | None = None) -> None:
+        """Fetch ``keys`` (``slot`` arena bytes each) in as few Gets as the arena allows and call
+        ``take(index in keys, block or None for a miss)`` for each, in order; ``take`` returns
+        False to stop. ``batch_done(seconds)`` follows each Get whose blocks were all taken, with
+        the time since it started. Blocks may view the client's arena: ``take`` copies what it
+        keeps. A daemon failure ends the fetch (counted); blocks taken before it stand."""
+        if self.client is None or not keys:
+            return
+        step = self.client.max_fetch_blocks(slot)
+        try:
+            for first in range(0, len(keys), step):
+                started = time.perf_counter()
+                with self.client.fetch(keys[first : first + step], slot) as blocks:
+                    for index, block in enumerate(blocks, first):
+                        if not take(index, block):
+                            return
+                if batch_done is not None:
+                    batch_done(time.perf_counter() - started)
+        except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
+            self.failed("get", exc)
 
     def store_async(self, keys: list[bytes], chunks: range, chunk: Callable[[int], torch.Tensor],
                     done: threading.Event) -> None:
-        """Put ``chunk(c)`` under ``keys[c]`` for each c in ``chunks`` from a background thread,
-        four at a time; ``done`` is set when finished (or at once when there is nothing to do)."""
-        if self.client is None or not len(chunks):
+        """Put ``chunk(c)`` under ``keys[c]`` for each c in ``chunks`` from a background thread
+        (see `store_blocks_async`)."""
+        n = self.namespace.chunk_tokens
+        self.store_blocks_async(len(chunks), lambda i: (keys[chunks[i]], n, chunk(chunks[i])), done)
+
+    def store_blocks_async(self, count: int, block: Callable[[int], tuple[bytes, int, torch.Tensor]],
+                           done: threading.Event) -> None:
+        """Put ``block(0) .. block(count - 1)`` (each ``(key, tokens, payload)``, made in the thread)
+        from a background thread, four per Put, after any store still running; ``done`` is set
+        when finished (or at once when there is nothing to do)."""
+        if self.client is None or count == 0:
             done.set()
             return
 
         def run() -> None:
-            n = self.namespace.chunk_tokens
             try:
                 with self._store_lock:
-                    for i in range(chunks.start, chunks.stop, 4):
-                        batch = range(i, min(i + 4, chunks.stop))
-                        self.client.put(self.namespace, [(keys[c], n, chunk(c)) for c in batch])
+                    for i in range(0, count, 4):
+                        self.client.put(self.namespace, [block(j) for j in range(i, min(i + 4, count))])
             except Exception as exc:  # noqa: BLE001
                 self.failed("put", exc)
             finally:

@@ -28,7 +28,7 @@ import numpy as np
 
 KEY_BYTES = 16
 _ROOT = b"\x00" * KEY_BYTES
-_SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")  # KVLayout.dtype names; torch dtypes: kvstore/dtypes.py
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 < value < 65536:
                 raise ValueError(f"KVLayout.{name} must be an int in 1..65535, got {value!r}")
-        if self.dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"KVLayout.dtype must be one of {_SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"KVLayout.dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
 
     @property
     def itemsize(self) -> int:
@@ -179,6 +179,14 @@ def chunk_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> bytes
     h.update(namespace.id)
     h.update(_tokens_bytes(tokens))
     return h.digest()
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """A Lookup's answer, the daemon's and the client's alike."""
+
+    hits: int               # keys[0:hits] are stored
+    tiers: tuple[str, ...]  # highest tier of each hit
 
 
 @dataclass(frozen=True)

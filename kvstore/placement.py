@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
 
 from kvstore.block import BlockHeader, CorruptBlockError
-from kvstore.keys import KVLayout
+from kvstore.keys import KVLayout, LookupResult
 from kvstore.metrics import Metrics
 from kvstore.shm_index import TICK_S, KeyIndexWriter
 from kvstore.transcode import transcode
@@ -66,12 +66,6 @@ STREAM_HOLD_S = 10.0
 class BlockGoneError(RuntimeError):
     """A block left its tier while a layer-wise read was streaming it (deleted, or evicted after
     the reader stalled past ``STREAM_HOLD_S``)."""
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    hits: int               # keys[0:hits] are stored
-    tiers: tuple[str, ...]  # highest tier of each hit
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,12 @@ import grpc
 from kvstore.arenas import ArenaNotFound, ArenaRegistry
 from kvstore.auth import ANONYMOUS, Tenant, TenantDirectory
 from kvstore.block import BlockHeader, payload_checksum
-from kvstore.keys import KEY_BYTES, KVLayout
+from kvstore.keys import KEY_BYTES
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYER_COPIES, MAX_LAYERS, MAX_LEASE_MS
 from kvstore.placement import STREAM_HOLD_S, BlockGoneError, BlockStore, GetResult
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire import layout_from_message, layout_message
 from tiers.base import TierError, TierFullError
 
 log = logging.getLogger("kvstore.server")
@@ -101,7 +102,7 @@ def header_from_meta(meta: pb.BlockMeta, payload_len: int) -> BlockHeader:
         raise ValueError("meta.layout is required")
     if meta.layout.num_layers > MAX_LAYERS:
         raise ValueError(f"meta.layout.num_layers is {meta.layout.num_layers}; at most {MAX_LAYERS}")
-    layout = KVLayout(meta.layout.num_layers, meta.layout.num_kv_heads, meta.layout.head_dim, meta.layout.dtype)
+    layout = layout_from_message(meta.layout)
     if meta.payload_len != payload_len:
         raise ValueError(f"meta.payload_len is {meta.payload_len} but {payload_len} payload bytes were sent")
     try:
@@ -117,8 +118,7 @@ def header_from_meta(meta: pb.BlockMeta, payload_len: int) -> BlockHeader:
 def meta_from_header(header: BlockHeader) -> pb.BlockMeta:
     return pb.BlockMeta(
         key=header.key, namespace=header.namespace,
-        layout=pb.Layout(num_layers=header.layout.num_layers, num_kv_heads=header.layout.num_kv_heads,
-                         head_dim=header.layout.head_dim, dtype=header.layout.dtype),
+        layout=layout_message(header.layout),
         tokens=header.tokens, codec=header.codec,
         codec_params_json=json.dumps(header.codec_params) if header.codec_params else "",
         payload_len=header.payload_len)

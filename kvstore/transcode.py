@@ -14,8 +14,7 @@ import torch
 
 from compression import get_codec
 from kvstore.block import BlockHeader, payload_checksum
-
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+from kvstore.dtypes import TORCH_DTYPES
 
 
 def canonical_codec(spec: str) -> str:

