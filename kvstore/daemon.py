@@ -76,9 +76,8 @@ class Daemon:
         self.metrics = Metrics()
         tiers = build_tiers(config)
         for tier in tiers:
-            corrupt = getattr(tier, "corrupt_on_start", 0)
-            if corrupt:
-                self.metrics.corrupt.labels(tier.name).inc(corrupt)
+            if tier.corrupt_on_start:
+                self.metrics.corrupt.labels(tier.name).inc(tier.corrupt_on_start)
         # The top tier keeps what clients send; lower tiers re-encode into their codec ("raw": keep).
         configured = {"disk": config.disk_codec, "s3": config.s3_codec}
         codecs = [None if t is tiers[0] or configured.get(t.name, "raw") == "raw" else configured[t.name]

@@ -124,9 +124,10 @@ _STORED, _REMOVED, _CLEARED = 0, 1, 2
 class EventPublisher:
     """Publishes tier changes from a thread of its own.
 
-    ``stored`` and ``removed`` are called on the store's event loop (``placement._TierLRU``) and
-    only append to a deque; ``start`` binds the sockets (OSError naming the address when one is
-    taken) and starts the thread; ``close`` publishes what is queued and stops it. Counters:
+    ``stored`` and ``removed`` are called on the store's event loop (``kvstore.residency``, the
+    one path by which the store records a tier change) and only append to a deque; ``start``
+    binds the sockets (OSError naming the address when one is taken) and starts the thread;
+    ``close`` publishes what is queued and stops it. Counters:
     ``published`` (events sent), ``dropped`` (events refused by the full queue).
     """
 

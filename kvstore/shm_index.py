@@ -265,9 +265,6 @@ class KeyIndexWriter:
 
     # -- checks -------------------------------------------------------------------------------
 
-    def masks(self) -> dict[bytes, int]:
-        return dict(self._masks)
-
     def check_integrity(self, expected: dict[bytes, int]) -> None:
         """The table says exactly ``expected`` (key -> tier mask); raise RuntimeError otherwise.
         A disabled index (closed after a failure) publishes nothing, so there is nothing to check."""

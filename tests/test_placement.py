@@ -79,7 +79,7 @@ def test_lower_tier_hit_is_promoted(tmp_path):
         assert store.locate(first.key) == 1
         result = await get(store, first)
         assert result.tier == "disk"
-        await asyncio.gather(*store._background)
+        await asyncio.gather(*store.promoter.tasks)
         assert store.locate(first.key) == 0
         assert (await get(store, first)).tier == "cpu"
         assert store.metrics.value(store.metrics.promotions, tier="cpu") == 1
@@ -180,9 +180,9 @@ def test_large_gets_copy_off_the_loop_and_puts_wait_for_busy_blocks(tmp_path, mo
 
     import numpy as np
 
-    from kvstore import placement
+    from kvstore import reads
 
-    monkeypatch.setattr(placement, "OFFLOAD_GET_BYTES", 0)  # every Get copies in worker threads
+    monkeypatch.setattr(reads, "OFFLOAD_GET_BYTES", 0)  # every Get copies in worker threads
     release = threading.Event()
     real_copyto = np.copyto
 

@@ -45,6 +45,11 @@ class Tier(ABC):
     #: True when other daemons write the same storage (S3): keys may appear that this daemon did
     #: not put; see :meth:`take_new_keys` and :meth:`discover`.
     shared: bool = False
+    #: Blocks found corrupt (and deleted) while the tier opened its storage (a disk's index rebuild).
+    corrupt_on_start: int = 0
+    #: The device tensor every payload lives in, for tiers that clients may map (a GPU pool handed
+    #: out by CUDA IPC); None for the others. See :meth:`payload_offset`.
+    pool: object | None = None
 
     @abstractmethod
     def __contains__(self, key: bytes) -> bool: ...
@@ -89,6 +94,21 @@ class Tier(ABC):
     @abstractmethod
     def delete(self, key: bytes) -> int:
         """Remove a block; returns the bytes freed (0 if absent)."""
+
+    def read_many_into(self, requests: list[tuple[bytes, memoryview]]) -> list[BlockHeader]:
+        """:meth:`read_payload_into` for several blocks, headers in request order; the store calls
+        it for memory tiers (no ``blocking_io``), once per Get. Tiers that copy adjacent blocks in
+        one go (GPU) override it; raises as :meth:`read_payload_into` does."""
+        return [self.read_payload_into(key, dest) for key, dest in requests]
+
+    def payload_view(self, key: bytes) -> memoryview | None:
+        """A zero-copy host view of a stored payload, valid until the block is deleted or replaced
+        (host-memory tiers); None: the store reads the block into a buffer instead."""
+        return None
+
+    def payload_offset(self, key: bytes) -> int | None:
+        """Byte offset of a stored payload in :attr:`pool`; None for tiers without a pool."""
+        return None
 
     def payload_source(self, key: bytes) -> object | None:
         """A zero-copy view of a stored payload (host memoryview or device tensor) that stays

@@ -1,0 +1,95 @@
+"""Promotion: a block hit in a lower tier is copied into the top tier in the background.
+
+    hit in tier n > 0 ─► schedule(key) ─► task: read it from tier n (a blocking tier: before the
+    lock) ─► under the lock, still the same block? store it in the top tier (evicting as Put does)
+    ─► write-through: queue it for tier 1 (fills the tiers between: disk under cpu, from s3)
+
+A failure costs only the promotion: an unreachable tier is counted against the tier that failed
+(``kvstore_tier_unavailable``), a full top tier is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from kvstore.block import BlockHeader
+from tiers.base import TierFullError, TierUnavailableError
+
+if TYPE_CHECKING:
+    from kvstore.placement import BlockStore
+
+log = logging.getLogger("kvstore.placement")
+
+
+class Promoter:
+    def __init__(self, store: BlockStore) -> None:
+        self._store = store
+        self._promoting: set[bytes] = set()
+        #: Promotions running now (the store cancels them on close).
+        self.tasks: set[asyncio.Task] = set()
+
+    def schedule(self, key: bytes) -> bool:
+        """Copy a lower-tier block into the top tier in the background. False if nothing to do."""
+        level = self._store.locate(key)
+        if level is None or level == 0 or key in self._promoting:
+            return False
+        self._promoting.add(key)
+        task = asyncio.get_running_loop().create_task(self._promote(key))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return True
+
+    async def cancel(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _promote(self, key: bytes) -> None:
+        store = self._store
+        try:
+            level = store.locate(key)
+            prefetched = None
+            if level is not None and level > 0 and store.tiers[level].blocking_io:
+                # A disk or S3 read happens before the lock: a slow tier delays no other call.
+                prefetched = await self._read(level, key)
+                if prefetched is None:
+                    return
+            async with store.lock:
+                level = store.locate(key)
+                if level is None or level == 0:
+                    return
+                if prefetched is not None and store.tiers[level].header(key).checksum == prefetched[0].checksum:
+                    header, payload = prefetched
+                else:  # a memory tier (read under the lock: its view is only valid there), or it changed
+                    found = await self._read(level, key)
+                    if found is None:
+                        return
+                    header, payload = found
+                try:
+                    await store.store_in(0, header, payload)
+                except TierUnavailableError as exc:
+                    self._unavailable(0, key, exc)
+                    return
+                store.metrics.promotions.labels(store.tiers[0].name).inc()
+            if store.write_through and level > 1:
+                store.write_behind.enqueue(1, key)  # fill the tiers between (disk under cpu) behind it
+        except TierFullError as exc:
+            log.info("promotion of %s skipped: %s", key.hex(), exc)
+        finally:
+            self._promoting.discard(key)
+            store.refresh_gauges()
+
+    async def _read(self, level: int, key: bytes) -> tuple[BlockHeader, memoryview] | None:
+        """The whole block from tier ``level``, or None: dropped as corrupt, vanished, or the tier
+        is unreachable (counted against it)."""
+        try:
+            return await self._store.reads.read_or_drop(level, key)
+        except TierUnavailableError as exc:
+            self._unavailable(level, key, exc)
+            return None
+
+    def _unavailable(self, level: int, key: bytes, exc: Exception) -> None:
+        self._store.metrics.unavailable.labels(self._store.tiers[level].name).inc()
+        log.debug("promotion of %s skipped: %s", key.hex(), exc)

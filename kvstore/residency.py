@@ -1,0 +1,223 @@
+"""Which tier holds which key: one LRU per tier, and the one path by which a block enters or leaves
+a tier.
+
+    Residency.put / record / touch / delete / forget / clear / adopt_shared
+        ├─► the tier itself (put, delete)             what a read finds
+        ├─► TierLRU of that tier                      eviction order, owners' bytes
+        ├─► KeyIndexWriter.add / remove (shm_index)   same-host clients' Lookup
+        └─► EventPublisher.stored / removed (events)  routers' KV events
+
+Every change goes through here (put, demotion, promotion, write-behind copy, eviction, delete,
+clear, a shared tier's adopted keys), so neither mirror can miss one. A tier's own index is what
+reads ask (``key in tier``): a shared tier (S3) may index keys by itself (background listing,
+discovery) before :meth:`Residency.adopt_shared` takes them in here.
+
+Runs on the store's event loop; callers hold the store lock for changes (a read's ``touch`` needs
+none: no await).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Iterator
+
+from kvstore.block import BlockHeader
+from kvstore.shm_index import KeyIndexWriter
+from kvstore.tier_io import TierIO
+from tiers.base import Tier
+
+if TYPE_CHECKING:
+    from kvstore.events import EventPublisher
+
+
+class TierLRU:
+    """One tier's keys, least recently used first, and for blocks put under a quota their owner
+    (tenant) and the bytes each owner holds, kept as blocks come and go (no scan per put)."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[bytes, None] = OrderedDict()
+        self._owner: dict[bytes, str] = {}                      # key -> owner
+        self._owned: dict[str, OrderedDict[bytes, int]] = {}    # owner -> its keys (LRU first) -> bytes
+        self._owned_bytes: dict[str, int] = {}
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._order
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add(self, key: bytes, oldest: bool = False) -> bool:
+        """Record ``key`` as most recently used (``oldest``: least); True if it was not here."""
+        new = key not in self._order
+        self._order[key] = None
+        self._order.move_to_end(key, last=not oldest)
+        if not new:
+            self._touch_owned(key)
+        return new
+
+    def touch(self, key: bytes) -> None:
+        """Most recently used now, if recorded."""
+        if key in self._order:
+            self._order.move_to_end(key)
+            self._touch_owned(key)
+
+    def remove(self, key: bytes) -> bool:
+        """Forget ``key`` (and its owner); True if it was here."""
+        if key not in self._order:
+            return False
+        del self._order[key]
+        self._disown(key)
+        return True
+
+    def set_owner(self, key: bytes, owner: str, nbytes: int) -> None:
+        """``owner`` holds the recorded ``key`` of ``nbytes`` now (a quota put; a put by another
+        owner takes it over)."""
+        self._disown(key)
+        self._owner[key] = owner
+        self._owned.setdefault(owner, OrderedDict())[key] = nbytes
+        self._owned_bytes[owner] = self._owned_bytes.get(owner, 0) + nbytes
+
+    def owned_bytes(self, owner: str) -> int:
+        return self._owned_bytes.get(owner, 0)
+
+    def owned(self, owner: str) -> Iterator[bytes]:
+        """``owner``'s keys, least recently used first (do not change the LRU while iterating)."""
+        return iter(self._owned.get(owner, ()))
+
+    def _touch_owned(self, key: bytes) -> None:
+        owner = self._owner.get(key)
+        if owner is not None:
+            self._owned[owner].move_to_end(key)
+
+    def _disown(self, key: bytes) -> None:
+        owner = self._owner.pop(key, None)
+        if owner is None:
+            return
+        nbytes = self._owned[owner].pop(key)
+        self._owned_bytes[owner] -= nbytes
+        if not self._owned[owner]:
+            del self._owned[owner], self._owned_bytes[owner]
+
+    def check_integrity(self) -> None:
+        for owner, keys in self._owned.items():
+            if any(self._owner.get(k) != owner or k not in self._order for k in keys):
+                raise RuntimeError(f"owner {owner!r} is recorded for keys the LRU lacks or gives another owner")
+            if sum(keys.values()) != self._owned_bytes[owner]:
+                raise RuntimeError(f"owner {owner!r}: kept byte count {self._owned_bytes[owner]} "
+                                   f"differs from its blocks' {sum(keys.values())}")
+        if len(self._owner) != sum(map(len, self._owned.values())):
+            raise RuntimeError("owners of keys and keys of owners disagree")
+
+
+class Residency:
+    """The LRU of every tier (level 0 = top), mirrored into the key index and the event stream."""
+
+    def __init__(self, tiers: list[Tier], io: TierIO, key_index: KeyIndexWriter | None = None,
+                 events: EventPublisher | None = None) -> None:
+        self.tiers = tiers
+        self._io = io
+        self._index, self._events = key_index, events
+        self._lru = [TierLRU() for _ in tiers]
+        for level, tier in enumerate(tiers):
+            for key in tier.keys():
+                self._added(level, key, oldest=False)
+
+    def __getitem__(self, level: int) -> TierLRU:
+        return self._lru[level]
+
+    @property
+    def blocks(self) -> int:
+        """Blocks recorded, all tiers together (a block in two tiers counts twice)."""
+        return sum(map(len, self._lru))
+
+    def locate(self, key: bytes) -> int | None:
+        """Index of the highest tier holding ``key``."""
+        for level, tier in enumerate(self.tiers):
+            if key in tier:
+                return level
+        return None
+
+    # -- changes ------------------------------------------------------------------------------
+
+    async def put(self, level: int, header: BlockHeader, payload: memoryview) -> None:
+        """Write a block into tier ``level`` and record it as most recently used. Raises what the
+        tier's ``put`` raises (TierFullError, TierError), recording nothing then."""
+        tier = self.tiers[level]
+        await self._io.run(tier, tier.put, header, payload)
+        self.record(level, header.key)
+
+    def record(self, level: int, key: bytes) -> None:
+        """Tier ``level`` holds ``key`` now (most recently used): a copy written outside the lock."""
+        self._added(level, key, oldest=False)
+
+    def touch(self, level: int, key: bytes) -> None:
+        self._lru[level].touch(key)
+
+    async def delete(self, level: int, key: bytes) -> None:
+        """Remove ``key`` from tier ``level`` and forget it there."""
+        tier = self.tiers[level]
+        await self._io.run(tier, tier.delete, key)
+        self.forget(level, key)
+
+    def forget(self, level: int, key: bytes) -> None:
+        """Tier ``level`` no longer holds ``key`` (deleted, or gone underneath: another host)."""
+        if self._lru[level].remove(key):
+            self._removed(level, key)
+
+    async def clear(self, level: int) -> int:
+        """Delete every recorded block of tier ``level``; returns how many."""
+        tier, lru = self.tiers[level], self._lru[level]
+        keys = list(lru)
+        for key in keys:
+            await self._io.run(tier, tier.delete, key)
+        for key in keys:
+            self.forget(level, key)
+        return len(keys)
+
+    def adopt_shared(self) -> list[tuple[Tier, bytes]]:
+        """Take in the keys shared tiers indexed on their own (listing, discovery), as least
+        recently used: this daemon has not used them yet. Returns (tier, key) of each adopted."""
+        adopted = []
+        for level, tier in enumerate(self.tiers):
+            if not tier.shared:
+                continue
+            for key in tier.take_new_keys():
+                if key not in self._lru[level] and key in tier:
+                    self._added(level, key, oldest=True)
+                    adopted.append((tier, key))
+        return adopted
+
+    def _added(self, level: int, key: bytes, oldest: bool) -> None:
+        if not self._lru[level].add(key, oldest):
+            return
+        if self._index is not None:
+            self._index.add(key, level)
+        if self._events is not None:
+            tier = self.tiers[level]
+            self._events.stored(key, level, tier.header(key).tokens if key in tier else 0)
+
+    def _removed(self, level: int, key: bytes) -> None:
+        if self._index is not None:
+            self._index.remove(key, level)
+        if self._events is not None:
+            self._events.removed(key, level)
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Each LRU equals what its tier holds, and the key index says the same."""
+        for level, tier in enumerate(self.tiers):
+            lru = self._lru[level]
+            if set(lru) != set(tier.keys()):
+                raise RuntimeError(f"{tier.name}: LRU index ({len(lru)} keys) does not match "
+                                   f"the tier ({len(tier)} keys)")
+            lru.check_integrity()
+        if self._index is not None:
+            expected: dict[bytes, int] = {}
+            for level, lru in enumerate(self._lru):
+                for key in lru:
+                    expected[key] = expected.get(key, 0) | (1 << level)
+            self._index.check_integrity(expected)
