@@ -42,6 +42,18 @@ from kvstore.spawn import DaemonProcess  # noqa: E402
 TARGETS = {"running_vs_resident": 1.3, "fresh_vs_resident": 2.0, "copy_vs_memcpy": 3.0}
 
 
+def vllm_env() -> dict[str, str]:
+    """The environment of every vLLM process the benches start: the same CPU cores for each.
+
+    vLLM's CPU build binds its OpenMP threads itself ("auto") and reserves cores for its other
+    processes, a different number with a KV connector than without one: on a 2-core host vLLM alone
+    computes on 1 core and vLLM with kvstore on 2, so the baseline rows (cold, resident) ran on
+    half the cores of the rows they are compared with. Every run gets every allowed core unless
+    VLLM_CPU_OMP_THREADS_BIND is set."""
+    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    return {"VLLM_CPU_OMP_THREADS_BIND": cores, **os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
 def vllm_run(folder: Path, model: Path, prompts: list[list[int]], address: str | None, tag: str,
              *args: str) -> dict:
     prompts_file, out, log = folder / f"{tag}.prompts.json", folder / f"{tag}.out.json", folder / f"{tag}.log"
@@ -51,8 +63,7 @@ def vllm_run(folder: Path, model: Path, prompts: list[list[int]], address: str |
     if address:
         cmd += ["--kvstore", address, "--wait-each", "60"]
     with open(log, "wb") as log_file:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
-                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=vllm_env())
     if proc.returncode:
         sys.exit(f"vLLM run {tag} failed ({proc.returncode}); see {log}:\n{log.read_text()[-3000:]}")
     result = json.loads(out.read_text())
