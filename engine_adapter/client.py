@@ -372,13 +372,14 @@ class KVStoreClient:
         return {"tiers": tiers, **top}
 
 
-#: Arena bytes an item may take beyond its size: the client's allocator aligns extents to 4 KiB.
+#: The client's allocator aligns extents to 4 KiB (and rounds the arena down to it).
 _ARENA_ALIGN = 4096
 
 
 def _slot_bytes(size: int) -> int:
-    """Arena bytes one item of ``size`` bytes takes at most (its extent, aligned)."""
-    return max(size, 1) + _ARENA_ALIGN
+    """Arena bytes one item of ``size`` bytes takes: its extent, rounded up to the alignment, so
+    calls that fill the arena exactly (e.g. 16 x 4 MiB in 64 MiB) still fit."""
+    return -(-max(size, 1) // _ARENA_ALIGN) * _ARENA_ALIGN
 
 
 class LayerStream:

@@ -282,9 +282,10 @@ class BlockStore:
             raise TierFullError(f"a {nbytes}-byte block exceeds tenant {owner!r}'s quota of {quota} bytes")
         top = self.residency[0]
         while top.owned_bytes(owner) + nbytes > quota:
-            victim = next((k for k in top.owned(owner) if k not in self.holds.pinned), None)
+            # the same blocks eviction spares: pinned, leased, streamed or being copied by a reader
+            victim = next((k for k in top.owned(owner) if self.holds.evictable(self.tiers[0], k)), None)
             if victim is None:
-                raise TierFullError(f"tenant {owner!r} holds {top.owned_bytes(owner)} bytes (pinned) "
+                raise TierFullError(f"tenant {owner!r} holds {top.owned_bytes(owner)} bytes (pinned or in use) "
                                     f"of its {quota}-byte quota")
             await self._evict(0, victim)
 

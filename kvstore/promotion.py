@@ -15,7 +15,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvstore.block import BlockHeader
-from tiers.base import TierFullError, TierUnavailableError
+from tiers.base import TierError, TierFullError, TierUnavailableError
 
 if TYPE_CHECKING:
     from kvstore.placement import BlockStore
@@ -77,6 +77,8 @@ class Promoter:
                 store.write_behind.enqueue(1, key)  # fill the tiers between (disk under cpu) behind it
         except TierFullError as exc:
             log.info("promotion of %s skipped: %s", key.hex(), exc)
+        except TierError as exc:  # e.g. an I/O error: logged, and the block stays where it is
+            log.warning("promotion of %s failed: %s", key.hex(), exc)
         finally:
             self._promoting.discard(key)
             store.refresh_gauges()

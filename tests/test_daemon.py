@@ -298,3 +298,20 @@ def test_clients_leave_no_arena_file_even_when_killed(daemon):
         while observer.stats()["arenas"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert observer.stats()["arenas"] == 0 and shm_files() == before
+
+
+def test_the_client_counts_arena_bytes_as_its_allocator_takes_them():
+    """A call is refused only when it cannot fit: items whose sizes fill the arena exactly fit,
+    one byte more does not (the allocator rounds each extent up to 4 KiB)."""
+    from engine_adapter.client import _slot_bytes
+    from tiers.allocator import ExtentAllocator
+
+    arena = ExtentAllocator(64 << 20, align=4096)
+    for sizes in ([4 << 20] * 16, [4 << 20] * 15 + [(4 << 20) - 4095], [1, 4096, 4097, (1 << 20) + 3]):
+        taken = [arena.allocate(size) for size in sizes]
+        assert None not in taken
+        assert sum(_slot_bytes(s) for s in sizes) == sum(arena._round(s) for s in sizes)
+        for offset in taken:
+            arena.free(offset)
+    assert sum(_slot_bytes(s) for s in [4 << 20] * 16) == arena.capacity
+    assert sum(_slot_bytes(s) for s in [4 << 20] * 15 + [(4 << 20) + 1]) > arena.capacity

@@ -215,3 +215,26 @@ def test_large_gets_copy_off_the_loop_and_puts_wait_for_busy_blocks(tmp_path, mo
         await store.close()
 
     run(scenario())
+
+
+def test_a_quota_evicts_none_of_its_owners_leased_blocks(tmp_path):
+    """Quota eviction spares what any eviction spares: a block the owner leased (a reader copies
+    it by reference, or vLLM will load it) stays in the top tier; an unleased one goes instead,
+    and with only leased blocks left the put is refused rather than taking one."""
+    async def scenario():
+        store = make_store(tmp_path, cpu_blocks=6, disk_blocks=6)
+        store.start()
+        quota = 2 * BLOCK + 2 * 4096
+        bs = blocks(4, start=40)
+        await store.put(*bs[0], owner="a", quota=quota)
+        await store.put(*bs[1], owner="a", quota=quota)
+        store.lease(bs[0][0].key, 30)              # the oldest, which quota eviction would pick
+        await store.put(*bs[2], owner="a", quota=quota)
+        assert [store.locate(h.key) for h, _ in bs[:3]] == [0, 1, 0]
+        store.lease(bs[2][0].key, 30)
+        with pytest.raises(TierFullError, match="in use"):
+            await store.put(*bs[3], owner="a", quota=quota)
+        assert store.locate(bs[0][0].key) == 0 and store.locate(bs[2][0].key) == 0
+        await store.close()
+
+    run(scenario())
