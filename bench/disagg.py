@@ -24,14 +24,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
-from importlib import resources
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.vllm_ttft import vllm_run  # noqa: E402
+from bench.vllm_ttft import document_setup, vllm_run  # noqa: E402
 from kvstore.spawn import DaemonProcess  # noqa: E402
 from tests.conftest import MotoServer  # noqa: E402
 
@@ -43,16 +41,7 @@ def main() -> int:
     parser.add_argument("--json", metavar="PATH", help="write every repeat's figures as JSON")
     args = parser.parse_args()
 
-    from engine_adapter.loader import find_smollm2_gguf, load_gguf
-    from engine_adapter.prompts import document_prompt
-    from engine_adapter.vllm.hf_folder import write_hf_folder
-
-    sample = json.loads(resources.files("engine_adapter").joinpath("data/musique_sample.json").read_text())
-    _, tokenizer = load_gguf(find_smollm2_gguf())
-    context, question = document_prompt(tokenizer, sample["document"], sample["questions"][1]["question"])
-    prompt = context[: args.tokens - len(question)] + question
-    folder = Path(tempfile.mkdtemp(prefix="kvdisagg-"))
-    model = write_hf_folder(folder / "model")
+    prompt, folder, model = document_setup(args.tokens, 1, "kvdisagg-")
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1"})
     moto = MotoServer(folder).start()

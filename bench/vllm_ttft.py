@@ -42,6 +42,20 @@ from kvstore.spawn import DaemonProcess  # noqa: E402
 TARGETS = {"running_vs_resident": 1.3, "fresh_vs_resident": 2.0, "copy_vs_memcpy": 3.0}
 
 
+def document_setup(tokens: int, question: int, prefix: str) -> tuple[list[int], Path, Path]:
+    """A ``tokens``-long document prompt (the bundled MuSiQue sample, question ``question`` last),
+    a scratch folder named ``prefix...``, and the SmolLM2 HF folder vLLM loads, written in it."""
+    from engine_adapter.loader import find_smollm2_gguf, load_gguf
+    from engine_adapter.prompts import document_prompt
+    from engine_adapter.vllm.hf_folder import write_hf_folder
+
+    sample = json.loads(resources.files("engine_adapter").joinpath("data/musique_sample.json").read_text())
+    _, tokenizer = load_gguf(find_smollm2_gguf())
+    context, asked = document_prompt(tokenizer, sample["document"], sample["questions"][question]["question"])
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    return context[: tokens - len(asked)] + asked, folder, write_hf_folder(folder / "model")
+
+
 def vllm_env() -> dict[str, str]:
     """The environment of every vLLM process the benches start: the same CPU cores for each.
 
@@ -125,16 +139,7 @@ def main() -> int:
                         help="also time the running-process warm request with layer-wise loading")
     args = parser.parse_args()
 
-    from engine_adapter.loader import find_smollm2_gguf, load_gguf
-    from engine_adapter.prompts import document_prompt
-    from engine_adapter.vllm.hf_folder import write_hf_folder
-
-    sample = json.loads(resources.files("engine_adapter").joinpath("data/musique_sample.json").read_text())
-    _, tokenizer = load_gguf(find_smollm2_gguf())
-    context, question = document_prompt(tokenizer, sample["document"], sample["questions"][0]["question"])
-    prompt = context[: args.tokens - len(question)] + question
-    folder = Path(tempfile.mkdtemp(prefix="kvvllm-"))
-    model = write_hf_folder(folder / "model")
+    prompt, folder, model = document_setup(args.tokens, 0, "kvvllm-")
     repeats = []
     for repeat in range(args.repeats):
         print(f"repeat {repeat + 1}/{args.repeats}: running, fresh, resident ...", flush=True)

