@@ -1,32 +1,37 @@
-"""An engine's guarded view of the daemon: load stored blocks, store new ones from a thread.
+"""Every engine's guarded view of the daemon: look up, load and store blocks, misses on failure.
 
-Shared by the engine adapters: the reference engine and transformers load a prompt's stored run of
-chunks (`load_run`, `store_async`); CacheBlend loads whichever chunks are stored (`fetch_blocks`,
-`store_blocks_async`). A daemon that is down, slow or wrong costs misses, never a failed request:
-each failure is counted in :attr:`errors` and logged once. (The vLLM connector has its own load and
-store path, engine_adapter/vllm/connector.py.)
+The one load/store path of the engine adapters: the reference engine and transformers load a
+prompt's stored run of chunks (`load_run`, `store_async`); CacheBlend loads whichever chunks are
+stored (`fetch_blocks`, `store_blocks_async`); the vLLM connector looks up (`lookup`), loads
+(`fetch_blocks`) and stores from its step (`put`) or behind it (`store_blocks_async`).
+
+A daemon that is down, slow or wrong costs misses, never a failed request: every call is guarded
+and each failure counted in :attr:`errors`; an outage is logged once when it starts and once when
+a call succeeds again. Built with ``connect`` (a client factory), the cache connects lazily and
+after a failure drops the client and serves without the daemon for ``retry_s`` before connecting
+again; built with a client, it keeps calling that client.
+
+Stores run in order on one background thread. ``max_queued`` bounds the blocks waiting for it
+(`store_room`); a caller with more than the room drops the rest (the vLLM connector counts them).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from engine_adapter.client import FetchedBlock, KVStoreClient
-from kvstore.dtypes import TORCH_DTYPES
-from kvstore.keys import KVLayout, Namespace
+from kvstore.keys import KVLayout, LookupResult, Namespace
+from kvstore.transcode import payload_tensor
 
 log = logging.getLogger(__name__)
 
-
-def block_tensor(payload: memoryview, layout: KVLayout, tokens: int) -> torch.Tensor:
-    """A zero-copy tensor [layers, 2, kv_heads, tokens, head_dim] over a raw block payload."""
-    tensor = torch.frombuffer(payload, dtype=TORCH_DTYPES[layout.dtype])
-    return tensor.view(layout.block_shape(tokens))
+STORE_BATCH = 4  # blocks per background Put: one RPC per few blocks, a failure costs few
 
 
 def fetched_tensor(block: FetchedBlock) -> torch.Tensor:
@@ -34,12 +39,7 @@ def fetched_tensor(block: FetchedBlock) -> torch.Tensor:
 
     A zero-copy tensor views the client's arena: use it before the ``fetch`` block ends.
     """
-    if block.codec == "raw":
-        return block_tensor(block.payload, block.layout, block.tokens)
-    from compression import get_codec
-
-    return get_codec(block.codec).decode(bytes(block.payload), block.codec_params,
-                                         block.layout.block_shape(block.tokens), TORCH_DTYPES[block.layout.dtype])
+    return payload_tensor(block.payload, block.codec, block.codec_params, block.layout, block.tokens)
 
 
 def fetch_slot_bytes(layout: KVLayout, tokens: int) -> int:
@@ -48,30 +48,100 @@ def fetch_slot_bytes(layout: KVLayout, tokens: int) -> int:
     return raw + raw // 64 + 4096
 
 
-class PrefixCache:
-    def __init__(self, client: KVStoreClient | None, namespace: Namespace) -> None:
-        self.client = client
-        self.namespace = namespace
-        self.errors = 0
-        self._warned = False
-        self._store_lock = threading.Lock()  # one background store at a time, in order
+class _StoreJob:
+    def __init__(self, count: int, block: Callable[[int], tuple[bytes, int, torch.Tensor]],
+                 done: threading.Event | None, stored: Callable[[int], None] | None, durable: bool) -> None:
+        self.count, self.block, self.done, self.stored, self.durable = count, block, done, stored, durable
 
-    def failed(self, what: str, exc: Exception) -> None:
+
+class PrefixCache:
+    def __init__(self, client: KVStoreClient | None, namespace: Namespace, *,
+                 connect: Callable[[], KVStoreClient] | None = None, retry_s: float = 0.0,
+                 address: str = "", max_queued: int = 0, logger: logging.Logger | None = None) -> None:
+        self.namespace = namespace
+        self.address = address or (client.address if client is not None else "")
+        self.retry_s = retry_s
+        self.max_queued = max_queued  # blocks waiting for the store thread; 0: no bound
+        self.errors = 0
+        self.outages = 0
+        self._client = client
+        self._connect = connect
+        self._log = logger or log
+        self._down_until = 0.0
+        self._down_since: float | None = None  # set while in an outage
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue[_StoreJob | None] = queue.Queue()
+        self._queued = 0  # blocks in self._jobs or being stored
+        self._store_thread: threading.Thread | None = None
+
+    # -- the daemon, guarded ------------------------------------------------------------------
+
+    def client(self) -> KVStoreClient | None:
+        """The client to call now; None while there is none or the daemon is taken to be down."""
+        if self._client is not None or self._connect is None:
+            return self._client
+        with self._lock:
+            if self._client is None and time.monotonic() >= self._down_until:
+                try:
+                    self._client = self._connect()
+                except Exception as exc:  # noqa: BLE001 - a daemon that is down is a miss
+                    self._failed_locked("connect", exc)
+            return self._client
+
+    def ok(self) -> None:
+        """A call succeeded: ends an outage, and says so."""
+        if self._down_since is None:
+            return
+        with self._lock:
+            if self._down_since is not None:
+                self._log.warning("kvstore daemon at %s is back after %.1f s; the cache is used again",
+                                  self.address, time.monotonic() - self._down_since)
+                self._down_since = None
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        """A call failed: counted; an outage starts (said once); a connecting cache steps aside."""
+        with self._lock:
+            self._failed_locked(what, exc)
+
+    def _failed_locked(self, what: str, exc: BaseException) -> None:
         self.errors += 1
-        if not self._warned:
-            log.warning("kvstore daemon %s failed (%s); serving without the cache", what, exc)
-            self._warned = True
+        if self._connect is not None:
+            self._down_until = time.monotonic() + self.retry_s
+            if self._client is not None:
+                try:
+                    self._client.close()
+                except Exception:  # noqa: BLE001
+                    pass
+                self._client = None
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            self.outages += 1
+            retry = f", retrying every {self.retry_s:g} s" if self._connect is not None else ""
+            self._log.warning("kvstore daemon at %s: %s failed (%s); serving without the cache%s",
+                              self.address, what, exc, retry)
+        else:
+            self._log.debug("kvstore daemon at %s: %s failed again (%s)", self.address, what, exc)
+
+    def lookup(self, keys: Sequence[bytes], lease_s: float = 0.0) -> LookupResult | None:
+        """The daemon's hits for ``keys`` (a lease keeps them from eviction ``lease_s``); None
+        when the daemon is down or failed (a miss)."""
+        client = self.client() if keys else None
+        if client is None:
+            return None
+        try:
+            found = client.lookup(keys, lease_s=lease_s)
+        except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
+            self.failed("lookup", exc)
+            return None
+        self.ok()
+        return found
 
     def load_run(self, keys: list[bytes], sink: Callable[[int, torch.Tensor], None], tiers: list[str]) -> int:
         """Feed the longest stored run of ``keys`` to ``sink(chunk index, block tensor)`` in order;
         returns the number of chunks fed. The tensor may view the client's arena: ``sink`` copies
         what it keeps. A gap or a daemon failure ends the run; chunks fed before it stand."""
-        if self.client is None or not keys:
-            return 0
-        try:
-            hits = self.client.lookup(keys).hits
-        except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
-            self.failed("lookup", exc)
+        found = self.lookup(keys)
+        if found is None or not found.hits:
             return 0
         n, layout = self.namespace.chunk_tokens, self.namespace.layout
         loaded = 0
@@ -85,7 +155,7 @@ class PrefixCache:
             loaded += 1
             return True
 
-        self.fetch_blocks(keys[:hits], fetch_slot_bytes(layout, n), take)
+        self.fetch_blocks(keys[: found.hits], fetch_slot_bytes(layout, n), take)
         return loaded
 
     def fetch_blocks(self, keys: list[bytes], slot: int, take: Callable[[int, FetchedBlock | None], bool],
@@ -95,45 +165,108 @@ class PrefixCache:
         False to stop. ``batch_done(seconds)`` follows each Get whose blocks were all taken, with
         the time since it started. Blocks may view the client's arena: ``take`` copies what it
         keeps. A daemon failure ends the fetch (counted); blocks taken before it stand."""
-        if self.client is None or not keys:
+        client = self.client() if keys else None
+        if client is None:
             return
-        step = self.client.max_fetch_blocks(slot)
+        step = client.max_fetch_blocks(slot)
         try:
             for first in range(0, len(keys), step):
                 started = time.perf_counter()
-                with self.client.fetch(keys[first : first + step], slot) as blocks:
+                with client.fetch(keys[first : first + step], slot) as blocks:
                     for index, block in enumerate(blocks, first):
                         if not take(index, block):
+                            self.ok()
                             return
                 if batch_done is not None:
                     batch_done(time.perf_counter() - started)
         except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
             self.failed("get", exc)
+            return
+        self.ok()
+
+    def put(self, blocks: Sequence[tuple[bytes, int, torch.Tensor]], durable: bool = False) -> bool:
+        """Put ``blocks`` (``(key, tokens, payload)``) now; False when the daemon is down or failed.
+        ``durable``: return once a durable tier (fsynced disk, S3) holds them."""
+        client = self.client() if blocks else None
+        if client is None:
+            return not blocks
+        try:
+            client.put(self.namespace, blocks, durable=durable)
+        except Exception as exc:  # noqa: BLE001
+            self.failed("put", exc)
+            return False
+        self.ok()
+        return True
+
+    # -- stores behind the request ------------------------------------------------------------
 
     def store_async(self, keys: list[bytes], chunks: range, chunk: Callable[[int], torch.Tensor],
                     done: threading.Event) -> None:
-        """Put ``chunk(c)`` under ``keys[c]`` for each c in ``chunks`` from a background thread
+        """Put ``chunk(c)`` under ``keys[c]`` for each c in ``chunks`` from the store thread
         (see `store_blocks_async`)."""
         n = self.namespace.chunk_tokens
         self.store_blocks_async(len(chunks), lambda i: (keys[chunks[i]], n, chunk(chunks[i])), done)
 
-    def store_blocks_async(self, count: int, block: Callable[[int], tuple[bytes, int, torch.Tensor]],
-                           done: threading.Event) -> None:
-        """Put ``block(0) .. block(count - 1)`` (each ``(key, tokens, payload)``, made in the thread)
-        from a background thread, four per Put, after any store still running; ``done`` is set
-        when finished (or at once when there is nothing to do)."""
-        if self.client is None or count == 0:
-            done.set()
-            return
+    def store_room(self) -> int:
+        """How many more blocks the store thread takes now (``max_queued`` bounds it)."""
+        if self.max_queued <= 0:
+            return 1 << 62
+        with self._lock:
+            return max(0, self.max_queued - self._queued)
 
-        def run() -> None:
+    def store_blocks_async(self, count: int, block: Callable[[int], tuple[bytes, int, torch.Tensor]],
+                           done: threading.Event | None = None, stored: Callable[[int], None] | None = None,
+                           durable: bool = False) -> int:
+        """Put ``block(0) .. block(count - 1)`` (each ``(key, tokens, payload)``, made on the store
+        thread) in Puts of `STORE_BATCH`, after every store queued before; returns how many were
+        queued: all of them, or the first `store_room` ones. When they are done, ``stored(n)`` says
+        how many the daemon took (the first n: a failure ends the job) and ``done`` is set (at once
+        when nothing was queued)."""
+        with self._lock:
+            if self._client is None and self._connect is None:
+                count = 0
+            elif self.max_queued > 0:
+                count = max(0, min(count, self.max_queued - self._queued))
+            self._queued += count
+            if count and self._store_thread is None:
+                self._store_thread = threading.Thread(target=self._store_loop, name="kvstore-store", daemon=True)
+                self._store_thread.start()
+        if count == 0:
+            if stored is not None:
+                stored(0)
+            if done is not None:
+                done.set()
+            return 0
+        self._jobs.put(_StoreJob(count, block, done, stored, durable))
+        return count
+
+    def _store_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            put = 0
             try:
-                with self._store_lock:
-                    for i in range(0, count, 4):
-                        self.client.put(self.namespace, [block(j) for j in range(i, min(i + 4, count))])
-            except Exception as exc:  # noqa: BLE001
+                for first in range(0, job.count, STORE_BATCH):
+                    blocks = [job.block(i) for i in range(first, min(first + STORE_BATCH, job.count))]
+                    if not self.put(blocks, durable=job.durable):
+                        break
+                    put += len(blocks)
+            except Exception as exc:  # noqa: BLE001 - a block that cannot be made is not stored
                 self.failed("put", exc)
             finally:
-                done.set()
+                with self._lock:
+                    self._queued -= job.count
+                if job.stored is not None:
+                    job.stored(put)
+                if job.done is not None:
+                    job.done.set()
 
-        threading.Thread(target=run, name="kvstore-store", daemon=True).start()
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish the queued stores (waiting at most ``timeout``), then close a client it connected."""
+        thread = self._store_thread
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join(timeout)
+        if self._connect is not None:
+            with self._lock:
+                if self._client is not None:
+                    self._client.close()
+                    self._client = None

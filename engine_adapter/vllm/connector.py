@@ -28,9 +28,9 @@ vLLM builds two instances: the scheduler side (in the engine-core process) and t
                                             block and Puts it (save_mode async), or the step does
                                             (sync / durable, e.g. a kv_producer)
 
-A daemon that is down, slow or wrong costs misses, never a failed request: every call is guarded,
-counted and logged (each outage and each recovery once), and a failed connection is retried after
-``retry_s``. A block that vanishes between Lookup and Get is reported to vLLM as a failed load
+A daemon that is down, slow or wrong costs misses, never a failed request: every call goes through
+the engines' shared guard (engine_adapter/prefix_cache.py: counted, each outage and each recovery
+logged once, a failed connection retried after ``retry_s``). A block that vanishes between Lookup and Get is reported to vLLM as a failed load
 (``get_block_ids_with_load_errors``) and the request's cached-token count is corrected; with
 ``kv_load_failure_policy="recompute"`` vLLM then computes those tokens (its default, "fail", fails
 the request).
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -61,7 +60,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engine_adapter.client import KVStoreClient
 from engine_adapter.loader import hf_rope
-from engine_adapter.prefix_cache import fetch_slot_bytes, fetched_tensor
+from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
 from engine_adapter.vllm.layout import PagedKV, PageLayout, measure_page_layout, split_cache_write
 from engine_adapter.vllm.plan import ChunkLoad, Planner, StepPlan
 from kvstore.config import default_listen
@@ -157,73 +156,6 @@ def vllm_namespace(vllm_config: "VllmConfig", settings: ConnectorSettings) -> Na
     return Namespace(model_id, layout, rope=rope, tenant=settings.tenant, chunk_tokens=settings.chunk_tokens)
 
 
-class DaemonLink:
-    """A lazily connected ``KVStoreClient`` that steps aside for ``retry_s`` after any failure."""
-
-    def __init__(self, settings: ConnectorSettings, shared_memory: bool | None,
-                 arena_bytes: int | None = None) -> None:
-        self.settings = settings
-        self.address = settings.address or default_listen()
-        self.shared_memory = shared_memory
-        self.arena_bytes = arena_bytes or settings.arena_bytes
-        self.errors = 0
-        self.outages = 0
-        self._client: KVStoreClient | None = None
-        self._down_until = 0.0
-        self._down_since: float | None = None  # set while in an outage (logged once when it starts and ends)
-        self._lock = threading.Lock()
-
-    def client(self) -> KVStoreClient | None:
-        """The connected client, or None while the daemon is considered down."""
-        with self._lock:
-            if self._client is not None:
-                return self._client
-            if time.monotonic() < self._down_until:
-                return None
-            try:
-                self._client = KVStoreClient(self.address, shared_memory=self.shared_memory,
-                                             arena_bytes=self.arena_bytes, timeout=self.settings.timeout_s)
-            except Exception as exc:  # noqa: BLE001 - a daemon that is down is a miss
-                self._fail_locked("connect", exc)
-            return self._client
-
-    def ok(self) -> None:
-        """A call succeeded: ends an outage (and says so)."""
-        if self._down_since is not None:
-            with self._lock:
-                if self._down_since is not None:
-                    log.warning("kvstore daemon at %s is back after %.1f s; vLLM uses it again",
-                                self.address, time.monotonic() - self._down_since)
-                    self._down_since = None
-
-    def failed(self, what: str, exc: BaseException) -> None:
-        with self._lock:
-            self._fail_locked(what, exc)
-
-    def _fail_locked(self, what: str, exc: BaseException) -> None:
-        self.errors += 1
-        self._down_until = time.monotonic() + self.settings.retry_s
-        if self._client is not None:
-            try:
-                self._client.close()
-            except Exception:  # noqa: BLE001
-                pass
-            self._client = None
-        if self._down_since is None:  # an outage starts: say so once, and once more when it ends
-            self._down_since = time.monotonic()
-            self.outages += 1
-            log.warning("kvstore daemon at %s: %s failed (%s); vLLM serves without it (retrying every %.0f s)",
-                        self.address, what, exc, self.settings.retry_s)
-        else:
-            log.debug("kvstore daemon at %s: %s failed again (%s)", self.address, what, exc)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
-
-
 def cpu_cache_write(isa: str):
     """vLLM's CPU cache-write op for ``isa`` in :func:`measure_page_layout`'s signature."""
     from vllm import _custom_ops as ops
@@ -279,7 +211,7 @@ class LayerwiseLoad:
 
     def _fail(self, what: str, exc: BaseException) -> None:
         self.failed = True
-        self.connector.link.failed(what, exc)
+        self.connector.cache.failed(what, exc)
         for event in self.ready:
             event.set()  # never leave the forward waiting; the pages are reported failed
 
@@ -300,7 +232,7 @@ class LayerwiseLoad:
         else:
             connector.loaded_chunks += len(self.pieces)
             connector.load_bytes += sum(connector.namespace.layout.block_bytes(p.hi - p.lo) for p in self.pieces)
-            connector.link.ok()
+            connector.cache.ok()
 
 
 class KVStoreEvents(KVConnectorKVEvents):
@@ -373,14 +305,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.kv_role = vllm_config.kv_transfer_config.kv_role or "kv_both"
         mode = self.settings.save_mode
         self.save_mode = ("sync" if self.kv_role == "kv_producer" else "async") if mode == "auto" else mode
-        if role == KVConnectorRole.WORKER:
-            self.link = DaemonLink(self.settings, shared_memory=True)
-        else:
-            # The scheduler moves no blocks; on a unix socket it registers a 1 MiB arena only to map
-            # the daemon's key index, so its per-step Lookups need no round trip.
-            self.link = DaemonLink(self.settings, shared_memory=None, arena_bytes=2**20)
+        self.cache = self._daemon_cache(role)
         log.info("KVStoreConnector (%s): model %s, %s, address %s", role.name, self.namespace.model_id,
-                 self.namespace.layout, self.link.address)
+                 self.namespace.layout, self.cache.address)
         if role == KVConnectorRole.SCHEDULER:
             self.planner = Planner(self.namespace, self.page_tokens, tails=self.settings.tail_blocks,
                                    saves=self.kv_role != "kv_consumer")
@@ -397,7 +324,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.paged: PagedKV | None = None
             self.loaded_chunks = 0
             self.saved_chunks = 0
-            self.dropped_chunks = 0  # completed chunks not saved (daemon down, or the queue full)
+            self.dropped_chunks = 0  # completed chunks not saved (daemon down, or the save queue full)
             self.load_copy_s = 0.0   # time in the page writes of loads (after the Get)
             self.load_s = 0.0        # time in start_load_kv's loads, Gets included
             self.load_bytes = 0
@@ -405,10 +332,24 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._layer_index: dict[str, int] = {}
             self._stored_events: list = []  # BlockStored of pieces Put since the last step (save thread appends)
             self._layerwise: LayerwiseLoad | None = None  # this step's layer-wise load, until wait_for_save
-            self._saves: queue.Queue = queue.Queue(maxsize=self.settings.save_queue_chunks)
-            self._saver = threading.Thread(target=self._save_loop, name="kvstore-save", daemon=True)
-            self._saver.start()
-        self.link.client()  # connect (and map the arena) now, not on the first request
+        self.cache.client()  # connect (and map the arena) now, not on the first request
+
+    def _daemon_cache(self, role: KVConnectorRole) -> PrefixCache:
+        """The guarded daemon link: connected lazily, stepping aside ``retry_s`` after a failure.
+        The worker moves blocks through a shared-memory arena; the scheduler moves none, and on a
+        unix socket registers a 1 MiB arena only to map the daemon's key index, so its per-step
+        Lookups need no round trip."""
+        settings = self.settings
+        address = settings.address or default_listen()
+        worker = role == KVConnectorRole.WORKER
+        arena_bytes = settings.arena_bytes if worker else 2**20
+
+        def connect() -> KVStoreClient:
+            return KVStoreClient(address, shared_memory=True if worker else None, arena_bytes=arena_bytes,
+                                 timeout=settings.timeout_s)
+
+        return PrefixCache(None, self.namespace, connect=connect, retry_s=settings.retry_s, address=address,
+                           max_queued=settings.save_queue_chunks, logger=log)
 
     # ==== scheduler side ======================================================================
 
@@ -419,18 +360,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         request_id = request.request_id
         keys = self.planner.keys_of(request_id, prompt)
         hits, tiers = 0, ()
-        client = self.link.client() if keys else None
-        if client is not None:
-            try:
-                found = client.lookup(keys)  # the local key index: no round trip
-                if found.hits and self.settings.lease_s > 0 \
-                        and self.planner.record_hit(request_id, found.hits, num_computed_tokens) > 0:
-                    # a hit vLLM will load: confirm it and keep it from eviction until the load
-                    found = client.lookup(keys[: found.hits], lease_s=self.settings.lease_s)
-                hits, tiers = found.hits, found.tiers
-                self.link.ok()
-            except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
-                self.link.failed("lookup", exc)
+        found = self.cache.lookup(keys)  # the local key index: no round trip
+        if found is not None and found.hits and self.settings.lease_s > 0 \
+                and self.planner.record_hit(request_id, found.hits, num_computed_tokens) > 0:
+            # a hit vLLM will load: confirm it and keep it from eviction until the load
+            found = self.cache.lookup(keys[: found.hits], lease_s=self.settings.lease_s)
+        if found is not None:
+            hits, tiers = found.hits, found.tiers
         self._requests[request_id] = request
         return self.planner.record_hit(request_id, hits, num_computed_tokens, tiers), False
 
@@ -567,7 +503,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _start_layerwise(self, pieces: list[ChunkLoad]) -> bool:
         """Start this step's loads layer by layer (GetLayers, then a thread writing each layer's
         pages as it lands); False when they do not fit the arena at once (then they load whole)."""
-        client = self.link.client()
+        client = self.cache.client()
         if client is None or self.paged is None:
             return False
         slot = fetch_slot_bytes(self.namespace.layout, self.namespace.chunk_tokens)
@@ -580,26 +516,23 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Load one request's pieces in order; the pages of any piece not loaded are reported failed."""
         layout = self.namespace.layout
         loaded = 0
-        client = self.link.client()
-        if client is not None and self.paged is not None:
-            slot = fetch_slot_bytes(layout, self.namespace.chunk_tokens)
-            step = client.max_fetch_blocks(slot)
-            try:
-                for start in range(0, len(chunks), step):
-                    batch = chunks[start : start + step]
-                    with client.fetch([c.key for c in batch], slot) as blocks:
-                        for chunk, block in zip(batch, blocks):
-                            if block is None or block.tokens != chunk.tokens or block.layout != layout:
-                                raise LookupError(f"block {chunk.key.hex()} vanished or has another layout")
-                            tensor = fetched_tensor(block)  # [L, 2, H, n, D]; a view of the arena for raw
-                            began = time.perf_counter()
-                            self.paged.scatter(tensor[:, :, :, chunk.lo : chunk.hi], chunk.span)
-                            self.load_copy_s += time.perf_counter() - began
-                            self.load_bytes += layout.block_bytes(chunk.hi - chunk.lo)
-                            loaded += 1
-                self.link.ok()
-            except Exception as exc:  # noqa: BLE001
-                self.link.failed("get", exc)
+
+        def take(index: int, block) -> bool:
+            nonlocal loaded
+            chunk = chunks[index]
+            if block is None or block.tokens != chunk.tokens or block.layout != layout:
+                log.info("KVStoreConnector: block %s vanished or has another layout", chunk.key.hex())
+                return False
+            tensor = fetched_tensor(block)  # [L, 2, H, n, D]; a view of the arena for raw
+            began = time.perf_counter()
+            self.paged.scatter(tensor[:, :, :, chunk.lo : chunk.hi], chunk.span)
+            self.load_copy_s += time.perf_counter() - began
+            self.load_bytes += layout.block_bytes(chunk.hi - chunk.lo)
+            loaded += 1
+            return True
+
+        if self.paged is not None:
+            self.cache.fetch_blocks([c.key for c in chunks], fetch_slot_bytes(layout, self.namespace.chunk_tokens), take)
         self.loaded_chunks += loaded
         for chunk in chunks[loaded:]:
             self._failed_pages.update(chunk.span.page_ids)
@@ -634,62 +567,34 @@ class KVStoreConnector(KVConnectorBase_V1):
         saves = self._get_connector_metadata().plan.saves
         if not saves:
             return
-        if self.link.client() is None:
+        if self.cache.client() is None:
             self.dropped_chunks += len(saves)
             return
         if self.save_mode != "async":  # stored before this step ends (and its request returns)
-            self._put([(save.key, *self.paged.copy_pages(save.span), save.event) for save in saves],
-                      durable=self.save_mode == "durable")
+            copies = [(save.key, *self.paged.copy_pages(save.span), save.event) for save in saves]
+            self._saved(copies, len(copies) if self.cache.put(self._blocks(copies), self.save_mode == "durable") else 0)
             return
-        for save in saves:
-            if self._saves.full():
-                self.dropped_chunks += 1
-                continue
-            # a plain copy of the pages (vLLM may reuse them after this step); the save thread permutes
-            self._saves.put_nowait((save.key, *self.paged.copy_pages(save.span), save.event))
+        room = self.cache.store_room()
+        self.dropped_chunks += max(0, len(saves) - room)
+        # a plain copy of the pages (vLLM may reuse them after this step); the store thread permutes
+        copies = [(save.key, *self.paged.copy_pages(save.span), save.event) for save in saves[:room]]
+        self.cache.store_blocks_async(len(copies), lambda i: self._blocks(copies[i : i + 1])[0],
+                                      stored=lambda n: self._saved(copies, n))
 
-    def _save_loop(self) -> None:
-        while True:
-            item = self._saves.get()
-            if item is None:
-                return
-            batch = [item]
-            while len(batch) < 4:  # Put what is waiting together (one RPC)
-                try:
-                    more = self._saves.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._saves.put(None)
-                    break
-                batch.append(more)
-            self._put(batch)
+    def _blocks(self, copies: list) -> list:
+        """Copied pages ``(key, pages, span, event)`` as blocks ``(key, tokens, payload)``."""
+        return [(key, span.tokens, self.paged.block_of_pages(pages, span)) for key, pages, span, _ in copies]
 
-    def _put(self, batch: list, durable: bool = False) -> None:
-        """Put copied pages ``(key, pages, span, event)`` as blocks; a failure drops them (counted)."""
-        client = self.link.client()
-        if client is None or self.paged is None:
-            self.dropped_chunks += len(batch)
-            return
-        try:
-            blocks = [(key, span.tokens, self.paged.block_of_pages(pages, span)) for key, pages, span, _ in batch]
-            client.put(self.namespace, blocks, durable=durable)
-            self.saved_chunks += len(batch)
-            self._stored_events.extend(event for *_, event in batch if event is not None)
-            self.link.ok()
-        except Exception as exc:  # noqa: BLE001
-            self.link.failed("put", exc)
-            self.dropped_chunks += len(batch)
+    def _saved(self, copies: list, stored: int) -> None:
+        """The daemon took the first ``stored`` of ``copies``: counted, their events reported."""
+        self.saved_chunks += stored
+        self.dropped_chunks += len(copies) - stored
+        self._stored_events.extend(event for *_, event in copies[:stored] if event is not None)
 
     def shutdown(self) -> None:
+        self.cache.close(timeout=30.0)  # after the chunks already queued
         if self.role == KVConnectorRole.WORKER:
-            try:
-                self._saves.put(None, timeout=30.0)  # after the chunks already queued
-            except queue.Full:
-                pass
-            self._saver.join(timeout=30.0)
             log.info("KVStoreConnector worker: loaded %d pieces (%.1f MB, page writes %.1f ms, loads %.1f ms in all), "
                      "saved %d, dropped %d, daemon errors %d in %d outages", self.loaded_chunks, self.load_bytes / 1e6,
                      self.load_copy_s * 1e3, self.load_s * 1e3, self.saved_chunks, self.dropped_chunks,
-                     self.link.errors, self.link.outages)
-        self.link.close()
+                     self.cache.errors, self.cache.outages)

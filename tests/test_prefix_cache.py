@@ -1,0 +1,98 @@
+"""The engines' one guarded load/store path (engine_adapter/prefix_cache.py), against a real daemon:
+an outage costs misses and is said once when it starts and once when it ends; a connecting cache
+steps aside for ``retry_s``; the store thread keeps order and its queue bound."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import torch
+
+from engine_adapter.client import KVStoreClient
+from engine_adapter.prefix_cache import PrefixCache
+from kvstore.keys import KVLayout, Namespace, prefix_keys
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16")
+N = 16
+
+
+def blocks(count: int, seed: int = 0) -> tuple[Namespace, list[tuple[bytes, int, torch.Tensor]]]:
+    namespace = Namespace("prefix-cache-test", LAYOUT, chunk_tokens=N)
+    rng = np.random.default_rng(seed)
+    keys = prefix_keys(namespace, rng.integers(0, 1000, size=count * N))
+    payloads = [torch.from_numpy(rng.standard_normal(LAYOUT.block_shape(N)).astype(np.float16)) for _ in keys]
+    return namespace, [(key, N, payload) for key, payload in zip(keys, payloads)]
+
+
+def test_an_outage_is_said_once_costs_misses_and_ends_when_the_daemon_is_back(daemon_factory, caplog):
+    daemon = daemon_factory(disk_fsync="true")
+    namespace, items = blocks(3)
+    connects = []
+
+    def connect() -> KVStoreClient:
+        connects.append(time.monotonic())
+        return KVStoreClient(daemon.address, timeout=2)
+
+    cache = PrefixCache(None, namespace, connect=connect, retry_s=0.5, address=daemon.address)
+    caplog.set_level(logging.DEBUG, logger="engine_adapter.prefix_cache")
+    assert cache.put(items, durable=True) and cache.lookup([k for k, _, _ in items]).hits == 3
+    daemon.stop(signal_kill=True)
+    assert not cache.put(items[:1])  # the daemon died: counted (Lookups may still read its key index)
+    for _ in range(5):  # within retry_s: no call, no new connection, no new line
+        assert cache.lookup([items[0][0]]) is None and not cache.put(items[:1])
+    assert cache.errors == 1 and cache.outages == 1 and len(connects) == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "put failed" in warnings[0] and daemon.address in warnings[0]
+    daemon.start()  # the disk tier kept the blocks (durable)
+    deadline = time.monotonic() + 10
+    while cache.lookup([items[0][0]]) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cache.lookup([k for k, _, _ in items]).hits == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and "is back" in warnings[1]
+    assert cache.outages == 1 and len(connects) >= 2
+    cache.close()
+
+
+def test_stores_run_in_order_within_the_queue_bound(daemon):
+    namespace, items = blocks(7, seed=1)
+    with KVStoreClient(daemon.address) as client:
+        cache = PrefixCache(client, namespace, max_queued=5)
+        gate = threading.Event()
+        made: list[int] = []
+
+        def block(i: int):
+            gate.wait(30)  # hold the store thread so the queue fills
+            made.append(i)
+            return items[i]
+
+        stored: list[int] = []
+        done_a, done_b = threading.Event(), threading.Event()
+        assert cache.store_blocks_async(4, block, done_a, stored=stored.append) == 4
+        assert cache.store_room() == 1
+        assert cache.store_blocks_async(3, lambda i: (made.append(4 + i), items[4 + i])[1], done_b,
+                                        stored=stored.append) == 1  # only the room is queued
+        assert cache.store_room() == 0
+        gate.set()
+        assert done_a.wait(30) and done_b.wait(30)
+        assert made == [0, 1, 2, 3, 4] and stored == [4, 1] and cache.store_room() == 5
+        assert client.lookup([k for k, _, _ in items]).hits == 5  # the first five, in order
+        assert cache.errors == 0
+        cache.close()
+
+
+def test_a_failed_store_ends_its_job_and_says_how_many_the_daemon_took(daemon):
+    namespace, items = blocks(6, seed=2)
+    client = KVStoreClient(daemon.address, timeout=2)
+    cache = PrefixCache(client, namespace)
+    bad = (items[5][0], N, items[5][2][:1])  # one layer short: refused by the daemon
+    stored: list[int] = []
+    done = threading.Event()
+    cache.store_blocks_async(6, lambda i: items[i] if i != 4 else bad, done, stored=stored.append)
+    assert done.wait(30)
+    assert stored == [4] and cache.errors == 1  # the first Put of four, then the failing one
+    assert client.lookup([k for k, _, _ in items]).hits == 4
+    client.close()
