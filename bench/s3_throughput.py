@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from kvstore.block import BlockHeader, payload_checksum  # noqa: E402
-from kvstore.keys import KVLayout  # noqa: E402
+from kvstore.keys import KEY_BYTES, KVLayout  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16")
 CHUNK = 256
@@ -72,7 +72,7 @@ def make_blocks(n: int) -> list[tuple[BlockHeader, memoryview]]:
     out = []
     for i in range(n):
         payload = memoryview(rng.integers(0, 256, BLOCK, dtype=np.uint8).tobytes())
-        header = BlockHeader(key=rng.bytes(16), namespace=b"b" * 16, layout=LAYOUT, tokens=CHUNK,
+        header = BlockHeader(key=rng.bytes(KEY_BYTES), namespace=b"b" * KEY_BYTES, layout=LAYOUT, tokens=CHUNK,
                              payload_len=BLOCK, checksum=payload_checksum(payload))
         out.append((header, payload))
     return out

@@ -10,7 +10,7 @@ params; decoding calls `resolve(id)`, which looks in this order:
    block from a kvstore daemon, so every tier (and another host sharing the S3 bucket) serves it.
 
 A calibration is stored in the cache as a raw float16 block of the namespace
-`calibration_namespace()`: key = the first 16 bytes of its id, payload = its bytes zero-padded
+`calibration_namespace()`: key = the first KEY_BYTES (16) bytes of its id, payload = its bytes zero-padded
 to whole 256-byte "tokens" ([1, 2, 1, tokens, 64] float16). The bytes are checked against the id
 on every load, so a wrong or damaged copy is never used.
 """
@@ -120,7 +120,9 @@ def calibration_namespace(tenant: str = ""):
 
 
 def calibration_key(calibration_id: str) -> bytes:
-    return bytes.fromhex(calibration_id)[:16]
+    from kvstore.keys import KEY_BYTES
+
+    return bytes.fromhex(calibration_id)[:KEY_BYTES]
 
 
 def calibration_block(calibration: Calibration) -> tuple[bytes, int, bytes]:

@@ -50,11 +50,14 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from kvstore.keys import KEY_BYTES
+
 SHM_DIR = Path("/dev/shm")
 MAGIC = b"KVSIDX01"
 HEADER_BYTES = 256
 SLOT_BYTES = 32
 MAX_TIERS = 8
+TIER_NAME_BYTES = 16
 MIN_SLOTS = 4096
 #: How often the daemon refreshes the heartbeat and tier availability.
 TICK_S = 0.1
@@ -71,8 +74,9 @@ _NAME = re.compile(r"kvstore-index-[0-9]+-[0-9a-f]{12}")
 _SEQ = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _HEARTBEAT = struct.Struct("<Q")
-_STATE = struct.Struct("<IIQII")  # state, nslots, heartbeat, available, flags at offset 16
-_ZERO_KEY = bytes(16)
+_STATE_AT, _TIER_NAMES_AT = 16, 112  # header offsets (see the layout above)
+_STATE = struct.Struct("<IIQII")  # state, nslots, heartbeat, available, flags at _STATE_AT
+_ZERO_KEY = bytes(KEY_BYTES)
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +118,8 @@ class KeyIndexWriter:
     def __init__(self, tier_names: Sequence[str], shared_tier: bool = False) -> None:
         if len(tier_names) > MAX_TIERS:
             raise ValueError(f"at most {MAX_TIERS} tiers fit the index, got {len(tier_names)}")
-        if any(len(n.encode()) > 16 for n in tier_names):
-            raise ValueError(f"tier names must be at most 16 bytes: {list(tier_names)}")
+        if any(len(n.encode()) > TIER_NAME_BYTES for n in tier_names):
+            raise ValueError(f"tier names must be at most {TIER_NAME_BYTES} bytes: {list(tier_names)}")
         self.tier_names = list(tier_names)
         self.flags = FLAG_SHARED_TIER if shared_tier else 0
         self.available = (1 << len(tier_names)) - 1
@@ -150,15 +154,15 @@ class KeyIndexWriter:
             os.close(fd)
         mm[0:8] = MAGIC
         _SEQ.pack_into(mm, 8, 0)
-        _STATE.pack_into(mm, 16, LIVE, nslots, time.monotonic_ns(), self.available, self.flags)
+        _STATE.pack_into(mm, _STATE_AT, LIVE, nslots, time.monotonic_ns(), self.available, self.flags)
         _U32.pack_into(mm, 40, len(self.tier_names))
         _U32.pack_into(mm, 44, os.getpid() & 0xFFFFFFFF)
         for i, tier in enumerate(self.tier_names):
-            mm[112 + 16 * i : 128 + 16 * i] = tier.encode().ljust(16, b"\0")
+            mm[_TIER_NAMES_AT + TIER_NAME_BYTES * i : _TIER_NAMES_AT + TIER_NAME_BYTES * (i + 1)] = tier.encode().ljust(TIER_NAME_BYTES, b"\0")
         slots: dict[bytes, int] = {}
         for key, mask in self._masks.items():
             slot = _home(key, nslots)
-            while mm[HEADER_BYTES + slot * SLOT_BYTES : HEADER_BYTES + slot * SLOT_BYTES + 16] != _ZERO_KEY:
+            while mm[HEADER_BYTES + slot * SLOT_BYTES : HEADER_BYTES + slot * SLOT_BYTES + KEY_BYTES] != _ZERO_KEY:
                 slot = (slot + 1) & (nslots - 1)
             self._write_slot(mm, slot, key, mask)
             slots[key] = slot
@@ -170,13 +174,13 @@ class KeyIndexWriter:
         # Every earlier table (a client may still map any of them) points at this one.
         for old in self._replaced:
             old[48:112] = name.encode().ljust(64, b"\0")
-            _U32.pack_into(old, 16, MOVED)
+            _U32.pack_into(old, _STATE_AT, MOVED)
 
     @staticmethod
     def _write_slot(mm: mmap.mmap, slot: int, key: bytes, mask: int) -> None:
         offset = HEADER_BYTES + slot * SLOT_BYTES
-        mm[offset : offset + 16] = key
-        _U32.pack_into(mm, offset + 16, mask)
+        mm[offset : offset + KEY_BYTES] = key
+        _U32.pack_into(mm, offset + KEY_BYTES, mask)
 
     def _begin(self) -> None:
         self._seq += 1
@@ -198,7 +202,7 @@ class KeyIndexWriter:
             self._set(key, self._masks[key] & ~(1 << level))
 
     def _set(self, key: bytes, mask: int) -> None:
-        if self._mm is None or len(key) != 16 or key == _ZERO_KEY:
+        if self._mm is None or len(key) != KEY_BYTES or key == _ZERO_KEY:
             return
         slot = self._slot.get(key)
         if slot is None:
@@ -229,10 +233,10 @@ class KeyIndexWriter:
         slot = _home(key, self._nslots)
         while True:
             offset = HEADER_BYTES + slot * SLOT_BYTES
-            stored = self._mm[offset : offset + 16]
+            stored = self._mm[offset : offset + KEY_BYTES]
             if stored == _ZERO_KEY:
                 return slot, False
-            if _U32.unpack_from(self._mm, offset + 16)[0] == 0:
+            if _U32.unpack_from(self._mm, offset + KEY_BYTES)[0] == 0:
                 return slot, True
             slot = (slot + 1) & (self._nslots - 1)
 
@@ -257,7 +261,7 @@ class KeyIndexWriter:
         if self._mm is None:
             return
         for mm in (*self._replaced, self._mm):
-            _U32.pack_into(mm, 16, CLOSED)
+            _U32.pack_into(mm, _STATE_AT, CLOSED)
             mm.close()
         self._replaced.clear()
         self._mm = None
@@ -292,7 +296,7 @@ class KeyIndexReader:
         self._mm = mm
         self._nslots = _U32.unpack_from(mm, 20)[0]
         ntiers = _U32.unpack_from(mm, 40)[0]
-        self.tier_names = [mm[112 + 16 * i : 128 + 16 * i].rstrip(b"\0").decode() for i in range(ntiers)]
+        self.tier_names = [mm[_TIER_NAMES_AT + TIER_NAME_BYTES * i : _TIER_NAMES_AT + TIER_NAME_BYTES * (i + 1)].rstrip(b"\0").decode() for i in range(ntiers)]
 
     @classmethod
     def attach(cls, name: str) -> "KeyIndexReader":
@@ -329,9 +333,9 @@ class KeyIndexReader:
         slot = _home(key, nslots)
         for _ in range(nslots):
             offset = HEADER_BYTES + slot * SLOT_BYTES
-            stored = mm[offset : offset + 16]
+            stored = mm[offset : offset + KEY_BYTES]
             if stored == key:
-                return _U32.unpack_from(mm, offset + 16)[0]
+                return _U32.unpack_from(mm, offset + KEY_BYTES)[0]
             if stored == _ZERO_KEY:
                 return 0
             slot = (slot + 1) & (nslots - 1)
@@ -350,7 +354,7 @@ class KeyIndexReader:
             seq = _SEQ.unpack_from(mm, 8)[0]
             if seq & 1:
                 continue
-            state, nslots, heartbeat, available, flags = _STATE.unpack_from(mm, 16)
+            state, nslots, heartbeat, available, flags = _STATE.unpack_from(mm, _STATE_AT)
             if state == MOVED:
                 if not self._follow():
                     return None

@@ -15,6 +15,7 @@ import torch
 from compression import get_codec
 from kvstore.block import BlockHeader, payload_checksum
 from kvstore.dtypes import TORCH_DTYPES
+from kvstore.keys import KVLayout
 
 
 def canonical_codec(spec: str) -> str:
@@ -22,13 +23,20 @@ def canonical_codec(spec: str) -> str:
     return get_codec(spec).name
 
 
-def decode_payload(header: BlockHeader, payload: bytes | memoryview) -> torch.Tensor:
-    """The block as a tensor ``[layers, 2, kv_heads, tokens, head_dim]`` in the layout's dtype."""
-    shape = header.layout.block_shape(header.tokens)
-    dtype = TORCH_DTYPES[header.layout.dtype]
-    if header.codec == "raw":
+def payload_tensor(payload: bytes | memoryview, codec: str, codec_params: dict, layout: KVLayout,
+                   tokens: int) -> torch.Tensor:
+    """A block payload as a tensor ``[layers, 2, kv_heads, tokens, head_dim]`` in the layout's
+    dtype: a zero-copy view for ``raw`` (valid while ``payload`` is), decoded for any other codec."""
+    shape = layout.block_shape(tokens)
+    dtype = TORCH_DTYPES[layout.dtype]
+    if codec == "raw":
         return torch.frombuffer(payload, dtype=dtype).view(shape)
-    return get_codec(header.codec).decode(bytes(payload), header.codec_params, shape, dtype)
+    return get_codec(codec).decode(bytes(payload), codec_params, shape, dtype)
+
+
+def decode_payload(header: BlockHeader, payload: bytes | memoryview) -> torch.Tensor:
+    """A stored block as a tensor (see `payload_tensor`)."""
+    return payload_tensor(payload, header.codec, header.codec_params, header.layout, header.tokens)
 
 
 def transcode(header: BlockHeader, payload: bytes | memoryview, spec: str) -> tuple[BlockHeader, memoryview]:

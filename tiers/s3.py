@@ -44,6 +44,7 @@ import xxhash
 from kvstore.block import FIXED_BYTES, MAX_PARAMS_BYTES, BlockHeader, CorruptBlockError
 from kvstore.keys import KEY_BYTES
 from tiers.base import Tier, TierError, TierFullError, TierUnavailableError
+from tiers.breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -104,62 +105,6 @@ class S3Config:
         return self.prefix.strip("/") + "/" if self.prefix.strip("/") else ""
 
 
-class CircuitBreaker:
-    """closed --(``failures`` in a row)--> open --(``cooldown_s``)--> half-open --(probe ok)--> closed
-                                               ^------------------(probe fails)-------------'
-
-    Thread-safe. :meth:`allow` says whether a request may go out; while half-open exactly one
-    request (the probe) is let through and every other one is refused until it reports back.
-    """
-
-    def __init__(self, failures: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.failures_to_open = failures
-        self.cooldown_s = cooldown_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._failures = 0
-        self._opened_at: float | None = None  # None: closed
-        self._probing = False
-        #: Times the breaker opened (a metric).
-        self.opened = 0
-
-    @property
-    def state(self) -> str:
-        with self._lock:
-            if self._opened_at is None:
-                return "closed"
-            if self._probing or self._clock() >= self._opened_at + self.cooldown_s:
-                return "half-open"
-            return "open"
-
-    def allow(self) -> bool:
-        with self._lock:
-            if self._opened_at is None:
-                return True
-            if self._probing or self._clock() < self._opened_at + self.cooldown_s:
-                return False
-            self._probing = True  # this caller is the probe
-            return True
-
-    def record_success(self) -> None:
-        with self._lock:
-            if self._opened_at is not None:
-                log.warning("s3 endpoint answers again: circuit closed")
-            self._failures = 0
-            self._opened_at = None
-            self._probing = False
-
-    def record_failure(self) -> None:
-        with self._lock:
-            self._failures += 1
-            if self._probing or (self._opened_at is None and self._failures >= self.failures_to_open):
-                if self._opened_at is None:
-                    log.warning("s3 endpoint failing: circuit open for %.1fs (requests fail fast)", self.cooldown_s)
-                    self.opened += 1
-                self._opened_at = self._clock()
-                self._probing = False
-
-
 def _network_errors() -> tuple[type[BaseException], ...]:
     from botocore import exceptions as bx
     from urllib3 import exceptions as ux
@@ -205,7 +150,7 @@ class S3Tier(Tier):
         )
         self._s3 = boto3.session.Session().client("s3", endpoint_url=config.endpoint_url or None, config=client_config)
         self._network_errors = _network_errors()
-        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
+        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s, name="s3 endpoint")
         self._lock = threading.Lock()  # guards the index below
         self._blocks: dict[bytes, BlockHeader] = {}
         self._packed: dict[bytes, bytes] = {}
