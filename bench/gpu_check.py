@@ -17,7 +17,10 @@ Sections (each in its own try/except; each prints its result and lands in the JS
               (which also reads and writes), and fp16 GB/s = fp16 block bytes per second;
 6. codecs     ``get_codec(spec)`` on a CUDA block: payload bit-identical to the CPU encode, decode on
               the GPU within ``error_bound``;
-7. pytest     ``python -m pytest -q -m cuda`` when any test is marked cuda.
+7. gpu tier   the daemon's GPU tier: batched copies, CUDA IPC against a device copy;
+8. blend      CacheBlend on CUDA (tiny random Llama, every selector at r = 0.15) against the same blend
+              on the CPU: same selection, logits within fp32 tolerance (every tensor on one device);
+9. pytest     ``python -m pytest -q -m cuda`` when any test is marked cuda.
 
 Rows are laid out as the codecs lay them out: int8 rows are (layer, k/v, head, token) over head_dim;
 low-bit keys are (layer, head, channel) over tokens (a transposed copy, made before timing), values
@@ -278,7 +281,7 @@ def section_gpu_tier(copy_gbps: float | None, blocks: int = 32) -> dict:
 
     from engine_adapter.client import KVStoreClient
     from kvstore.block import BlockHeader
-    from kvstore.keys import KVLayout, Namespace, prefix_keys
+    from kvstore.keys import KEY_BYTES, KVLayout, Namespace, prefix_keys
     from kvstore.spawn import DaemonProcess
     from tiers.gpu import GpuTier
 
@@ -291,7 +294,7 @@ def section_gpu_tier(copy_gbps: float | None, blocks: int = 32) -> dict:
     h2d_plain = total / cuda_time(lambda: device.copy_(host, non_blocking=True)) / 1e9
     d2h_plain = total / cuda_time(lambda: host.copy_(device, non_blocking=True)) / 1e9
     tier = GpuTier(total + 2**20, device="cuda")
-    headers = [BlockHeader(key=i.to_bytes(16, "little"), namespace=b"n" * 16, layout=layout, tokens=BLOCK_SHAPE[3],
+    headers = [BlockHeader(key=i.to_bytes(KEY_BYTES, "little"), namespace=b"n" * KEY_BYTES, layout=layout, tokens=BLOCK_SHAPE[3],
                            payload_len=size, checksum=0) for i in range(blocks)]
 
     def put_all() -> None:
@@ -328,6 +331,48 @@ def section_gpu_tier(copy_gbps: float | None, blocks: int = 32) -> dict:
     ipc = total / statistics.median(times) / 1e9
     result.update({"ipc_get_gbps": ipc, "ipc_matches": ok,
                    "ipc_vs_device_copy": ipc / copy_gbps if copy_gbps else None})
+    return {"ok": ok, **result}
+
+
+def section_blend(device: str = "cuda") -> dict:
+    """CacheBlend on the device against the same blend on the CPU: a tiny random Llama (fp32),
+    three chunks computed alone and placed (keys re-rotated on the device), every selector at
+    r = 0.15; the selections must match and the logits agree to fp32 tolerance."""
+    from blend.assemble import BlendLayout, chunk_block, place_block
+    from blend.recompute import blend_prefill
+    from blend.select import SELECTORS, get_selector
+    from engine_adapter.model import LlamaModel, ModelConfig
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
+                         num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, attention_bias=False, max_position_embeddings=4096,
+                         bos_token_id=None, eos_token_ids=(0,), model_id="gpu-check-tiny")
+    cpu_model = LlamaModel(config).eval()
+    dev_model = LlamaModel(config).eval()
+    dev_model.load_state_dict(cpu_model.state_dict())
+    dev_model.to(device)
+    g = torch.Generator().manual_seed(1)
+    parts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (5, 37, 11, 29)]  # prefix, 3 chunks
+    query = torch.randint(1, 97, (6,), generator=g).tolist()
+    layout = BlendLayout.from_lengths(len(parts[0]), [len(c) for c in parts[1:]], len(query))
+    ids = torch.tensor([t for part in parts for t in part] + query)
+
+    def run(model, name):
+        kv = model.new_cache(layout.total)
+        for segment, tokens in zip(layout.cached, parts):
+            place_block(model, kv, chunk_block(model, tokens), segment)
+        return blend_prefill(model, kv, layout, ids, get_selector(name), 0.15)
+
+    result, ok = {}, True
+    for name in sorted(SELECTORS):
+        ref, got = run(cpu_model, name), run(dev_model, name)
+        same = torch.equal(ref.selected.cpu(), got.selected.cpu())
+        err = (got.logits.cpu() - ref.logits).abs().max().item()
+        passed = same and err <= 1e-3 * max(1.0, ref.logits.abs().max().item()) and got.logits.device.type == device
+        ok &= passed
+        result[name] = {"ok": passed, "same_selection": same, "max_logit_err": err}
+        print(f"  blend {name}: selection {'same' if same else 'DIFFERS'}, max logit err {err:.2e}")
     return {"ok": ok, **result}
 
 
@@ -422,6 +467,7 @@ def main() -> int:
     if measured:
         device_copy = max(measured, key=lambda v: v["bytes"])["traffic_gbps"] / 2
     run_section(report, "gpu_tier", lambda: section_gpu_tier(device_copy))
+    run_section(report, "blend", section_blend)
     run_section(report, "pytest_cuda", section_pytest)
     return finish("GPU checks done")
 

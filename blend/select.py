@@ -49,6 +49,11 @@ class CheckLayerView:
         self.fresh_q, self.fresh_k, self.fresh_v = fresh_q, fresh_k, fresh_v
         self.cached_k, self.cached_v = cached_k, cached_v
 
+    @property
+    def device(self) -> torch.device:
+        """Where the check layer's tensors, and so every selection, live."""
+        return self.fresh_q.device
+
     @cached_property
     def kv_deviation(self) -> torch.Tensor:
         """[N] squared KV deviation of each chunk token (N = len(layout.chunk_positions))."""
@@ -63,15 +68,16 @@ class CheckLayerView:
     @cached_property
     def query_attention(self) -> torch.Tensor:
         """[N] attention mass the query tokens put on each chunk token (fresh q and k, causal)."""
-        rows = self.layout.query_positions
+        device = self.fresh_q.device  # positions come from the layout, on the CPU
+        rows = self.layout.query_positions.to(device)
         q = self.fresh_q[:, rows].float()  # [H, Q, D]
         k = self.fresh_k.float()  # [KVH, T, D]
         group = q.shape[0] // k.shape[0]
         k = k.repeat_interleave(group, dim=0)  # [H, T, D]
         scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # [H, Q, T]
-        allowed = torch.arange(k.shape[1])[None, :] <= rows[:, None]  # [Q, T]
+        allowed = torch.arange(k.shape[1], device=device)[None, :] <= rows[:, None]  # [Q, T]
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)  # [H, Q, T]
-        return probs.sum((0, 1))[self.layout.chunk_positions]  # [N]
+        return probs.sum((0, 1))[self.layout.chunk_positions.to(device)]  # [N]
 
 
 def kv_deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor,
@@ -80,16 +86,18 @@ def kv_deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.T
 
     fresh_* and cached_* are [KVH, T, D] over the same T tokens that ``positions`` index.
     """
+    positions = positions.to(fresh_k.device)
     dk = (fresh_k[:, positions].float() - cached_k[:, positions].float()).pow(2).sum((0, 2))
     dv = (fresh_v[:, positions].float() - cached_v[:, positions].float()).pow(2).sum((0, 2))
     return dk + dv
 
 
 def top_positions(scores: torch.Tensor, positions: torch.Tensor, count: int) -> torch.Tensor:
-    """Sorted ``positions`` of the ``count`` highest ``scores`` (ties: lower position first)."""
+    """Sorted ``positions`` of the ``count`` highest ``scores`` (ties: lower position first), on
+    the scores' device."""
     count = max(0, min(count, positions.numel()))
     order = torch.argsort(scores, descending=True, stable=True)[:count]
-    return positions[order].sort().values
+    return positions.to(scores.device)[order].sort().values
 
 
 class TokenSelector(ABC):
@@ -245,11 +253,11 @@ class LeadingAttentionDeviationSelector(TokenSelector):
             return torch.zeros(0, dtype=torch.long)
         leads = [min(self.lead, c.length) for c in chunks]
         if sum(leads) > budget:
-            return ChunkSinkSelector().select(layout, None, budget)
-        positions = layout.chunk_positions
-        forced = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(chunks, leads)])
+            return ChunkSinkSelector().select(layout, None, budget).to(view.device)
         scores = view.attention_deviation.clone()
-        scores[torch.isin(positions, forced).to(scores.device)] = float("-inf")
+        positions = layout.chunk_positions.to(scores.device)
+        forced = torch.cat([torch.arange(c.start, c.start + n, device=scores.device) for c, n in zip(chunks, leads)])
+        scores[torch.isin(positions, forced)] = float("-inf")
         rest = top_positions(scores, positions, budget - forced.numel())
         return torch.cat((forced, rest)).sort().values
 

@@ -191,7 +191,7 @@ def test_lead_attn_deviation_takes_leading_tokens_then_follows_attention_deviati
     scores = torch.zeros(80)
     scores[[30, 31, 39, 75]] = torch.tensor([4.0, 1.0, 3.0, 2.0])  # chunk positions 32, 33, 41, 77
     scores[[0, 45]] = 9.0  # positions 2 and 47: leading tokens anyway, must not be counted twice
-    view = SimpleNamespace(attention_deviation=scores)
+    view = SimpleNamespace(attention_deviation=scores, device=scores.device)
     selector = get_selector("lead_attn_deviation")
     assert selector.name == DEFAULT_SELECTOR and selector.check_layer == 1
     picked = selector.select(layout, view, budget=16 + 10 + 16 + 3).tolist()
@@ -200,6 +200,31 @@ def test_lead_attn_deviation_takes_leading_tokens_then_follows_attention_deviati
     # a budget that cannot cover the quota goes to leading tokens only, split by length like sinks
     assert selector.select(layout, view, budget=20).tolist() == get_selector("sinks").select(layout, None, 20).tolist()
     assert selector.select(layout, view, budget=0).numel() == 0
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_selectors_keep_the_scores_device(name):
+    """On a GPU the check layer's tensors live on the device while layout positions are built on the
+    CPU: every selection must come back on the scores' device (CI has no second device: the meta
+    device stands in, and a CPU tensor mixed in would show in the result's device)."""
+    from blend.select import CheckLayerView
+
+    layout = BlendLayout.from_lengths(3, [20, 7, 13], 4)
+    gen = torch.Generator().manual_seed(5)
+    kvh, heads, d, total = 2, 4, 8, layout.total
+
+    def on_meta(*shape):
+        return torch.randn(*shape, generator=gen).to("meta")
+
+    view = CheckLayerView(layout, on_meta(heads, total, d), on_meta(kvh, total, d), on_meta(kvh, total, d),
+                          on_meta(kvh, total, d), on_meta(kvh, total, d))
+    selector = get_selector(name)
+    picked = selector.select(layout, view if selector.check_layer is not None else None, budget=9)
+    if selector.check_layer is not None:
+        assert picked.device.type == "meta"
+    if selector.wants_refine(1):
+        kept = layout.chunk_positions[:12].to("meta")
+        assert selector.refine(1, kept, on_meta(12), budget=9).device.type == "meta"
 
 
 def test_gradual_filter_narrows_to_the_budget():
