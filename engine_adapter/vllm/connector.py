@@ -30,10 +30,10 @@ vLLM builds two instances: the scheduler side (in the engine-core process) and t
 
 A daemon that is down, slow or wrong costs misses, never a failed request: every call goes through
 the engines' shared guard (engine_adapter/prefix_cache.py: counted, each outage and each recovery
-logged once, a failed connection retried after ``retry_s``). A block that vanishes between Lookup and Get is reported to vLLM as a failed load
-(``get_block_ids_with_load_errors``) and the request's cached-token count is corrected; with
-``kv_load_failure_policy="recompute"`` vLLM then computes those tokens (its default, "fail", fails
-the request).
+logged once, a failed connection retried after ``retry_s``). A block that vanishes between Lookup
+and Get is reported to vLLM as a failed load (``get_block_ids_with_load_errors``) and the request's
+cached-token count is corrected; with ``kv_load_failure_policy="recompute"`` vLLM then computes
+those tokens (its default, "fail", fails the request).
 
 Limits: one KV-cache group of full attention (Llama-family models), tensor and pipeline
 parallelism 1 (a block holds every layer and head), KV cache dtype "auto".
