@@ -36,6 +36,7 @@ are the sensitive measures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import random
@@ -55,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from compression import get_codec  # noqa: E402
+from compression.calibrate import SENSITIVITY_ALLOCATION  # noqa: E402
 from engine_adapter.generate import decode_loop, prefill  # noqa: E402
 from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
 from engine_adapter.model import KVCache, LlamaModel  # noqa: E402
@@ -215,33 +217,97 @@ def greedy_from(model: LlamaModel, kv: KVCache, context_len: int, question_ids: 
 # -- the transform codec, calibrated on held-out contexts ---------------------------------------------------
 
 
-def kvtc_codecs(model: LlamaModel, tokenizer, args, evaluated: set[int], log) -> dict:
-    """``{spec: codec}`` for each --kvtc allocation, calibrated on --calibration-items (never evaluated ones)."""
-    from compression import calibration_store
-    from compression.calibrate import collect
-    from compression.calibration import Allocation, calibrate
+def parse_kvtc(text: str) -> dict:
+    """One --kvtc setting -> calibration options. ``KEY:VALUE[:DROP]`` (relative steps, post-RoPE keys, as
+    before) or ``key=0.2,value=0.2[,drop=0.5][,sinks=4][,rope=1]`` (``rope=1``: keys coded before RoPE)."""
+    if "=" not in text:
+        parts = [float(v) for v in text.split(":")]
+        return {"key": parts[0], "value": parts[1], "drop": parts[2] if len(parts) > 2 else 0.5, "sinks": 0, "rope": 0,
+                "sens": 0}
+    out = {"key": None, "value": None, "drop": 0.5, "sinks": 0, "rope": 0, "sens": 0}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in out:
+            raise SystemExit(f"--kvtc {text!r}: unknown field {name!r}; fields are {sorted(out)}")
+        out[name] = float(value)
+    if out["key"] is None or out["value"] is None:
+        raise SystemExit(f"--kvtc {text!r} needs key= and value= (relative steps)")
+    return out
 
-    overlap = evaluated & set(args.calibration_items)
-    if overlap:
-        raise SystemExit(f"--calibration-items {sorted(overlap)} are also evaluated; calibrate on other contexts")
+
+def calibration_stats(model: LlamaModel, tokenizer, args, log):
+    """`compression.calibrate.collect` over --calibration-items, cached in --cache-dir."""
+    from compression.calibrate import collect
+
     items = json.loads(args.data.read_text())
     texts = []
     for i in args.calibration_items:
         document = "\n\n".join(p["text"] for p in items[i]["ctxs"])
         texts.append(document_prompt(tokenizer, document, items[i]["question"])[0])
+    digest = hashlib.sha256(model.config.model_id.encode() + json.dumps(texts).encode()).hexdigest()[:20]
+    path = args.cache_dir / f"calstats-{digest}.pt"
+    if path.is_file():
+        return texts, torch.load(path, weights_only=False)
     start = time.perf_counter()
     stats = collect(model, texts)
-    base = calibrate(stats.blocks, Allocation(0.5, 0.5), metric=stats.metric(1),
-                     source=f"MuSiQue dev items {args.calibration_items}, {stats.tokens} tokens")
-    log(f"kvtc calibration: {stats.tokens} tokens from dev items {args.calibration_items} "
+    log(f"kvtc calibration statistics: {stats.tokens} tokens from dev items {args.calibration_items} "
         f"in {time.perf_counter() - start:.0f} s")
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(stats, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    return texts, stats
+
+
+def cached_sensitivity(model: LlamaModel, texts: list[list[int]], stats, calibration, cache_dir: Path, log):
+    """`compression.calibrate.row_sensitivity` of the calibration texts under ``calibration``, cached by its id."""
+    from compression.calibrate import row_sensitivity
+    from compression.transform import TransformCodec
+
+    path = cache_dir / f"sensitivity-{calibration.id[:20]}.pt"
+    if path.is_file():
+        return torch.load(path)
+    start = time.perf_counter()
+    sensitivity = row_sensitivity(model, texts, stats.blocks, TransformCodec(calibration), chunk_tokens=CHUNK_TOKENS)
+    log(f"per-row sensitivity under {calibration.id[:12]} in {time.perf_counter() - start:.0f} s: "
+        f"keys {sensitivity[0::2].sum():.4f}, values {sensitivity[1::2].sum():.4f} nats summed over layers")
+    torch.save(sensitivity, path)
+    return sensitivity
+
+
+def kvtc_codecs(model: LlamaModel, tokenizer, args, evaluated: set[int], log) -> dict:
+    """``{spec: codec}`` for each --kvtc setting, calibrated on --calibration-items (never evaluated ones)."""
+    from compression import calibration_store
+    from compression.calibration import Allocation, calibrate
+
+    overlap = evaluated & set(args.calibration_items)
+    if overlap:
+        raise SystemExit(f"--calibration-items {sorted(overlap)} are also evaluated; calibrate on other contexts")
+    from compression.calibrate import sensitivity_scale
+
+    texts, stats = calibration_stats(model, tokenizer, args, log)
+    source = f"MuSiQue dev items {args.calibration_items}, {stats.tokens} tokens"
+    bases = {}
     out = {}
     for text in args.kvtc:
-        parts = [float(v) for v in text.split(":")]
-        calibration = base.with_allocation(Allocation(*parts))
+        setting = parse_kvtc(text)
+        sinks, rope = int(setting["sinks"]), bool(setting["rope"])
+        if (sinks, rope) not in bases:
+            bases[sinks, rope] = calibrate(stats.blocks, Allocation(0.5, 0.5, sink_tokens=sinks),
+                                           metric=stats.metric(1, pre_rope=rope), source=source,
+                                           rope_inv_freq=stats.inv_freq if rope else None,
+                                           max_position=model.config.max_position_embeddings if rope else 0)
+        allocation = Allocation(setting["key"], setting["value"], setting["drop"], sink_tokens=sinks)
+        calibration = bases[sinks, rope].with_allocation(allocation)
+        if setting["sens"]:
+            # measured once per basis, at one reference allocation: to first order every row's KL grows as
+            # step^2 alike, so the relative sensitivities hold at any step
+            reference = bases[sinks, rope].with_allocation(dataclasses.replace(SENSITIVITY_ALLOCATION, sink_tokens=sinks))
+            sensitivity = cached_sensitivity(model, texts, stats, reference, args.cache_dir, log)
+            scale = sensitivity_scale(sensitivity, groups=1, strength=setting["sens"])
+            calibration = bases[sinks, rope].with_allocation(dataclasses.replace(allocation, row_scale=scale))
         calibration_store.register(calibration)
         spec = f"kvtc@{calibration.id[:12]}"
-        log(f"{spec}: steps {text}, {int(calibration.kept.sum())}/{calibration.kept.numel()} components kept")
+        log(f"{spec}: {text}, {int(calibration.kept.sum())}/{calibration.kept.numel()} components kept")
         out[spec] = get_codec(spec)
     return out
 
@@ -334,8 +400,9 @@ def main() -> int:
                         help="where each context's fp16 KV is kept between runs (default /tmp/kvstore-codec-quality)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: 2 threads on these shared cores measured 2x slower)")
-    parser.add_argument("--kvtc", nargs="*", default=[], metavar="KEY:VALUE[:DROP]",
-                        help="also measure the transform codec calibrated with these relative steps (e.g. 0.2:0.2:0.2)")
+    parser.add_argument("--kvtc", nargs="*", default=[], metavar="SETTING",
+                        help="also measure the transform codec with these settings: KEY:VALUE[:DROP] relative steps "
+                             "(e.g. 0.2:0.2:0.2) or key=0.2,value=0.2,drop=0.2,sinks=4,rope=1 (see parse_kvtc)")
     parser.add_argument("--calibration-items", type=int, nargs="+", default=[33, 5],
                         help="dev.json indices whose contexts calibrate kvtc (default 33 5; must not be evaluated)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
