@@ -17,6 +17,7 @@ columns (see `compression/calibration.py`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,8 @@ import torch
 
 from compression.calibration import Allocation, Calibration, calibrate
 
-DEFAULT_ALLOCATION = Allocation(key_step=0.3, value_step=0.6)
+DEFAULT_ALLOCATION = Allocation(key_step=0.3, value_step=0.6, sink_tokens=4)
+SENSITIVITY_ALLOCATION = Allocation(key_step=0.35, value_step=0.35, drop=0.2)  # where row_sensitivity measures
 
 
 @dataclass
@@ -191,11 +193,25 @@ def sensitivity_scale(sensitivity: torch.Tensor, groups: int = 1, strength: floa
 
 
 def calibrate_model(model, texts_ids: list[list[int]], allocation: Allocation = DEFAULT_ALLOCATION,
-                    groups: int = 1, source: str = "") -> Calibration:
-    """`collect` then `calibrate` with the query / o_proj metric."""
+                    groups: int = 1, source: str = "", pre_rope: bool = True, sensitivity: bool = False) -> Calibration:
+    """`collect` then `calibrate` with the query / o_proj metric; keys before RoPE unless ``pre_rope=False``.
+
+    ``sensitivity``: per-row step factors from `row_sensitivity`, measured under the calibration at
+    ``SENSITIVITY_ALLOCATION`` (relative sensitivities hold at any step to first order).
+    """
     stats = collect(model, texts_ids)
-    return calibrate(stats.blocks, allocation, groups=groups, metric=stats.metric(groups),
-                     source=source or f"{stats.texts} texts, {stats.tokens} tokens")
+    source = source or f"{stats.texts} texts, {stats.tokens} tokens"
+    base = calibrate(stats.blocks, allocation, groups=groups, metric=stats.metric(groups, pre_rope=pre_rope),
+                     source=source, rope_inv_freq=stats.inv_freq if pre_rope else None,
+                     max_position=stats.max_position if pre_rope else 0)
+    if not sensitivity:
+        return base
+    from compression.transform import TransformCodec
+
+    reference = base.with_allocation(dataclasses.replace(SENSITIVITY_ALLOCATION, sink_tokens=allocation.sink_tokens))
+    rows = row_sensitivity(model, texts_ids, stats.blocks, TransformCodec(reference))
+    scale = sensitivity_scale(rows, groups=groups)
+    return base.with_allocation(dataclasses.replace(allocation, row_scale=scale))
 
 
 # -- kvstore calibrate -------------------------------------------------------------------------------------
@@ -208,10 +224,14 @@ def run(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_gguf(args.gguf or find_smollm2_gguf(), dtype=torch.float32)
     texts = [tokenizer.encode(path.read_text())[: args.max_tokens] for path in args.files]
-    allocation = Allocation(DEFAULT_ALLOCATION.key_step if args.key_step is None else args.key_step,
-                            DEFAULT_ALLOCATION.value_step if args.value_step is None else args.value_step)
+    sinks = args.sink_tokens if args.sink_tokens is not None else (0 if args.post_rope else DEFAULT_ALLOCATION.sink_tokens)
+    allocation = dataclasses.replace(
+        DEFAULT_ALLOCATION, sink_tokens=sinks,
+        key_step=DEFAULT_ALLOCATION.key_step if args.key_step is None else args.key_step,
+        value_step=DEFAULT_ALLOCATION.value_step if args.value_step is None else args.value_step)
     calibration = calibrate_model(model, texts, allocation, groups=args.groups,
-                                  source=f"{len(texts)} files, {sum(map(len, texts))} tokens")
+                                  source=f"{len(texts)} files, {sum(map(len, texts))} tokens",
+                                  pre_rope=not args.post_rope, sensitivity=args.sensitivity)
     path = calibration_store.save(calibration)
     print(f"calibration {calibration.id}\n  file {path}\n  codec spec: kvtc@{calibration.id[:12]}  "
           f"(e.g. kvstore serve --disk-codec kvtc@{calibration.id[:12]})")

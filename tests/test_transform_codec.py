@@ -4,6 +4,8 @@ cache through a real daemon."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -258,3 +260,14 @@ def test_keys_before_rope_code_rotated_keys_better(rope_calibration):
     (pre_err, pre_bytes), (post_err, post_bytes) = results
     print(results)
     assert pre_err < post_err and pre_bytes <= 1.1 * post_bytes
+
+
+def test_sensitivity_scale_gives_sensitive_rows_finer_steps():
+    from compression.calibrate import sensitivity_scale
+
+    scale = sensitivity_scale(torch.tensor([1e-4, 4e-4, 1e-4, 1e-4]), groups=2)
+    assert len(scale) == 8 and scale[0] == scale[1]  # one factor per head group
+    assert scale[2] == pytest.approx(scale[0] / 2)  # 4x the KL per step^2: half the step
+    assert math.prod(scale) == pytest.approx(1.0)  # geometric mean 1: about the same bytes
+    assert sensitivity_scale(torch.tensor([1e-9, 1.0]), limit=4.0) == (4.0, 0.25)
+    assert sensitivity_scale(torch.tensor([1e-4, 4e-4]), strength=0.0) == (1.0, 1.0)
