@@ -258,7 +258,6 @@ def test_keys_before_rope_code_rotated_keys_better(rope_calibration):
         decoded = codec.decode(encoded.payload, encoded.params, block.shape, block.dtype)
         results.append((float((decoded - block)[:, 0].pow(2).mean()), encoded.nbytes))
     (pre_err, pre_bytes), (post_err, post_bytes) = results
-    print(results)
     assert pre_err < post_err and pre_bytes <= 1.1 * post_bytes
 
 
