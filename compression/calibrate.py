@@ -3,6 +3,9 @@
     model, tokenizer = load_gguf(find_smollm2_gguf())
     stats = collect(model, [tokenizer.encode(text) for text in texts])   # prefill, KV + query moments
     calibration = calibrate(stats.blocks, Allocation(0.3, 0.6), metric=stats.metric(groups=1))
+    # keys before RoPE (format v3), the first 4 positions raw:
+    calibration = calibrate(stats.blocks, Allocation(0.3, 0.6, sink_tokens=4), metric=stats.metric(1, pre_rope=True),
+                            rope_inv_freq=stats.inv_freq, max_position=stats.max_position)
 
 `collect` prefills each text once (positions 0..n-1, as prefix reuse stores them) and keeps its KV
 block and, per layer, the second moment of the post-RoPE queries, read with a forward hook on
@@ -14,6 +17,7 @@ columns (see `compression/calibration.py`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +26,8 @@ import torch
 
 from compression.calibration import Allocation, Calibration, calibrate
 
-DEFAULT_ALLOCATION = Allocation(key_step=0.3, value_step=0.6)
+DEFAULT_ALLOCATION = Allocation(key_step=0.3, value_step=0.6, sink_tokens=4)
+SENSITIVITY_ALLOCATION = Allocation(key_step=0.35, value_step=0.35, drop=0.2)  # where row_sensitivity measures
 
 
 @dataclass
@@ -32,12 +37,19 @@ class ModelStats:
     blocks: list[torch.Tensor]
     query_moment: torch.Tensor  # [L, H, D, D] float64: E[q q^T] per query head (post-RoPE)
     value_metric_heads: torch.Tensor  # [L, H, D, D] float64: W_o[:, head]^T W_o[:, head]
+    inv_freq: torch.Tensor | None = None  # [D/2] float32: the model's RoPE frequencies
+    max_position: int = 0  # the model's context length (max_position_embeddings)
     tokens: int = 0
     texts: int = 0
     notes: list[str] = field(default_factory=list)
 
-    def metric(self, groups: int) -> torch.Tensor:
-        """Per-row metric [B, C, C] for rows (layer, k/v, group) of C = KVH/groups * D channels."""
+    def metric(self, groups: int, pre_rope: bool = False) -> torch.Tensor:
+        """Per-row metric [B, C, C] for rows (layer, k/v, group) of C = KVH/groups * D channels.
+
+        ``pre_rope``: the key metric for keys coded before RoPE. A key at position p is read as
+        q . R(p) k, so an error d in the un-rotated key costs d^T R(p)^T E[q q^T] R(p) d; the
+        metric is that averaged over the positions the calibration texts covered (`_unrotated`).
+        """
         n_layers, n_heads, head_dim, _ = self.query_moment.shape
         n_kv = self.blocks[0].shape[2]
         per_kv = n_heads // n_kv  # query heads per KV head (GQA: head j reads KV head j // per_kv)
@@ -46,11 +58,34 @@ class ModelStats:
         metric = torch.zeros(n_layers, 2, groups, n_chan, n_chan, dtype=torch.float64)
         for kind, per_head in enumerate((self.query_moment, self.value_metric_heads)):
             per_kv_head = per_head.view(n_layers, n_kv, per_kv, head_dim, head_dim).sum(2)  # [L, KVH, D, D]
+            if kind == 0 and pre_rope:
+                per_kv_head = self._unrotated(per_kv_head)
             for h in range(n_kv):
                 g, i = divmod(h, heads_per_group)
                 sl = slice(i * head_dim, (i + 1) * head_dim)
                 metric[:, kind, g, sl, sl] = per_kv_head[:, h]
         return metric.view(-1, n_chan, n_chan)
+
+    def _unrotated(self, moment: torch.Tensor, samples: int = 128) -> torch.Tensor:
+        """mean over positions p of R(p)^T M R(p) for M [..., D, D]; p spaced evenly over the texts' span."""
+        from kernels.rope_ref import rerotate_keys
+
+        if self.inv_freq is None:
+            raise ValueError("pre_rope metric needs the model's RoPE frequencies (ModelStats.inv_freq)")
+        lead, head_dim = moment.shape[:-2], moment.shape[-1]
+        m = moment.reshape(-1, head_dim, head_dim).float()  # [N, D, D]
+        span = max(b.shape[3] for b in self.blocks)
+        positions = torch.linspace(0, span - 1, samples).round().long()
+        total = torch.zeros_like(m, dtype=torch.float64)
+        for chunk in positions.split(32):  # [P]
+            zeros = torch.zeros_like(chunk)
+            # rows of M turned by R(p)^T: y[n, c, p, :] = (M R(p))[c, :]
+            y = rerotate_keys(m[:, :, None, :].expand(-1, -1, len(chunk), -1).contiguous(), chunk, zeros, self.inv_freq)
+            # then its columns: z[n, b, p, :] = (R(p)^T M R(p))[:, b]
+            z = rerotate_keys(y.permute(0, 3, 2, 1).contiguous(), chunk, zeros, self.inv_freq)
+            total += z.double().sum(2).transpose(1, 2)  # [N, D, D]
+        out = total / len(positions)
+        return (0.5 * (out + out.transpose(1, 2))).view(*lead, head_dim, head_dim)
 
 
 @torch.inference_mode()
@@ -94,15 +129,89 @@ def collect(model, texts_ids: list[list[int]]) -> ModelStats:
     for i, layer in enumerate(model.layers):
         w_o = layer.o_proj.weight.detach().double().cpu().view(-1, n_heads, head_dim)  # [hidden, H, D]
         value_heads[i] = torch.einsum("rhd,rhe->hde", w_o, w_o)  # per head W_o^T W_o [H, D, D]
-    return ModelStats(blocks, moment / counted[0], value_heads, tokens=counted[0], texts=len(blocks))
+    return ModelStats(blocks, moment / counted[0], value_heads, inv_freq=model.inv_freq.cpu(),
+                      max_position=config.max_position_embeddings, tokens=counted[0],
+                      texts=len(blocks))
+
+
+@torch.inference_mode()
+def row_sensitivity(model, texts_ids: list[list[int]], blocks: list[torch.Tensor], codec,
+                    probe_tokens: int = 64, chunk_tokens: int = 256) -> torch.Tensor:
+    """[L * 2] mean KL (nats) of the next-token distributions when only row (layer, k/v) goes through ``codec``.
+
+    Per text (ids and its KV block from `collect`): the last ``probe_tokens`` tokens are the
+    probe, the rest the context. The context KV is loaded exact, then one row at a time replaced
+    by its codec round trip (chunks of ``chunk_tokens``, as the store cuts them), and the probe
+    run on top; KL is against the probe's logits on the exact KV::
+
+        |<------------- context: KV exact, row (l, kv) decoded ------------->|<-- probe -->|
+    """
+    n_layers = model.config.num_layers
+    total = torch.zeros(n_layers, 2, dtype=torch.float64)
+    used = 0
+    for ids, block in zip(texts_ids, blocks):
+        n_ctx = len(ids) - probe_tokens
+        if n_ctx < chunk_tokens:
+            continue
+        exact = block[:, :, :, :n_ctx]
+        decoded = torch.cat([codec_round_trip(codec, exact[:, :, :, s:s + chunk_tokens].contiguous())
+                             for s in range(0, n_ctx, chunk_tokens)], dim=3)  # [L, 2, H, n_ctx, D]
+        probe = torch.tensor(ids[n_ctx:], dtype=torch.long)
+        kv = model.new_cache(len(ids) + 1)
+        kv.load(exact, 0)
+        ref = torch.log_softmax(model(probe, kv, n_ctx).double(), -1)  # [P, vocab]
+        for layer in range(n_layers):
+            for kind in range(2):
+                kv.truncate(n_ctx)
+                kv.write(layer, 0, *(decoded[layer, i] if i == kind else exact[layer, i] for i in range(2)))
+                logp = torch.log_softmax(model(probe, kv, n_ctx).double(), -1)
+                total[layer, kind] += (ref.exp() * (ref - logp)).sum(-1).mean()
+                kv.write(layer, 0, exact[layer, 0], exact[layer, 1])
+        used += 1
+    if not used:
+        raise ValueError(f"row_sensitivity needs a text longer than {chunk_tokens + probe_tokens} tokens")
+    return (total / used).view(-1)
+
+
+def codec_round_trip(codec, block: torch.Tensor) -> torch.Tensor:
+    encoded = codec.encode(block)
+    return codec.decode(encoded.payload, encoded.params, tuple(block.shape), block.dtype)
+
+
+def sensitivity_scale(sensitivity: torch.Tensor, groups: int = 1, strength: float = 1.0,
+                      limit: float = 4.0) -> tuple[float, ...]:
+    """Per-row step factors for `Allocation.row_scale` from per-(layer, k/v) KL sensitivities [L * 2].
+
+    The KL a row adds grows as step^2 (small errors), and its bits fall as log2(step); spending
+    bits where they buy the most KL means step_b^2 proportional to 1 / sensitivity_b. Factors are
+    normalised to geometric mean 1, raised to ``strength`` (0 = uniform) and clipped to
+    [1/limit, limit]; each factor is repeated for the row's ``groups`` head groups.
+    """
+    s = sensitivity.double().clamp_min(float(sensitivity.max()) * 1e-6)
+    factor = (s.log().mean() - s.log()).mul(0.5 * strength).exp().clamp(1 / limit, limit)  # [L * 2]
+    return tuple(float(f) for f in factor.repeat_interleave(groups))
 
 
 def calibrate_model(model, texts_ids: list[list[int]], allocation: Allocation = DEFAULT_ALLOCATION,
-                    groups: int = 1, source: str = "") -> Calibration:
-    """`collect` then `calibrate` with the query / o_proj metric."""
+                    groups: int = 1, source: str = "", pre_rope: bool = True, sensitivity: bool = False) -> Calibration:
+    """`collect` then `calibrate` with the query / o_proj metric; keys before RoPE unless ``pre_rope=False``.
+
+    ``sensitivity``: per-row step factors from `row_sensitivity`, measured under the calibration at
+    ``SENSITIVITY_ALLOCATION`` (relative sensitivities hold at any step to first order).
+    """
     stats = collect(model, texts_ids)
-    return calibrate(stats.blocks, allocation, groups=groups, metric=stats.metric(groups),
-                     source=source or f"{stats.texts} texts, {stats.tokens} tokens")
+    source = source or f"{stats.texts} texts, {stats.tokens} tokens"
+    base = calibrate(stats.blocks, allocation, groups=groups, metric=stats.metric(groups, pre_rope=pre_rope),
+                     source=source, rope_inv_freq=stats.inv_freq if pre_rope else None,
+                     max_position=stats.max_position if pre_rope else 0)
+    if not sensitivity:
+        return base
+    from compression.transform import TransformCodec
+
+    reference = base.with_allocation(dataclasses.replace(SENSITIVITY_ALLOCATION, sink_tokens=allocation.sink_tokens))
+    rows = row_sensitivity(model, texts_ids, stats.blocks, TransformCodec(reference))
+    scale = sensitivity_scale(rows, groups=groups)
+    return base.with_allocation(dataclasses.replace(allocation, row_scale=scale))
 
 
 # -- kvstore calibrate -------------------------------------------------------------------------------------
@@ -115,10 +224,14 @@ def run(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_gguf(args.gguf or find_smollm2_gguf(), dtype=torch.float32)
     texts = [tokenizer.encode(path.read_text())[: args.max_tokens] for path in args.files]
-    allocation = Allocation(DEFAULT_ALLOCATION.key_step if args.key_step is None else args.key_step,
-                            DEFAULT_ALLOCATION.value_step if args.value_step is None else args.value_step)
+    sinks = args.sink_tokens if args.sink_tokens is not None else (0 if args.post_rope else DEFAULT_ALLOCATION.sink_tokens)
+    allocation = dataclasses.replace(
+        DEFAULT_ALLOCATION, sink_tokens=sinks,
+        key_step=DEFAULT_ALLOCATION.key_step if args.key_step is None else args.key_step,
+        value_step=DEFAULT_ALLOCATION.value_step if args.value_step is None else args.value_step)
     calibration = calibrate_model(model, texts, allocation, groups=args.groups,
-                                  source=f"{len(texts)} files, {sum(map(len, texts))} tokens")
+                                  source=f"{len(texts)} files, {sum(map(len, texts))} tokens",
+                                  pre_rope=not args.post_rope, sensitivity=args.sensitivity)
     path = calibration_store.save(calibration)
     print(f"calibration {calibration.id}\n  file {path}\n  codec spec: kvtc@{calibration.id[:12]}  "
           f"(e.g. kvstore serve --disk-codec kvtc@{calibration.id[:12]})")

@@ -25,6 +25,20 @@ distortion step^2/12); components whose calibrated standard deviation is below `
 dropped (0 bits, decoded as 0). The step of a row is ``rel_step[kv] * rms(row)``: one relative
 step for keys, one for values, scaled by each layer's own RMS, since errors relative to a
 layer's activations are what the next layer sees.
+
+Keys before RoPE (``rope_inv_freq`` set, format v3): RoPE turns each channel pair (i, i + D/2)
+of a key by ``position * inv_freq[i]``, which smears the keys' low-rank structure over positions.
+Such a calibration holds its key bases in the un-rotated frame: `calibrate` turns the keys of its
+blocks (computed at positions 0..n-1) back to position 0 before the statistics, and the codec
+does the same to a block at encode, with the block's start position, and rotates back at decode
+(`compression/transform.py`). The first ``sink_tokens`` positions of a context (attention sinks:
+rare, huge-norm keys that every query reads) are left out of the statistics and stored raw.
+
+Per-row steps: ``allocation.row_scale`` multiplies each row's relative step, e.g. from a measured
+sensitivity of the model's output to each layer's keys and values (`compression.calibrate.row_sensitivity`).
+
+Format: v2 files (no RoPE, no sinks, no row scales) still load and re-serialize to the same bytes, so their ids
+hold; a calibration with either feature is written as v3.
 """
 
 from __future__ import annotations
@@ -38,7 +52,9 @@ from functools import cached_property
 import numpy as np
 import torch
 
-FORMAT = "kvstore-calibration-v2"
+FORMAT = "kvstore-calibration-v2"  # plain PCA over the stored (post-RoPE) keys, no sinks
+FORMAT_V3 = "kvstore-calibration-v3"  # v2 + rope_inv_freq (keys before RoPE), sink_tokens, row_scale
+FORMATS = (FORMAT, FORMAT_V3)
 MAGIC = b"KVCAL1\n"
 
 
@@ -49,12 +65,28 @@ class Allocation:
     key_step: float  # step = key_step * rms(row) for key rows
     value_step: float  # likewise for value rows
     drop: float = 0.5  # components with calibrated std < drop * step get 0 bits
+    sink_tokens: int = 0  # positions 0..sink_tokens-1 of a context are stored raw (needs RoPE-aware keys)
+    row_scale: tuple[float, ...] = ()  # per row b, a factor on its relative step (empty: all 1)
 
     def __post_init__(self) -> None:
         if not (self.key_step > 0 and self.value_step > 0):
             raise ValueError(f"steps must be > 0, got key_step={self.key_step} value_step={self.value_step}")
         if not 0 <= self.drop < 100:
             raise ValueError(f"drop must be in [0, 100), got {self.drop}")
+        if not (isinstance(self.sink_tokens, int) and 0 <= self.sink_tokens <= 1024):
+            raise ValueError(f"sink_tokens must be an int in [0, 1024], got {self.sink_tokens!r}")
+        if not all(0 < f < 1e6 for f in self.row_scale):
+            raise ValueError(f"row_scale factors must be > 0, got {self.row_scale!r}")
+        object.__setattr__(self, "row_scale", tuple(float(f) for f in self.row_scale))
+
+    def to_json(self) -> dict:
+        """The header form; fields at their v2 defaults are left out so v2 bytes (and ids) are unchanged."""
+        out = {"key_step": self.key_step, "value_step": self.value_step, "drop": self.drop}
+        if self.sink_tokens:
+            out["sink_tokens"] = self.sink_tokens
+        if self.row_scale:
+            out["row_scale"] = list(self.row_scale)
+        return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,10 +106,25 @@ class Calibration:
     step: torch.Tensor = field(repr=False)
     allocation: Allocation
     source: str = ""  # what it was calibrated on, for people (e.g. "3 MuSiQue dev contexts, 17000 tokens")
+    # [D/2] float32: key bases are in the frame before RoPE with these frequencies (None: after RoPE)
+    rope_inv_freq: torch.Tensor | None = field(default=None, repr=False)
+    max_position: int = 0  # RoPE-aware: blocks start below this (the model's context length); 0 = 2^17
 
     def __post_init__(self) -> None:
         if self.num_kv_heads % self.groups:
             raise ValueError(f"groups ({self.groups}) must divide num_kv_heads ({self.num_kv_heads})")
+        freq = self.rope_inv_freq
+        if freq is not None and (tuple(freq.shape) != (self.head_dim // 2,) or freq.dtype != torch.float32
+                                 or self.head_dim % 2):
+            raise ValueError(f"rope_inv_freq must be float32 [{self.head_dim // 2}] (even head_dim), got "
+                             f"{freq.dtype} {tuple(freq.shape)}")
+        if not (isinstance(self.max_position, int) and 0 <= self.max_position <= 1 << 24):
+            raise ValueError(f"max_position must be an int in [0, 2^24], got {self.max_position!r}")
+        if self.allocation.row_scale and len(self.allocation.row_scale) != self.rows:
+            raise ValueError(f"allocation.row_scale has {len(self.allocation.row_scale)} factors for {self.rows} rows")
+        if self.allocation.sink_tokens and freq is None:
+            raise ValueError("sink_tokens needs a RoPE-aware calibration (rope_inv_freq): the codec finds a block's "
+                             "position through the keys' rotation")
         n_rows, n_chan = self.rows, self.channels
         for name, shape in (("mean", (n_rows, n_chan)), ("analysis", (n_rows, n_chan, n_chan)),
                             ("synthesis", (n_rows, n_chan, n_chan)),
@@ -106,10 +153,13 @@ class Calibration:
 
     @cached_property
     def to_bytes(self) -> bytes:
-        header = {"format": FORMAT, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                  "head_dim": self.head_dim, "groups": self.groups, "source": self.source,
-                  "allocation": {"key_step": self.allocation.key_step, "value_step": self.allocation.value_step,
-                                 "drop": self.allocation.drop}}
+        v3 = self.rope_inv_freq is not None or self.allocation.sink_tokens or self.allocation.row_scale
+        header = {"format": FORMAT_V3 if v3 else FORMAT, "num_layers": self.num_layers,
+                  "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "groups": self.groups,
+                  "source": self.source, "allocation": self.allocation.to_json()}
+        if self.rope_inv_freq is not None:
+            header["rope_inv_freq"] = [float(f) for f in self.rope_inv_freq]  # float32 -> float: exact in JSON
+            header["max_position"] = self.max_position
         head = json.dumps(header, sort_keys=True).encode()
         out = io.BytesIO()
         out.write(MAGIC)
@@ -133,8 +183,9 @@ class Calibration:
         n_head = int.from_bytes(raw[len(MAGIC):len(MAGIC) + 4], "little")
         offset = len(MAGIC) + 4
         header = json.loads(raw[offset:offset + n_head])
-        if header.get("format") != FORMAT:
-            raise ValueError(f"calibration format {header.get('format')!r} is not {FORMAT!r}")
+        if header.get("format") not in FORMATS:
+            raise ValueError(f"calibration format {header.get('format')!r} is not one of {FORMATS}; "
+                             f"recalibrate with this kvstore (`kvstore calibrate`)")
         offset += n_head
         n_layers, n_heads, head_dim, groups = (int(header[k]) for k in ("num_layers", "num_kv_heads", "head_dim", "groups"))
         n_rows, n_chan = n_layers * 2 * groups, n_heads // groups * head_dim
@@ -146,8 +197,11 @@ class Calibration:
                 raise ValueError("calibration bytes are truncated")
             tensors.append(torch.from_numpy(np.frombuffer(raw, dtype="<f4", count=n, offset=offset).copy()).view(shape))
             offset += 4 * n
+        freq = header.get("rope_inv_freq")
         calibration = cls(n_layers, n_heads, head_dim, groups, *tensors,
-                          allocation=Allocation(**header["allocation"]), source=header.get("source", ""))
+                          allocation=Allocation(**header["allocation"]), source=header.get("source", ""),
+                          rope_inv_freq=None if freq is None else torch.tensor(freq, dtype=torch.float32),
+                          max_position=int(header.get("max_position", 0)))
         return calibration
 
     def block_rows(self, block: torch.Tensor) -> torch.Tensor:
@@ -171,7 +225,13 @@ class Calibration:
         """The same bases with another bit allocation (a new id)."""
         rms = _row_rms(self.std)
         return Calibration(self.num_layers, self.num_kv_heads, self.head_dim, self.groups, self.mean, self.analysis,
-                           self.synthesis, self.std, _steps(self.std, rms, allocation, self.groups), allocation, self.source)
+                           self.synthesis, self.std, _steps(self.std, rms, allocation, self.groups), allocation,
+                           self.source, self.rope_inv_freq, self.max_position)
+
+    @cached_property
+    def is_key_row(self) -> torch.Tensor:
+        """[B] bool: rows that hold keys (row b = (l * 2 + kv) * G + g)."""
+        return (torch.arange(self.rows) // self.groups) % 2 == 0
 
 
 def _row_rms(std: torch.Tensor) -> torch.Tensor:
@@ -184,19 +244,52 @@ def _steps(std: torch.Tensor, rms: torch.Tensor, allocation: Allocation, groups:
     n_rows = std.shape[0]
     is_key = (torch.arange(n_rows) // groups) % 2 == 0  # row b = (l * 2 + kv) * G + g
     rel = torch.where(is_key, torch.tensor(allocation.key_step), torch.tensor(allocation.value_step))
+    if allocation.row_scale:
+        if len(allocation.row_scale) != n_rows:
+            raise ValueError(f"allocation.row_scale has {len(allocation.row_scale)} factors for {n_rows} rows")
+        rel = rel * torch.tensor(allocation.row_scale)
     step = (rel * rms)[:, None].expand_as(std).clone()  # [B, C]
     step[std < allocation.drop * step] = 0.0
     return step.float()
 
 
+def turn_keys(block: torch.Tensor, start: int, inv_freq: torch.Tensor, to_rope: bool,
+              kernels_choice: str | None = None) -> torch.Tensor:
+    """block [L, 2, H, T, D] float32 with its keys turned in place and returned::
+
+        to_rope=False   stored keys at positions start..start+T-1  ->  keys at position 0 (before RoPE)
+        to_rope=True    the inverse
+
+    RoPE rotations of one frequency compose by adding angles, so this is `rerotate_keys` between
+    the block's positions and 0 (Triton on CUDA tensors, the torch reference otherwise).
+    """
+    import kernels
+
+    if block.dtype != torch.float32:
+        raise ValueError(f"turn_keys works in float32, got {block.dtype}")
+    n_tokens = block.shape[3]
+    positions = torch.arange(start, start + n_tokens, device=block.device)
+    zeros = torch.zeros_like(positions)
+    old, new = (zeros, positions) if to_rope else (positions, zeros)
+    keys = block[:, 0]  # [L, H, T, D], a strided view
+    kernels.rope_ops(keys, kernels_choice).rerotate_keys(keys, old, new, inv_freq.to(block.device), out=keys)
+    return block
+
+
 def calibrate(blocks: list[torch.Tensor], allocation: Allocation, groups: int = 1,
-              metric: torch.Tensor | None = None, source: str = "") -> Calibration:
+              metric: torch.Tensor | None = None, source: str = "",
+              rope_inv_freq: torch.Tensor | None = None, max_position: int = 0) -> Calibration:
     """A calibration from KV blocks [L, 2, H, T_i, D] of one namespace (any token counts).
 
     Per row: mean and covariance over all tokens of all blocks (float64); with ``metric``
     [B, C, C] (symmetric PSD per row, e.g. from `compression.calibrate.model_metrics`) the
     covariance is taken in the whitened space; eigenvectors by falling eigenvalue are the basis,
     sqrt(eigenvalue) the component std; steps from `allocation`.
+
+    With ``rope_inv_freq`` [D/2] the blocks must each start at position 0 (a prefill of one text):
+    their keys are turned back to position 0 first and the first ``allocation.sink_tokens`` tokens
+    of each are left out; the key metric must then be in that frame too (`ModelStats.metric`).
+    ``max_position`` (the model's context length) bounds the start positions the codec considers.
     """
     if not blocks:
         raise ValueError("calibrate needs at least one KV block")
@@ -207,11 +300,14 @@ def calibrate(blocks: list[torch.Tensor], allocation: Allocation, groups: int = 
     n_rows = n_layers * 2 * groups
     eye = torch.eye(n_chan).expand(n_rows, n_chan, n_chan)
     probe = Calibration(n_layers, n_heads, head_dim, groups, torch.zeros(n_rows, n_chan), eye.clone(), eye.clone(),
-                        torch.zeros(n_rows, n_chan), torch.zeros(n_rows, n_chan), allocation)
+                        torch.zeros(n_rows, n_chan), torch.zeros(n_rows, n_chan), allocation, rope_inv_freq=rope_inv_freq)
     total = torch.zeros(n_rows, n_chan, dtype=torch.float64)
     outer = torch.zeros(n_rows, n_chan, n_chan, dtype=torch.float64)
     n_tokens = 0
     for block in blocks:
+        if rope_inv_freq is not None:
+            block = turn_keys(block.float(), 0, rope_inv_freq, to_rope=False, kernels_choice="torch")
+            block = block[:, :, :, allocation.sink_tokens:]  # sinks are stored raw, never projected
         x = probe.block_rows(block).double()  # [B, T, C]
         total += x.sum(dim=1)
         outer += torch.bmm(x.transpose(1, 2), x)  # [B, C, T] @ [B, T, C] -> [B, C, C]
@@ -238,4 +334,4 @@ def calibrate(blocks: list[torch.Tensor], allocation: Allocation, groups: int = 
     synthesis = (eigvec.transpose(1, 2) @ unwhiten).float().contiguous()  # [B, C, C]
     step = _steps(std, _row_rms(std), allocation, groups)
     return Calibration(n_layers, n_heads, head_dim, groups, mean.float(), analysis, synthesis, std, step,
-                       allocation, source)
+                       allocation, source, rope_inv_freq, max_position)

@@ -13,6 +13,18 @@ component over the block's tokens, entropy-coded (`compression/entropy.py`)::
 
 Spec: ``kvtc[-zstd]@<calibration id>``: ``kvtc`` codes with range-ANS, ``kvtc-zstd`` with zstd.
 
+RoPE-aware calibrations (``calibration.rope_inv_freq``, format v3) code keys before RoPE. The
+codec needs the block's absolute start position s, which a block does not carry (a daemon
+re-encoding a block for its disk tier sees only the tensor), so it estimates s from the keys
+(`estimate_start`) and writes it into the params; decode rotates by the written s, so it is exact
+whatever the estimate, and a wrong estimate only costs size and error within the stated bound::
+
+    stored keys at s..s+T-1 --turn back to 0--> pre-RoPE keys --PCA, quantize--> codes   params: start = s
+    codes --back-project--> pre-RoPE keys --turn to start..start+T-1--> decoded keys
+
+Tokens at positions below ``allocation.sink_tokens`` (attention sinks, in the block at s = 0)
+are stored raw in the block dtype, before the stream.
+
 Error bound per token vector (basis orthonormal): the error is basis @ (y' - y), so every element
 is at most its L2 norm, sqrt(sum over kept of (step/2)^2 + sum over dropped of y^2), plus float32
 rounding of the two matmuls and the cast to the block dtype (`error_bound`).
@@ -23,17 +35,57 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 import kernels
-from compression.base import DTYPE_EPS, Codec, EncodedBlock, check_block, register_calibrated, split_sections
-from compression.calibration import Calibration
+
+from compression.base import (DTYPE_EPS, Codec, EncodedBlock, check_block, register_calibrated, split_sections,
+                              tensor_bytes)
+from compression.calibration import Calibration, turn_keys
 from compression.calibration_store import resolve
 from compression.entropy import ENTROPY_CODERS, decode_rows, encode_rows
 from kernels import transform_ref
 
 SPEC_PREFIX = "kvtc"
 ID_DIGITS = 12  # calibration id digits in the canonical spec (the full id is in params)
+MAX_START = 1 << 17  # start positions `estimate_start` considers when the calibration names no max_position
+
+
+def estimate_start(keys: torch.Tensor, calibration: Calibration) -> int:
+    """The start position s in [0, max_position) whose un-rotated keys best match the calibrated key mean.
+
+    keys [L, H, T, D] as stored (after RoPE at s..s+T-1). In complex form a channel pair j,
+    z = k[j] + i k[j + D/2], is turned by RoPE to z e^{i p f_j}. The score of s is the
+    correlation of the keys turned back by s + t with the calibrated pre-RoPE mean mu::
+
+        score(s) = Re sum_j A_j e^{-i s f_j},    A_j = sum_{l, h, t} conj(mu_ljh) z_lhtj e^{-i t f_j}
+
+    a sum of D/2 sinusoids in s, evaluated at every candidate at once (float64 angles reduced mod 2 pi).
+    """
+    n_layers, n_heads, n_tokens, head_dim = keys.shape
+    half = head_dim // 2
+    freq = calibration.rope_inv_freq.double()  # [J]
+    mean = calibration.rows_block(calibration.mean[:, None, :])[:, 0, :, 0].double()  # [L, H, D] (pre-RoPE)
+    mu_re, mu_im = mean[..., :half].float(), mean[..., half:].float()  # [L, H, J]
+    z_re, z_im = keys[..., :half].float(), keys[..., half:].float()  # [L, H, T, J]
+    # w = sum over l, h of conj(mu) z, in real arithmetic: [T, J]
+    w_re = torch.einsum("lhj,lhtj->tj", mu_re, z_re) + torch.einsum("lhj,lhtj->tj", mu_im, z_im)
+    w_im = torch.einsum("lhj,lhtj->tj", mu_re, z_im) - torch.einsum("lhj,lhtj->tj", mu_im, z_re)
+    t_phase = torch.polar(torch.ones(n_tokens, half, dtype=torch.float64),
+                          -torch.arange(n_tokens, dtype=torch.float64)[:, None] * freq[None, :])  # [T, J]
+    a = (torch.complex(w_re.double(), w_im.double()) * t_phase).sum(0)  # [J]
+    # every s = u * n_fine + v at once: e^{-i s f} = e^{-i u n_fine f} e^{-i v f}, one [U, J] @ [J, V] product
+    n_fine = 256
+    n_start = calibration.max_position or MAX_START
+    n_coarse = -(-n_start // n_fine)
+    coarse = torch.polar(torch.ones(n_coarse, half, dtype=torch.float64),
+                         torch.remainder(-torch.arange(0, n_coarse * n_fine, n_fine, dtype=torch.float64)[:, None] * freq,
+                                         2 * math.pi))
+    fine = torch.polar(torch.ones(n_fine, half, dtype=torch.float64),
+                       -torch.arange(n_fine, dtype=torch.float64)[:, None] * freq)  # [V, J]
+    score = ((coarse * a[None, :]) @ fine.T).real.reshape(-1)[:n_start]  # [U, V] -> [S]: sum_j Re(A_j e^{-i s f_j})
+    return int(torch.argmax(score))
 
 
 class TransformCodec(Codec):
@@ -55,17 +107,45 @@ class TransformCodec(Codec):
             self._calibration = resolve(self._calibration_ref)
         return self._calibration
 
-    def encode(self, block: torch.Tensor) -> EncodedBlock:
+    def _frame(self, block: torch.Tensor, start: int | None = None) -> tuple[int, int, torch.Tensor]:
+        """(start, raw tokens, rows [B, T - raw, C]) of the block in the calibration's key frame.
+
+        Post-RoPE calibrations: start 0, no raw tokens, rows of the block as it is (its dtype).
+        RoPE-aware ones: start estimated unless given, keys turned back to position 0 (float32),
+        and the block's tokens at positions < sink_tokens cut off (they travel raw).
+        """
+        cal = self.calibration
+        if cal.rope_inv_freq is None:
+            return 0, 0, cal.block_rows(block)
+        x = block.float() if block.dtype != torch.float32 else block.clone()
+        if start is None:
+            start = estimate_start(x[:, 0], cal)
+        n_raw = max(0, min(block.shape[3], cal.allocation.sink_tokens - start))
+        x = turn_keys(x, start, cal.rope_inv_freq, to_rope=False, kernels_choice=self.kernels_choice)
+        return start, n_raw, cal.block_rows(x[:, :, :, n_raw:])
+
+    def encode(self, block: torch.Tensor, start: int | None = None) -> EncodedBlock:
+        """``start``: the block's first position if the caller knows it (else estimated, RoPE-aware only)."""
         check_block(block)
         cal = self.calibration
-        rows = cal.block_rows(block)  # [B, T, C]
-        device = rows.device
-        op = kernels.transform_ops(rows, self.kernels_choice)
-        codes = op.project_quantize(rows, cal.mean.to(device), cal.analysis.to(device), cal.inv_step.to(device))  # [B, T, C]
-        kept = codes.transpose(1, 2)[cal.kept.to(device)]  # [R, T]: one row per kept component
-        stream = encode_rows(kept.cpu().numpy(), self.entropy)
-        params = {"calibration": cal.id, "entropy": self.entropy, "sections": [["stream", len(stream), 1]]}
-        return EncodedBlock(stream, params, self.name)
+        start, n_raw, rows = self._frame(block, start)  # rows [B, T', C]
+        sections, parts = [], []
+        if n_raw:
+            raw = tensor_bytes(block[:, :, :, :n_raw])  # [L, 2, H, n_raw, D] in the block dtype
+            sections.append(["sinks", len(raw), block.element_size()])
+            parts.append(raw)
+        if rows.shape[1]:
+            device = rows.device
+            op = kernels.transform_ops(rows, self.kernels_choice)
+            codes = op.project_quantize(rows, cal.mean.to(device), cal.analysis.to(device), cal.inv_step.to(device))
+            kept = codes.transpose(1, 2)[cal.kept.to(device)]  # [R, T']: one row per kept component
+            stream = encode_rows(kept.cpu().numpy(), self.entropy)
+            sections.append(["stream", len(stream), 1])
+            parts.append(stream)
+        params = {"calibration": cal.id, "entropy": self.entropy, "sections": sections}
+        if cal.rope_inv_freq is not None:
+            params.update(start=start, sink_tokens=n_raw)
+        return EncodedBlock(b"".join(parts), params, self.name)
 
     def decode(self, payload, params, shape, dtype, device="cpu") -> torch.Tensor:
         wanted = str(params["calibration"])
@@ -76,32 +156,60 @@ class TransformCodec(Codec):
         if (shape[0], shape[2], shape[4]) != (cal.num_layers, cal.num_kv_heads, cal.head_dim):
             raise ValueError(f"shape {tuple(shape)} does not match calibration {cal.id[:12]} "
                              f"[{cal.num_layers}, 2, {cal.num_kv_heads}, T, {cal.head_dim}]")
-        n_tokens = shape[3]
-        stream = bytes(split_sections(payload, [("stream", len(payload), 1)])["stream"].numpy())
-        kept_mask = cal.kept  # [B, C]
-        kept = decode_rows(stream, int(kept_mask.sum()), n_tokens, str(params["entropy"]))  # [R, T]
-        codes = torch.zeros(cal.rows, cal.channels, n_tokens, dtype=torch.int32)  # [B, C, T]
-        codes[kept_mask] = torch.from_numpy(kept)
-        codes = codes.to(device).transpose(1, 2)  # [B, T, C] (a view)
-        op = kernels.transform_ops(codes, self.kernels_choice)
-        rows = op.dequantize_backproject(codes, cal.step.to(device), cal.synthesis.to(device), cal.mean.to(device), dtype)
-        return cal.rows_block(rows)
+        rope = cal.rope_inv_freq is not None
+        if rope != ("start" in params):
+            raise ValueError(f"block params {'lack' if rope else 'have'} a start position but calibration "
+                             f"{cal.id[:12]} is {'RoPE-aware' if rope else 'post-RoPE'}: damaged header?")
+        n_tokens, n_raw = shape[3], int(params.get("sink_tokens", 0))
+        sections = [tuple(sec) for sec in params["sections"]]
+        views = split_sections(payload, sections)
+        coded = n_tokens - n_raw
+        if coded:
+            kept_mask = cal.kept  # [B, C]
+            stream = bytes(views["stream"].numpy())
+            kept = decode_rows(stream, int(kept_mask.sum()), coded, str(params["entropy"]))  # [R, T']
+            codes = torch.zeros(cal.rows, cal.channels, coded, dtype=torch.int32)  # [B, C, T']
+            codes[kept_mask] = torch.from_numpy(kept)
+            codes = codes.to(device).transpose(1, 2)  # [B, T', C] (a view)
+            op = kernels.transform_ops(codes, self.kernels_choice)
+            out_dtype = torch.float32 if rope else dtype
+            rows = op.dequantize_backproject(codes, cal.step.to(device), cal.synthesis.to(device), cal.mean.to(device),
+                                             out_dtype)
+            body = cal.rows_block(rows)  # [L, 2, H, T', D]
+            if not rope:
+                return body
+            body = turn_keys(body.contiguous(), int(params["start"]) + n_raw, cal.rope_inv_freq, to_rope=True,
+                             kernels_choice=self.kernels_choice).to(dtype)
+        if not n_raw:
+            return body
+        sinks = views["sinks"].view(dtype).view(shape[0], 2, shape[2], n_raw, shape[4]).to(device)
+        return torch.cat((sinks, body), dim=3) if coded else sinks.clone()
 
-    def error_bound(self, block: torch.Tensor) -> float:
+    def error_bound(self, block: torch.Tensor, start: int | None = None) -> float:
         cal = self.calibration
-        rows = cal.block_rows(block).float()  # [B, T, C]
+        _, _, rows = self._frame(block, start)
+        rows = rows.float()  # [B, T', C]
+        if rows.shape[1] == 0:
+            return 0.0  # every token raw
         y = torch.bmm(rows - cal.mean[:, None, :], cal.analysis)  # [B, T, C]
         half = (cal.step / 2)[:, None, :].expand_as(y)  # [B, T, C]
         clipped = y.abs() * cal.inv_step[:, None, :] > transform_ref.CODE_MAX
         per = torch.where(cal.kept[:, None, :] & ~clipped, half, y.abs())  # |y' - y| per component, at most
         # |x' - x|_c = |sum_k (y' - y)_k synthesis[k, c]| <= |y' - y|_2 * |synthesis[:, c]|_2 (Cauchy-Schwarz)
         gain = cal.synthesis.pow(2).sum(1).sqrt().amax(-1)  # [B]
+        if cal.rope_inv_freq is not None:  # a RoPE turn mixes channels c and c + D/2 of a key: |e| <= |(e_c, e_c')|_2
+            gain = torch.where(cal.is_key_row, gain * math.sqrt(2), gain)
         err = per.pow(2).sum(-1).sqrt() * gain[:, None]  # [B, T]
         # float32 matmuls: ~C ulps of the largest partial sums, on the way in and out
         y_amax = y.abs().amax(-1)  # [B, T]
-        fp32 = 4 * cal.channels * 2.0**-24 * (rows.abs().amax(-1) + cal.mean.abs().amax(-1)[:, None] + y_amax * gain[:, None]
-                                                + y_amax * cal.analysis.abs().amax((1, 2))[:, None])
-        bound = err * (1 + 1e-5) + fp32 + (rows.abs().amax(-1) + err) * DTYPE_EPS[block.dtype]
+        x_amax = rows.abs().amax(-1)  # [B, T]
+        fp32 = 4 * cal.channels * 2.0**-24 * (x_amax + cal.mean.abs().amax(-1)[:, None] + y_amax * gain[:, None]
+                                              + y_amax * cal.analysis.abs().amax((1, 2))[:, None])
+        if cal.rope_inv_freq is not None:  # the two float32 turns (encode, decode): a few ulps each
+            fp32 = fp32 + 8 * 2.0**-24 * (x_amax + err)
+        if cal.rope_inv_freq is not None:
+            x_amax = x_amax * math.sqrt(2)  # the decoded keys' magnitude after the turn, at most
+        bound = err * (1 + 1e-5) + fp32 + (x_amax + err) * DTYPE_EPS[block.dtype]
         return float(bound.max())
 
 

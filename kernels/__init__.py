@@ -59,3 +59,14 @@ def transform_ops(x: torch.Tensor, choice: str | None = None) -> ModuleType:
     from kernels import transform_ref
 
     return transform_ref
+
+
+def rope_ops(x: torch.Tensor, choice: str | None = None) -> ModuleType:
+    """kernels.rope or kernels.rope_ref for x (RoPE re-rotation of keys); same rule as `ops`."""
+    if backend(x, choice) == "triton":
+        from kernels import rope
+
+        return rope
+    from kernels import rope_ref
+
+    return rope_ref

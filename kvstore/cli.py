@@ -201,6 +201,13 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=int, default=1, help="head groups with their own basis (default 1: all "
                                                                "KV heads of a layer share one)")
     parser.add_argument("--max-tokens", type=int, default=8192, help="tokens read per file (default 8192)")
+    parser.add_argument("--post-rope", action="store_true", help="code keys as stored, after RoPE (format v2; "
+                                                                 "the default codes them before RoPE, format v3)")
+    parser.add_argument("--sink-tokens", type=int, default=None,
+                        help="first positions of a context stored raw (default 4; 0 with --post-rope)")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="per-layer steps from each layer's measured effect on the next-token distribution "
+                             "(60 extra forwards over the texts; docs/compression.md measures it)")
     parser.add_argument("--gguf", type=Path, default=None, help="model GGUF (default: the bundled SmolLM2-135M)")
     parser.add_argument("--address", default=None, help="daemon address (default: the serve default socket)")
     parser.add_argument("--no-put", action="store_true", help="only write the calibration file, do not store it "

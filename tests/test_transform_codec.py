@@ -4,6 +4,8 @@ cache through a real daemon."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -158,3 +160,113 @@ def test_exact_blocks_such_as_calibrations_are_never_transcoded():
     assert same_header == header and bytes(same_payload) == payload
     lossy_header, _ = transcode(dataclasses.replace(header, codec_params={}), payload, "int8")
     assert lossy_header.codec == "int8"
+
+
+# -- keys before RoPE (calibration format v3) ------------------------------------------------------------
+
+INV_FREQ = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))  # [D/2]
+
+
+def rope_block(tokens: int, start: int, seed: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """`kv_block` data with its keys rotated by RoPE to positions start..start+T-1, position 0 an outlier (a sink)."""
+    from kernels.rope_ref import rerotate_keys
+
+    block = kv_block(tokens, seed, torch.float32)
+    block[:, 0] += 2.0  # keys with a clear mean (real keys have one: the start estimate reads it)
+    if start == 0:
+        block[:, :, :, 0] *= 8.0
+    positions = torch.arange(start, start + tokens)
+    block[:, 0] = rerotate_keys(block[:, 0].contiguous(), torch.zeros_like(positions), positions, INV_FREQ)
+    return block.to(dtype)
+
+
+@pytest.fixture(scope="module")
+def rope_calibration() -> Calibration:
+    return calibrate([rope_block(300, 0, seed=1, dtype=torch.float32), rope_block(200, 0, seed=2, dtype=torch.float32)],
+                     Allocation(0.2, 0.3, sink_tokens=4), rope_inv_freq=INV_FREQ, max_position=8192,
+                     source="test, pre-RoPE")
+
+
+def test_v3_calibration_round_trips_and_v2_bytes_are_unchanged(calibration, rope_calibration):
+    again = Calibration.from_bytes(rope_calibration.to_bytes)
+    assert again.id == rope_calibration.id and torch.equal(again.rope_inv_freq, INV_FREQ)
+    assert again.allocation.sink_tokens == 4 and b"kvstore-calibration-v3" in rope_calibration.to_bytes
+    assert b"kvstore-calibration-v2" in calibration.to_bytes  # no new feature: the old format, the old id
+    scaled = rope_calibration.with_allocation(Allocation(0.2, 0.3, sink_tokens=4, row_scale=(2.0,) + (1.0,) * 5))
+    assert torch.allclose(scaled.step[0][scaled.kept[0]], 2 * rope_calibration.step[0][scaled.kept[0]])
+    assert Calibration.from_bytes(scaled.to_bytes).allocation.row_scale == scaled.allocation.row_scale
+    with pytest.raises(ValueError, match="row_scale has 3 factors"):
+        rope_calibration.with_allocation(Allocation(0.2, 0.3, sink_tokens=4, row_scale=(1.0, 1.0, 1.0)))
+    future = rope_calibration.to_bytes.replace(b"kvstore-calibration-v3", b"kvstore-calibration-v9")
+    with pytest.raises(ValueError, match="recalibrate"):
+        Calibration.from_bytes(future)
+
+
+@pytest.mark.parametrize("tokens,start,max_position", [
+    (1, 0, 8192), (3, 0, 8192), (37, 0, 8192), (37, 300, 8192), (256, 1024, 8192), (5, 2, 8192), (63, 8128, 8192),
+    (63, 77_777, 1 << 17), (64, 131_008, 1 << 17), (100, 5, 0)])
+def test_start_estimate_finds_the_position(rope_calibration, tokens, start, max_position):
+    import dataclasses
+
+    from compression.transform import estimate_start
+
+    calibration = dataclasses.replace(rope_calibration, max_position=max_position)  # 0: the 2^17 default
+    block = rope_block(tokens, start, seed=start + tokens)
+    assert estimate_start(block[:, 0].float(), calibration) == start
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,start", [(1, 0), (4, 0), (37, 0), (37, 300), (130, 5000)])
+def test_rope_codec_holds_its_error_bound(rope_calibration, dtype, tokens, start):
+    calibration_store.register(rope_calibration)
+    codec = get_codec("kvtc@" + rope_calibration.id[:12])
+    block = rope_block(tokens, start, seed=tokens + 3, dtype=dtype)
+    encoded = codec.encode(block)
+    assert encoded.params["start"] == start
+    decoded = decode_block(encoded, tuple(block.shape), dtype)
+    assert decoded.dtype == dtype and decoded.shape == block.shape
+    err = (decoded.double() - block.double()).abs().max().item()
+    bound = codec.error_bound(block)
+    assert err <= bound, f"max error {err} above the bound {bound}"
+    sinks = max(0, min(tokens, 4 - start))
+    assert encoded.params["sink_tokens"] == sinks
+    assert torch.equal(decoded[:, :, :, :sinks], block[:, :, :, :sinks])  # attention sinks travel raw
+
+
+def test_wrong_start_still_decodes_within_the_bound(rope_calibration):
+    """The written start, not the estimate, drives decode: a wrong one costs bytes or error, within the bound."""
+    codec = TransformCodec(rope_calibration)
+    block = rope_block(64, 640, seed=9, dtype=torch.float32)
+    errors = []
+    for start in (640, 641, 700, 0):
+        encoded = codec.encode(block, start=start)
+        assert encoded.params["start"] == start
+        decoded = codec.decode(encoded.payload, encoded.params, block.shape, block.dtype)
+        errors.append(float((decoded - block).abs().max()))
+        assert errors[-1] <= codec.error_bound(block, start=start)
+    assert errors[0] < errors[2]
+
+
+def test_keys_before_rope_code_rotated_keys_better(rope_calibration):
+    """The point of the v3 frame: keys that RoPE rotated are coded with less error for no more bytes."""
+    post = calibrate([rope_block(300, 0, seed=1, dtype=torch.float32), rope_block(200, 0, seed=2, dtype=torch.float32)],
+                     Allocation(0.2, 0.3))
+    block = rope_block(256, 2048, seed=4, dtype=torch.float32)
+    results = []
+    for codec in (TransformCodec(rope_calibration), TransformCodec(post)):
+        encoded = codec.encode(block)
+        decoded = codec.decode(encoded.payload, encoded.params, block.shape, block.dtype)
+        results.append((float((decoded - block)[:, 0].pow(2).mean()), encoded.nbytes))
+    (pre_err, pre_bytes), (post_err, post_bytes) = results
+    assert pre_err < post_err and pre_bytes <= 1.1 * post_bytes
+
+
+def test_sensitivity_scale_gives_sensitive_rows_finer_steps():
+    from compression.calibrate import sensitivity_scale
+
+    scale = sensitivity_scale(torch.tensor([1e-4, 4e-4, 1e-4, 1e-4]), groups=2)
+    assert len(scale) == 8 and scale[0] == scale[1]  # one factor per head group
+    assert scale[2] == pytest.approx(scale[0] / 2)  # 4x the KL per step^2: half the step
+    assert math.prod(scale) == pytest.approx(1.0)  # geometric mean 1: about the same bytes
+    assert sensitivity_scale(torch.tensor([1e-9, 1.0]), limit=4.0) == (4.0, 0.25)
+    assert sensitivity_scale(torch.tensor([1e-4, 4e-4]), strength=0.0) == (1.0, 1.0)
