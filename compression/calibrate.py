@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
