@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import mmap
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -56,11 +57,11 @@ def blocks_for(client_id: int, n: int) -> tuple[list[bytes], list[np.ndarray]]:
     return keys_for(client_id, n), payloads
 
 
-def wait_until(start_at: float) -> None:
-    """Line up the clients of one run: set-up (payload generation) must not overlap the timing."""
-    delay = start_at - time.time()
-    if delay > 0:
-        time.sleep(delay)
+def wait_until(ready) -> None:
+    """Line up the clients of one run: every client's set-up (payloads, connection, arena) ends
+    before any timing starts. ``ready`` is a barrier shared by the run's clients (None: one client)."""
+    if ready is not None:
+        ready.wait(timeout=900)
 
 
 def start_daemon(folder: Path, **settings) -> tuple[DaemonProcess, str]:
@@ -76,11 +77,11 @@ def stop_daemon(daemon: DaemonProcess) -> None:
 
 
 def client_put(args) -> tuple[float, int]:
-    address, client_id, n, shm, batch, start_at = args
+    address, client_id, n, shm, batch, ready = args
     keys, payloads = blocks_for(client_id, n)
     ns = namespace(client_id)
     with KVStoreClient(address, shared_memory=shm, arena_bytes=(batch + 2) * (BLOCK + 8192) * 2) as client:
-        wait_until(start_at)
+        wait_until(ready)
         start = time.perf_counter()
         for i in range(0, n, batch):
             client.put(ns, [(k, CHUNK, p) for k, p in zip(keys[i:i + batch], payloads[i:i + batch])])
@@ -90,7 +91,7 @@ def client_put(args) -> tuple[float, int]:
 def client_get(args) -> tuple[float, int]:
     """``passes`` timed Gets of the client's ``n`` blocks, after one untimed pass (connection,
     first calls), so that with few blocks per client the run is not one call per client."""
-    address, client_id, n, shm, batch, start_at, passes = args
+    address, client_id, n, shm, batch, ready, passes = args
     keys = keys_for(client_id, n)
 
     def one_pass() -> int:
@@ -104,7 +105,7 @@ def client_get(args) -> tuple[float, int]:
 
     with KVStoreClient(address, shared_memory=shm, arena_bytes=(batch + 2) * (BLOCK + 8192) * 2) as client:
         one_pass()
-        wait_until(start_at)
+        wait_until(ready)
         start = time.perf_counter()
         got = sum(one_pass() for _ in range(passes))
         return time.perf_counter() - start, got
@@ -114,7 +115,7 @@ def client_lookups(args) -> tuple[list[float], int]:
     """``calls`` Lookups of ``n`` keys; ``interval`` > 0 paces them (an engine's request rate).
     ``local``: a same-host client answering from the daemon's shared key index; else every Lookup
     is an RPC."""
-    address, client_id, n, calls, interval, start_at, local = args
+    address, client_id, n, calls, interval, ready, local = args
     # Lookup cost does not depend on block size: the keys are stored with tiny blocks first.
     ns = Namespace(f"bench-lookup-{client_id}", LOOKUP_LAYOUT, chunk_tokens=CHUNK)
     keys = prefix_keys(ns, np.random.default_rng(client_id).integers(0, 49152, size=n * CHUNK))
@@ -124,7 +125,7 @@ def client_lookups(args) -> tuple[list[float], int]:
         client.put(ns, [(k, CHUNK, tiny) for k in keys])
         if client.lookup(keys).hits != n:
             raise RuntimeError(f"client {client_id}: its {n} keys are not all stored")
-        wait_until(start_at)
+        wait_until(ready)
         next_call = time.perf_counter()
         for _ in range(calls):
             start = time.perf_counter()
@@ -138,21 +139,21 @@ def client_lookups(args) -> tuple[list[float], int]:
     return latencies, fallbacks
 
 
-def run_clients(fn, clients: int, make_args, setup_s: float = 8.0) -> float:
+def run_clients(fn, clients: int, make_args) -> float:
     """Aggregate GB/s of ``clients`` processes running ``fn`` together, timed by the slowest."""
     if clients == 1:
-        elapsed, nbytes = fn(make_args(0, 0.0))
+        elapsed, nbytes = fn(make_args(0, None))
         return nbytes / elapsed / 1e9
-    start_at = time.time() + setup_s
-    with ProcessPoolExecutor(clients) as pool:
-        results = list(pool.map(fn, [make_args(i, start_at) for i in range(clients)]))
+    with multiprocessing.Manager() as manager, ProcessPoolExecutor(clients) as pool:
+        ready = manager.Barrier(clients)
+        results = list(pool.map(fn, [make_args(i, ready) for i in range(clients)]))
     return sum(b for _, b in results) / max(e for e, _ in results) / 1e9
 
 
 def lookup_latencies(address: str, clients: int, calls: int, interval: float, local: bool) -> dict:
-    start_at = time.time() + 4.0
-    with ProcessPoolExecutor(clients) as pool:
-        results = list(pool.map(client_lookups, [(address, 1000 + i, 32, calls, interval, start_at, local)
+    with multiprocessing.Manager() as manager, ProcessPoolExecutor(clients) as pool:
+        ready = manager.Barrier(clients)
+        results = list(pool.map(client_lookups, [(address, 1000 + i, 32, calls, interval, ready, local)
                                                  for i in range(clients)]))
     lat = [x for latencies, _ in results for x in latencies]
     fallbacks = sum(f for _, f in results)
