@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 import kernels
-
 from compression.base import (DTYPE_EPS, Codec, EncodedBlock, check_block, register_calibrated, split_sections,
                               tensor_bytes)
 from compression.calibration import Calibration, turn_keys
