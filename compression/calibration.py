@@ -306,7 +306,8 @@ def calibrate(blocks: list[torch.Tensor], allocation: Allocation, groups: int = 
     n_tokens = 0
     for block in blocks:
         if rope_inv_freq is not None:
-            block = turn_keys(block.float(), 0, rope_inv_freq, to_rope=False, kernels_choice="torch")
+            # a copy: turn_keys turns in place, and a float32 block would otherwise be the caller's
+            block = turn_keys(block.to(torch.float32, copy=True), 0, rope_inv_freq, to_rope=False, kernels_choice="torch")
             block = block[:, :, :, allocation.sink_tokens:]  # sinks are stored raw, never projected
         x = probe.block_rows(block).double()  # [B, T, C]
         total += x.sum(dim=1)

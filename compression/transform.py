@@ -115,7 +115,7 @@ class TransformCodec(Codec):
         cal = self.calibration
         if cal.rope_inv_freq is None:
             return 0, 0, cal.block_rows(block)
-        x = block.float() if block.dtype != torch.float32 else block.clone()
+        x = block.to(torch.float32, copy=True)  # turn_keys turns in place
         if start is None:
             start = estimate_start(x[:, 0], cal)
         n_raw = max(0, min(block.shape[3], cal.allocation.sink_tokens - start))
