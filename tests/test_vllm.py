@@ -42,6 +42,7 @@ from engine_adapter.prompts import document_prompt  # noqa: E402
 from engine_adapter.vllm.hf_folder import write_hf_folder  # noqa: E402
 from engine_adapter.vllm.layout import PagedKV, PagedSpan, PageLayout, measure_page_layout  # noqa: E402
 from engine_adapter.vllm.plan import Planner  # noqa: E402
+from kernels.page_copy import PageWriter  # noqa: E402
 from kvstore.keys import KVLayout, Namespace, prefix_keys  # noqa: E402
 from tests.conftest import ROOT, DaemonProcess, MotoServer  # noqa: E402
 
@@ -190,6 +191,13 @@ def test_vllm_cpu_write_op_scatter_is_bit_identical_to_the_layout_path():
     PagedKV(ours, layout, heads, page_tokens).scatter(block, span)
     PagedKV(theirs, layout, heads, page_tokens, write=write).scatter(block, span)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), isa
+    # the connector's CPU path: kvstore's native page writer, where it knows the measured layout
+    if isa == "vec":  # AVX2 / AVX-512 without AMX: keys transposed within the page
+        assert layout.name() == "kt_halves"
+    if layout.name() is not None:
+        native = [torch.zeros_like(c) for c in ours]
+        PagedKV(native, layout, heads, page_tokens, native=PageWriter(native, layout.name())).scatter(block, span)
+        assert all(torch.equal(a, b) for a, b in zip(native, theirs)), isa
 
 
 def test_paged_span_of_a_token_range():
@@ -419,10 +427,11 @@ def scenario(hf_folder, reference, prompts):
                 "together": run_vllm(hf_folder, work, "together", shared, daemon.address,
                                      args=("--together", "--no-prefix-caching")),
                 # four ~840-token prompts at once in 30 pages of 128 tokens: they fit (7 pages each), but
-                # decoding past token 896 needs 4 more pages: vLLM preempts
+                # decoding past token 896 needs 4 more pages: vLLM preempts; pages written by vLLM's own
+                # cache-write op (the fallback of the native page writer every other run uses)
                 "preempt": run_vllm(hf_folder, work, "preempt", shared[:4], daemon.address, new_tokens=PREEMPT_TOKENS,
                                     args=("--together", "--ignore-eos", "--no-prefix-caching", "--num-pages", "30",
-                                          "--max-model-len", "2048")),
+                                          "--max-model-len", "2048", "--kv-extra", json.dumps({"native_copy": False}))),
                 # the daemon dies after the scheduler's Lookup, before the worker's Get
                 "fault": run_vllm(hf_folder, work, "fault", [prompts["A"]], victim.address,
                                   args=("--connector-module", "tests.vllm_fault_connector"),
@@ -508,6 +517,7 @@ def test_long_prompt_is_a_hit_in_a_fresh_vllm_process(scenario, prompts):
     hits = full_chunks(prompts["A"]) // CHUNK + full_chunks(prompts["B"]) // CHUNK
     assert scenario["stats"]["tiers"]["cpu"]["hits"] >= hits
     assert "KVStoreConnector worker: loaded" in fresh["log"]
+    assert "page writes by kvstore's native writer" in fresh["log"]  # the CPU page layout was recognised
 
 
 def test_layerwise_load_gives_the_same_answer(scenario, prompts):
@@ -540,6 +550,8 @@ def test_eight_concurrent_requests_share_a_stored_prefix(scenario, prompts):
 def test_preemption_under_a_tiny_kv_budget(scenario):
     preempt, plain = scenario["runs"]["preempt"], scenario["runs"]["plain"]["outputs"]
     assert "preempted" in preempt["log"], "the budget did not force a preemption; the test proves nothing"
+    assert "page writes by vLLM's cache-write op" in preempt["log"]
+    assert all(o["num_cached_tokens"] > 0 for o in preempt["outputs"])  # the op wrote kvstore's hits
     assert all(len(o["token_ids"]) == PREEMPT_TOKENS for o in preempt["outputs"])
     assert [o["token_ids"][0] for o in preempt["outputs"]] == [o["token_ids"][0] for o in plain[-SHARED:][:4]]
 

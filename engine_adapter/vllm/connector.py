@@ -18,10 +18,11 @@ vLLM builds two instances: the scheduler side (in the engine-core process) and t
                                             tokens beyond vLLM's own prefix-cache hit
     3. plan     update_state_after_alloc    which block rows go to which vLLM pages (plan.py)
                 build_connector_meta        this step's loads, and the pieces it completes
-    4. load     start_load_kv               Get through the shared-memory arena, then the backend's
-                                            own cache-write op with a slot mapping writes the pages
-                                            before the forward (layerwise: one layer at a time,
-                                            awaited in wait_for_layer_load)
+    4. load     start_load_kv               Get through the shared-memory arena, then the pages are
+                                            written before the forward: on CPU by kvstore's native
+                                            page writer (kernels/page_copy.c), else by the backend's
+                                            own cache-write op with a slot mapping (layerwise: one
+                                            layer at a time, awaited in wait_for_layer_load)
     5. compute  vLLM's forward              only the tokens after the hit
     6. save     wait_for_save               copy the whole pages of each completed piece (one
                                             index_select per layer); a thread reorders them into a
@@ -63,6 +64,7 @@ from engine_adapter.loader import hf_rope
 from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
 from engine_adapter.vllm.layout import PagedKV, PageLayout, measure_page_layout, split_cache_write
 from engine_adapter.vllm.plan import ChunkLoad, Planner, StepPlan
+from kernels.page_copy import PageWriter
 from kvstore.config import default_listen
 from kvstore.dtypes import TORCH_DTYPE_NAMES, TORCH_DTYPES
 from kvstore.keys import KVLayout, Namespace
@@ -102,6 +104,8 @@ class ConnectorSettings:
     tail_blocks: bool = True     # also store/load the tokens after the last full chunk, up to the last page
     lease_s: float = 10.0        # the daemon keeps a reported hit from eviction this long (0: no lease)
     layerwise: bool = False      # write layer i's pages while vLLM computes layer i-1 (docs/vllm.md: measured)
+    native_copy: bool = True     # CPU pages written by kvstore's native page writer where it knows the
+                                 # layout (kernels/page_copy.c); false: vLLM's own cache-write op
     event_tier: str = "cpu"      # the daemon tier a Put lands in, named in vLLM's KV events (medium, ownership)
     save_mode: str = "auto"      # async: Put from a thread; sync: Put in the step; durable: sync, and on
                                  # disk or S3 when the step ends; auto: sync for kv_producer, else async
@@ -199,9 +203,8 @@ class LayerwiseLoad:
         began = time.perf_counter()
         try:
             for layer in stream:
-                cache = paged.caches[layer]
                 for tensor, slots in jobs:
-                    paged.write(tensor[layer, 0].transpose(0, 1), tensor[layer, 1].transpose(0, 1), cache, slots)
+                    paged.write_layers(tensor, slots, layer)
                 self.ready[layer].set()
             if not all(event.is_set() for event in self.ready):
                 raise LookupError("the daemon's layer stream ended early")
@@ -466,11 +469,25 @@ class KVStoreConnector(KVConnectorBase_V1):
             isa = self._cpu_isa(names[0], kernel_tokens)
             write = cpu_cache_write(isa)
             page_layout = measure_page_layout(write, layout.num_kv_heads, kernel_tokens, layout.head_dim, caches[0].dtype)
-            log.info("KVStoreConnector: CPU attention ISA %s, page layout measured", isa)
+            native = self._native_writer(caches, page_layout)
+            log.info("KVStoreConnector: CPU attention ISA %s, page layout %s; page writes by %s", isa,
+                     page_layout.name() or "measured", "kvstore's native writer" if native else "vLLM's cache-write op")
         else:
-            page_layout, write = PageLayout.split(kernel_tokens, layout.head_dim), split_cache_write
-        self.paged = PagedKV(caches, page_layout, layout.num_kv_heads, self.page_tokens, write=write)
+            page_layout, write, native = PageLayout.split(kernel_tokens, layout.head_dim), split_cache_write, None
+        self.paged = PagedKV(caches, page_layout, layout.num_kv_heads, self.page_tokens, write=write, native=native)
         self._layer_index = {name: i for i, name in enumerate(names)}
+
+    def _native_writer(self, caches: list[torch.Tensor], page_layout: PageLayout) -> PageWriter | None:
+        """The native page writer for these CPU caches, or None (turned off, a layout it does not
+        know, or no C compiler: then vLLM's own op writes the pages)."""
+        name = page_layout.name()
+        if not self.settings.native_copy or name is None:
+            return None
+        try:
+            return PageWriter(caches, name)
+        except (RuntimeError, ValueError) as exc:
+            log.warning("KVStoreConnector: native page writer unavailable (%s); vLLM's cache-write op writes pages", exc)
+            return None
 
     def _cpu_isa(self, layer_name: str, kernel_tokens: int) -> str:
         """The ISA the CPU attention backend chose for this model (it packs pages by it)."""

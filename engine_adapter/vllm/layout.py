@@ -28,9 +28,14 @@ span sits in page ``page_ids[(offset + i) // page_tokens]`` at row ``(offset + i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
+
+from kernels.page_copy_ref import PLANE_LAYOUTS, plane_offsets
+
+if TYPE_CHECKING:
+    from kernels.page_copy import PageWriter
 
 
 @dataclass(frozen=True)
@@ -92,17 +97,26 @@ class PageLayout:
         return cls(flat // (2 * head_dim), flat % (2 * head_dim))
 
     @classmethod
+    def named(cls, name: str, page_tokens: int, head_dim: int) -> "PageLayout":
+        """One of `kernels/page_copy_ref.py`'s named plane layouts (``split``: FLASH_ATTN / TRITON,
+        token row r is [K | V]; ``halves``: K rows, then V rows; ``kt_halves``: CPU ``vec``)."""
+        return cls.from_offsets(plane_offsets(name, page_tokens, head_dim))
+
+    @classmethod
     def split(cls, page_tokens: int, head_dim: int) -> "PageLayout":
-        """FLASH_ATTN / TRITON: token row r is [K | V]."""
-        r = torch.arange(page_tokens).view(-1, 1) * (2 * head_dim)
-        d = torch.arange(head_dim).view(1, -1)
-        return cls.from_offsets(torch.stack((r + d, r + head_dim + d)))
+        return cls.named("split", page_tokens, head_dim)
 
     @classmethod
     def halves(cls, page_tokens: int, head_dim: int) -> "PageLayout":
-        """The plane's memory read as [2 * page_tokens, head_dim]: K rows, then V rows, unpacked."""
-        k = torch.arange(page_tokens * head_dim).view(page_tokens, head_dim)
-        return cls.from_offsets(torch.stack((k, k + page_tokens * head_dim)))
+        return cls.named("halves", page_tokens, head_dim)
+
+    def name(self) -> str | None:
+        """The named layout this one is (the native page writer knows those), or None."""
+        offsets = self.plane_rows * (2 * self.head_dim) + self.plane_cols
+        for name in PLANE_LAYOUTS:
+            if torch.equal(offsets, plane_offsets(name, self.page_tokens, self.head_dim)):
+                return name
+        return None
 
 
 # (key [T, H, D], value [T, H, D], layer cache [pages, H, page_tokens, 2D] to write, slots [T]) -> None;
@@ -155,15 +169,19 @@ def measure_page_layout(write: CacheWrite, num_kv_heads: int, page_tokens: int, 
 class PagedKV:
     """All layers' paged caches of one vLLM worker, and the block <-> page copies.
 
-    Whole kernel pages of a span move as planes (one permuting copy per page and layer, through
-    the layout's flat offsets); the rows of a partly covered page go element by element::
+    A load's page writes take the fastest path given: the native page writer
+    (`kernels/page_copy.py`, CPU caches of a named layout), else the backend's own cache-write op
+    (``write``), else the layout's index tables, which are the reference the others are tested
+    against. On the last path whole kernel pages of a span move as planes (one permuting copy per
+    page and layer, through the layout's flat offsets); the rows of a partly covered page go
+    element by element::
 
         span     |..rows..|=====page=====|=====page=====|..rows..|
                   per-element           whole planes           per-element
     """
 
     def __init__(self, layer_caches: Sequence[torch.Tensor], layout: PageLayout, num_kv_heads: int,
-                 page_tokens: int, write: CacheWrite | None = None) -> None:
+                 page_tokens: int, write: CacheWrite | None = None, native: "PageWriter | None" = None) -> None:
         if not layer_caches:
             raise ValueError("PagedKV needs at least one layer")
         kernel_tokens, head_dim = layout.page_tokens, layout.head_dim
@@ -177,7 +195,8 @@ class PagedKV:
         self.caches = list(layer_caches)
         self.layout = layout
         self.page_tokens = page_tokens
-        self.write = write  # the backend's own cache-write op: scatter's fast path (one call per layer)
+        self.write = write  # the backend's own cache-write op (one call per layer)
+        self.native = native  # the native page writer (one call per block, all layers)
         device = self.caches[0].device
         self._plane_rows = layout.plane_rows.to(device)
         self._plane_cols = layout.plane_cols.to(device)
@@ -238,16 +257,29 @@ class PagedKV:
         """The block ``[layers, 2, kv_heads, span.tokens, head_dim]`` of a :meth:`copy_pages` result."""
         return PagedKV(list(pages), self.layout, pages.shape[2], self.page_tokens).gather(span)
 
+    def write_layers(self, block: torch.Tensor, slots: torch.Tensor, layer: int | None = None) -> None:
+        """Write every layer of ``block`` [layers, 2, kv_heads, T, head_dim], or only ``layer``, to
+        the pages at ``slots`` (:meth:`slots`) with the native writer or the backend's op."""
+        block = block.to(self.caches[0].device, self.caches[0].dtype)  # no copy when it already is
+        if self.native is not None:
+            if layer is None:
+                self.native.write(block, slots)
+            else:
+                self.native.write(block[layer : layer + 1], slots, first_layer=layer)
+            return
+        if self.write is None:
+            raise ValueError("write_layers needs the native page writer or the backend's cache-write op")
+        for index in range(self.num_layers) if layer is None else (layer,):
+            kv = block[index]
+            self.write(kv[0].transpose(0, 1), kv[1].transpose(0, 1), self.caches[index], slots)  # [T, H, D] views
+
     def scatter(self, block: torch.Tensor, span: PagedSpan) -> None:
         """Write a block ``[layers, 2, kv_heads, span.tokens, head_dim]`` into the span's pages."""
         if block.dim() != 5 or block.shape[0] != self.num_layers or block.shape[3] != span.tokens:
             raise ValueError(f"block shape {tuple(block.shape)} is not [layers={self.num_layers}, 2, kv_heads, "
                              f"tokens={span.tokens}, head_dim]")
-        if self.write is not None:
-            slots = self.slots(span)
-            block = block.to(self.caches[0].device)
-            for cache, layer in zip(self.caches, block):
-                self.write(layer[0].transpose(0, 1), layer[1].transpose(0, 1), cache, slots)  # [T, H, D] views
+        if self.native is not None or self.write is not None:
+            self.write_layers(block, self.slots(span))
             return
         pages, whole, page, row, rest = self._pieces(span)
         heads, n, d = block.shape[2], self.layout.page_tokens, self.layout.head_dim
