@@ -260,17 +260,14 @@ class PagedKV:
     def write_layers(self, block: torch.Tensor, slots: torch.Tensor, layer: int | None = None) -> None:
         """Write every layer of ``block`` [layers, 2, kv_heads, T, head_dim], or only ``layer``, to
         the pages at ``slots`` (:meth:`slots`) with the native writer or the backend's op."""
-        block = block.to(self.caches[0].device, self.caches[0].dtype)  # no copy when it already is
+        layers = range(self.num_layers) if layer is None else range(layer, layer + 1)
+        part = block[layers.start : layers.stop].to(self.caches[0].device, self.caches[0].dtype)  # a view if it is
         if self.native is not None:
-            if layer is None:
-                self.native.write(block, slots)
-            else:
-                self.native.write(block[layer : layer + 1], slots, first_layer=layer)
+            self.native.write(part, slots, first_layer=layers.start)
             return
         if self.write is None:
             raise ValueError("write_layers needs the native page writer or the backend's cache-write op")
-        for index in range(self.num_layers) if layer is None else (layer,):
-            kv = block[index]
+        for index, kv in zip(layers, part):
             self.write(kv[0].transpose(0, 1), kv[1].transpose(0, 1), self.caches[index], slots)  # [T, H, D] views
 
     def scatter(self, block: torch.Tensor, span: PagedSpan) -> None:
