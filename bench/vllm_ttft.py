@@ -117,9 +117,12 @@ def copy_benchmark(tokens: int, rounds: int = 7) -> dict:
     nbytes = sum(b.numel() * b.element_size() for b in blocks)
     source, target = torch.randn(nbytes // 2).to(torch.bfloat16), torch.empty(nbytes // 2, dtype=torch.bfloat16)
 
-    paths = {"op": PagedKV(caches, layout, heads, page, write=write), "layout": PagedKV(caches, layout, heads, page)}
+    # native first, right after memcpy: vLLM's op and the layout path run on OpenMP threads, which
+    # spin on the other core for a while after each parallel region
+    paths = {}
     if layout.name() is not None:
         paths["native"] = PagedKV(caches, layout, heads, page, native=PageWriter(caches, layout.name()))
+    paths.update(op=PagedKV(caches, layout, heads, page, write=write), layout=PagedKV(caches, layout, heads, page))
     copies = {"memcpy": lambda: target.copy_(source)}
     copies.update({name: (lambda paged=paged: [paged.scatter(b, s) for b, s in zip(blocks, spans)])
                    for name, paged in paths.items()})

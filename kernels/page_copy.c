@@ -16,8 +16,8 @@
  *
  * The K transpose of KT_HALVES moves 8x8 tiles of 16-bit elements through SSE2 registers (every
  * x86-64 has SSE2); other element sizes, other CPUs and tile edges go element by element. Layers
- * are shared out among `threads` POSIX threads. Nothing here allocates, and nothing checks bounds:
- * kernels/page_copy.py checks every shape, stride, slot and dtype before calling.
+ * are shared out among `threads` POSIX threads. Nothing here allocates; slots are checked against
+ * the caches' size here, every shape, stride and dtype by kernels/page_copy.py before the call.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -33,8 +33,8 @@ typedef struct {
     const uint64_t *caches;  /* [layers] base address of each layer's paged cache */
     const char *src;         /* block layer 0, K, head 0, token 0 */
     int64_t s_layer, s_kind, s_head, s_token;  /* strides in elements */
-    const int64_t *runs;     /* [n_runs, 4]: first token, page, first row, length */
-    int64_t n_runs;
+    const int64_t *slots;    /* [tokens] page * page_tokens + row of each token */
+    int64_t tokens;
     int first_layer, end_layer;
 } Job;
 
@@ -104,9 +104,11 @@ static void *run_job(void *arg) {
     for (int layer = job->first_layer; layer < job->end_layer; layer++) {
         char *cache = (char *)(uintptr_t)job->caches[layer];
         const char *src_layer = job->src + layer * job->s_layer * es;
-        for (int64_t i = 0; i < job->n_runs; i++) {
-            const int64_t *run = job->runs + 4 * i;
-            const int64_t token = run[0], page = run[1], row = run[2], len = run[3];
+        for (int64_t token = 0, len; token < job->tokens; token += len) {
+            /* the run: tokens whose slots follow each other within one page */
+            const int64_t page = job->slots[token] / n, row = job->slots[token] % n;
+            for (len = 1; token + len < job->tokens && row + len < n && job->slots[token + len] == job->slots[token] + len;)
+                len++;
             for (int h = 0; h < job->heads; h++) {
                 const char *k = src_layer + (h * job->s_head + token * job->s_token) * es;
                 const char *v = k + job->s_kind * es;
@@ -130,19 +132,23 @@ static void *run_job(void *arg) {
     return NULL;
 }
 
-/* Write a block's tokens into the pages of `layers` caches. A thread that cannot start leaves its
- * layers to the calling thread, so the copy is always complete. */
-void kvstore_write_pages(int layout, int elem_size, const uint64_t *caches, int layers, int heads, int page_tokens,
+/* Write a block's tokens into the pages of `layers` caches; each cache holds `slot_count` slots.
+ * Returns -1, having written nothing, when a slot is outside 0..slot_count-1; else 0. A thread
+ * that cannot start leaves its layers to the calling thread, so the copy is always complete. */
+int kvstore_write_pages(int layout, int elem_size, const uint64_t *caches, int layers, int heads, int page_tokens,
                         int head_dim, const char *src, int64_t s_layer, int64_t s_kind, int64_t s_head,
-                        int64_t s_token, const int64_t *runs, int64_t n_runs, int threads) {
+                        int64_t s_token, const int64_t *slots, int64_t tokens, int64_t slot_count, int threads) {
     Job jobs[64];
     pthread_t ids[64];
+    for (int64_t i = 0; i < tokens; i++)
+        if (slots[i] < 0 || slots[i] >= slot_count)
+            return -1;
     if (threads < 1) threads = 1;
     if (threads > 64) threads = 64;
     if (threads > layers) threads = layers;
     for (int t = 0; t < threads; t++) {
         Job job = {layout, elem_size, heads, page_tokens, head_dim, caches, src, s_layer, s_kind, s_head, s_token,
-                   runs, n_runs, layers * t / threads, layers * (t + 1) / threads};
+                   slots, tokens, layers * t / threads, layers * (t + 1) / threads};
         jobs[t] = job;
     }
     int started = 0;
@@ -156,4 +162,5 @@ void kvstore_write_pages(int layout, int elem_size, const uint64_t *caches, int 
         run_job(&jobs[t]);
     for (int t = 1; t <= started; t++)
         pthread_join(ids[t], NULL);
+    return 0;
 }

@@ -68,17 +68,18 @@ def native_library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("kvstore page writer: could not build %s (%s); the engine's own cache-write op is used", SOURCE, exc)
         return None
-    library.kvstore_write_pages.restype = None
+    library.kvstore_write_pages.restype = ctypes.c_int
     library.kvstore_write_pages.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_void_p, _I64, _I64, _I64, _I64, ctypes.c_void_p, _I64, ctypes.c_int,
+        ctypes.c_void_p, _I64, _I64, _I64, _I64, ctypes.c_void_p, _I64, _I64, ctypes.c_int,
     ]
     return library
 
 
 def page_runs(slots: torch.Tensor, page_tokens: int) -> torch.Tensor:
     """Consecutive tokens whose slots follow each other within one page, as int64 [runs, 4]:
-    (first token, page, first row, length)."""
+    (first token, page, first row, length). What `page_copy.c` copies as one tile per head; here
+    for tests and for reading."""
     slots = slots.to(torch.int64).cpu()
     if slots.numel() == 0:
         return torch.empty(0, 4, dtype=torch.int64)
@@ -92,9 +93,10 @@ def page_runs(slots: torch.Tensor, page_tokens: int) -> torch.Tensor:
 class PageWriter:
     """Writes blocks into one worker's CPU paged caches (one tensor per layer) with the native kernel.
 
-    Every check is made here, before the C code runs: caches contiguous, on the CPU, of one shape
-    ``[pages, kv_heads, page_tokens, 2 * head_dim]`` and dtype; a block of the caches' dtype with
-    head_dim contiguous; every slot inside the caches.
+    Every check is made before a byte is written: here, caches contiguous, on the CPU, of one shape
+    ``[pages, kv_heads, page_tokens, 2 * head_dim]`` and dtype, and a block of the caches' dtype
+    with head_dim contiguous; in the C code (one pass, no torch op per call), every slot inside the
+    caches.
 
     ``threads`` share out the layers. One is the default: a copy is bound by memory bandwidth, vLLM
     binds its worker's threads to cores (threads started from one inherit its single core), and on
@@ -141,14 +143,14 @@ class PageWriter:
                              f"{block.device} {block.dtype} strides {block.stride()}")
         if slots.dim() != 1 or slots.numel() != block.shape[3]:
             raise ValueError(f"{slots.numel()} slots for a block of {block.shape[3]} tokens")
-        runs = page_runs(slots, self.page_tokens)
-        if len(runs) and (int(slots.min()) < 0 or int(slots.max()) >= self.pages * self.page_tokens):
-            raise ValueError(f"slots {int(slots.min())}..{int(slots.max())} outside the caches' "
-                             f"{self.pages * self.page_tokens} slots")
-        if not len(runs) or not layers:
+        if slots.device.type != "cpu" or slots.dtype != torch.int64 or not slots.is_contiguous():
+            slots = slots.to("cpu", torch.int64).contiguous()
+        if not slots.numel() or not layers:
             return
         pointers = ctypes.addressof(self._pointers) + first_layer * ctypes.sizeof(ctypes.c_uint64)
         s_layer, s_kind, s_head, s_token, _ = block.stride()
-        self._write(_LAYOUT_CODES[self.layout], block.element_size(), pointers, layers, self.heads,
-                    self.page_tokens, self.head_dim, block.data_ptr(), s_layer, s_kind, s_head, s_token,
-                    runs.data_ptr(), len(runs), self.threads)
+        slot_count = self.pages * self.page_tokens
+        if self._write(_LAYOUT_CODES[self.layout], block.element_size(), pointers, layers, self.heads,
+                       self.page_tokens, self.head_dim, block.data_ptr(), s_layer, s_kind, s_head, s_token,
+                       slots.data_ptr(), slots.numel(), slot_count, self.threads) != 0:
+            raise ValueError(f"slots {int(slots.min())}..{int(slots.max())} outside the caches' {slot_count} slots")
