@@ -8,6 +8,9 @@
 
 A `choice` argument overrides the environment. Triton is imported only when it is chosen, so this
 package imports (and the codecs work) without triton installed.
+
+One kernel is native C rather than Triton: `page_copy.c` (through `page_copy.py`, beside
+`page_copy_ref.py`) writes blocks into vLLM's CPU pages, where Triton does not run.
 """
 
 from __future__ import annotations
