@@ -57,8 +57,40 @@ class CorruptBlockError(ValueError):
     """A block failed validation: bad magic, version, checksum or inconsistent lengths."""
 
 
+#: Bytes :func:`copy_checksummed` hashes and then copies at a time: a quarter of a core's L2, so
+#: the copy reads what the hash just brought into cache.
+CHECKSUM_STEP = 256 * 1024
+
+
 def payload_checksum(payload: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def copy_checksummed(dest: memoryview, payload: bytes | memoryview) -> int:
+    """Copy ``payload`` into ``dest`` (as long) and return its :func:`payload_checksum`, reading
+    the payload once from memory: each ``CHECKSUM_STEP`` chunk is hashed, then copied from cache
+    (XXH3's streaming digest equals the one-shot one). Hashing a whole 5.9 MB payload and then
+    copying it read it twice: 0.30 against 0.26 CPU s/GB here.
+
+    As when hashing first: a payload rewritten during the call (a client's arena) may store bytes
+    that differ from the ones hashed; the block then fails its checksum when read from disk or S3.
+
+        payload  |<- step ->|<- step ->| ... |<- rest ->|
+                   hash,copy  hash,copy        hash,copy
+    """
+    source = memoryview(payload).cast("B")
+    if len(dest) != len(source):
+        raise ValueError(f"destination of {len(dest)} bytes for a {len(source)}-byte payload")
+    if len(source) <= CHECKSUM_STEP:
+        checksum = xxhash.xxh3_64_intdigest(source)
+        dest[:] = source
+        return checksum
+    digest = xxhash.xxh3_64()
+    for start in range(0, len(source), CHECKSUM_STEP):
+        chunk = source[start : start + CHECKSUM_STEP]
+        digest.update(chunk)
+        dest[start : start + CHECKSUM_STEP] = chunk
+    return digest.intdigest()
 
 
 def _align(n: int) -> int:
@@ -91,6 +123,8 @@ class BlockHeader:
 
     @property
     def params_json(self) -> bytes:
+        if not self.codec_params:  # raw blocks: a Put asks each one's lengths a handful of times
+            return b"{}"
         return json.dumps(self.codec_params, sort_keys=True, separators=(",", ":")).encode()
 
     @property

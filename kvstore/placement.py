@@ -29,11 +29,12 @@ Write-behind copies read the block under ``lock`` but write it without (see writ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
-from kvstore.block import BlockHeader, CorruptBlockError
+from kvstore.block import BlockHeader, CorruptBlockError, payload_checksum
 from kvstore.holds import STREAM_HOLD_S, Holds
 from kvstore.keys import KVLayout, LookupResult
 from kvstore.metrics import Metrics
@@ -243,8 +244,12 @@ class BlockStore:
         self._layouts.setdefault(header.namespace, header.layout)
 
     async def put(self, header: BlockHeader, payload: memoryview, owner: str = "", quota: int = 0,
-                  durable: bool = False) -> None:
-        """Store a block in the top tier (evicting as needed) and queue its copy to lower tiers.
+                  durable: bool = False, hash_payload: bool = False) -> BlockHeader:
+        """Store a block in the top tier (evicting as needed) and queue its copy to lower tiers;
+        returns the header stored.
+
+        ``hash_payload``: ``header.checksum`` is not given but computed here from ``payload``, in
+        the same pass as the copy into a host-memory top tier (see ``Tier.put_checksummed``).
 
         ``owner`` with ``quota`` > 0: the owner may hold at most ``quota`` bytes in the top tier;
         its own least recently used blocks are evicted (demoted) first. ``durable``: return only
@@ -258,7 +263,7 @@ class BlockStore:
         async with self.lock:
             if quota:
                 await self._enforce_quota(owner, quota, header.block_len)
-            await self.store_in(0, header, payload)
+            header = await self.store_in(0, header, payload, hash_payload)
             if quota:
                 self.residency[0].set_owner(header.key, owner, header.block_len)
             self._note_layout(header)
@@ -268,6 +273,7 @@ class BlockStore:
         if self.write_through:
             self.write_behind.enqueue(durable_level + 1 if durable else 1, header.key)
         self.refresh_gauges()
+        return header
 
     def _durable_level(self) -> int:
         level = next((i for i, tier in enumerate(self.tiers) if tier.durable), None)
@@ -289,19 +295,27 @@ class BlockStore:
                                     f"of its {quota}-byte quota")
             await self._evict(0, victim)
 
-    async def store_in(self, level: int, header: BlockHeader, payload: memoryview) -> None:
-        """Write one block into tier ``level``, evicting LRU blocks to make room. Holds ``lock``."""
+    async def store_in(self, level: int, header: BlockHeader, payload: memoryview,
+                       hash_payload: bool = False) -> BlockHeader:
+        """Write one block into tier ``level``, evicting LRU blocks to make room; returns the
+        header stored (``hash_payload``: with the checksum computed from ``payload``, see
+        :meth:`put`). Holds ``lock``."""
         tier = self.tiers[level]
-        if header.key in tier and tier.header(header.key).checksum == header.checksum:
-            # Keys are content addresses: the same block again only refreshes its LRU position.
-            self.residency.touch(level, header.key)
-            return
         if header.key in tier:
+            if hash_payload:  # the stored copy's checksum is compared before anything is copied
+                header, hash_payload = dataclasses.replace(header, checksum=payload_checksum(payload)), False
+            if tier.header(header.key).checksum == header.checksum:
+                # Keys are content addresses: the same block again only refreshes its LRU position.
+                self.residency.touch(level, header.key)
+                return header
             await self.residency.delete(level, header.key)
         await self.make_room(level, header.block_len)
         for attempt in range(8):
             try:
-                await self.residency.put(level, header, payload)
+                if hash_payload:
+                    header = await self.residency.put_checksummed(level, header, payload)
+                else:
+                    await self.residency.put(level, header, payload)
                 break
             except TierFullError:
                 # The device filled up before our byte count said so (disk full): evict and retry.
@@ -310,6 +324,7 @@ class BlockStore:
                     raise
                 await self._evict(level, victim)
         self.metrics.bytes_in.labels(tier.name).inc(header.block_len)
+        return header
 
     async def make_room(self, level: int, nbytes: int) -> None:
         """Evict LRU blocks of tier ``level`` until ``nbytes`` fit. Holds ``lock``. TierFullError

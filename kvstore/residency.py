@@ -1,7 +1,7 @@
 """Which tier holds which key: one LRU per tier, and the one path by which a block enters or leaves
 a tier.
 
-    Residency.put / record / touch / delete / forget / clear / adopt_shared
+    Residency.put / put_checksummed / record / touch / delete / forget / clear / adopt_shared
         ├─► the tier itself (put, delete)             what a read finds
         ├─► TierLRU of that tier                      eviction order, owners' bytes
         ├─► KeyIndexWriter.add / remove (shm_index)   same-host clients' Lookup
@@ -148,6 +148,13 @@ class Residency:
         tier = self.tiers[level]
         await self._io.run(tier, tier.put, header, payload)
         self.record(level, header.key)
+
+    async def put_checksummed(self, level: int, header: BlockHeader, payload: memoryview) -> BlockHeader:
+        """:meth:`put` with the checksum computed as the tier stores the payload; returns the header stored."""
+        tier = self.tiers[level]
+        header = await self._io.run(tier, tier.put_checksummed, header, payload)
+        self.record(level, header.key)
+        return header
 
     def record(self, level: int, key: bytes) -> None:
         """Tier ``level`` holds ``key`` now (most recently used): a copy written outside the lock."""

@@ -12,7 +12,6 @@ shared memory within the arenas it names).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import json
 import logging
@@ -24,7 +23,7 @@ import grpc
 
 from kvstore.arenas import ArenaNotFound, ArenaRegistry
 from kvstore.auth import ANONYMOUS, Tenant, TenantDirectory
-from kvstore.block import BlockHeader, payload_checksum
+from kvstore.block import BlockHeader
 from kvstore.keys import KEY_BYTES
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYER_COPIES, MAX_LAYERS, MAX_LEASE_MS
 from kvstore.placement import STREAM_HOLD_S, BlockGoneError, BlockStore, GetResult
@@ -93,8 +92,9 @@ def _check_keys(keys, what: str = "keys") -> list[bytes]:
     return list(keys)
 
 
-def header_from_meta(meta: pb.BlockMeta, payload_len: int) -> BlockHeader:
-    """Validate a client's BlockMeta (ValueError with the reason) and build the stored header."""
+def header_from_meta(meta: pb.BlockMeta, payload_len: int, tenant: Tenant, stored_key: bytes) -> BlockHeader:
+    """Validate a client's BlockMeta (ValueError with the reason) and build the header stored:
+    under ``stored_key`` and the tenant's namespace, its checksum still 0 (the store computes it)."""
     if len(meta.key) != KEY_BYTES or len(meta.namespace) != KEY_BYTES:
         raise ValueError(f"meta.key and meta.namespace must be {KEY_BYTES} bytes, got "
                          f"{len(meta.key)} and {len(meta.namespace)}")
@@ -111,8 +111,10 @@ def header_from_meta(meta: pb.BlockMeta, payload_len: int) -> BlockHeader:
         raise ValueError(f"meta.codec_params_json is not JSON: {exc}") from None
     if not isinstance(params, dict):
         raise ValueError("meta.codec_params_json must be a JSON object")
-    return BlockHeader(key=meta.key, namespace=meta.namespace, layout=layout, tokens=meta.tokens,
-                       payload_len=payload_len, checksum=0, codec=meta.codec or "raw", codec_params=params)
+    # A tenant's namespace is its own: its layout binding is invisible to other tenants.
+    return BlockHeader(key=stored_key, namespace=tenant.stored_key(meta.namespace), layout=layout,
+                       tokens=meta.tokens, payload_len=payload_len, checksum=0, codec=meta.codec or "raw",
+                       codec_params=params)
 
 
 def meta_from_header(header: BlockHeader) -> pb.BlockMeta:
@@ -230,21 +232,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             else:
                 raise ValueError(f"items[{i}] carries no payload (set inline or slice)")
             try:
-                header = header_from_meta(item.meta, len(payload))
+                header = header_from_meta(item.meta, len(payload), tenant, stored_keys[i])
             except ValueError as exc:
                 raise ValueError(f"items[{i}]: {exc}") from None
-            # A tenant's namespace is its own: its layout binding is invisible to other tenants.
-            header = dataclasses.replace(header, key=stored_keys[i], namespace=tenant.stored_key(header.namespace))
             self.store.check_namespace(header)
             prepared.append((header, payload))
         self._check_bytes(tenant, "this Put", 0, shared, arena_ids)
-        # Validate everything before storing anything; then checksum and store. (A client that
-        # rewrites its arena during the call spoils only this block of its own, stored under its
-        # tenant's keys: the checksum then fails and the block reads as a counted corrupt miss.)
+        # Validate everything before storing anything; then store, the checksum computed as the
+        # payload is copied. (A client that rewrites its arena during the call spoils only this
+        # block of its own, stored under its tenant's keys: the checksum then fails and the block
+        # reads as a counted corrupt miss.)
         for header, payload in prepared:
-            header = dataclasses.replace(header, checksum=payload_checksum(payload))
             await self.store.put(header, payload, owner=tenant.name, quota=tenant.quota_bytes,
-                                 durable=request.durable)
+                                 durable=request.durable, hash_payload=True)
             if tenant.name:
                 self._usage[tenant.name].bytes_in[self.store.tiers[0].name] += header.payload_len
         return pb.PutResponse(stored=len(prepared))

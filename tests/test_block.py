@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from kvstore.block import FIXED_BYTES, BlockHeader, CorruptBlockError, parse_block, payload_checksum
+from kvstore.block import (CHECKSUM_STEP, FIXED_BYTES, BlockHeader, CorruptBlockError, copy_checksummed,
+                          parse_block, payload_checksum)
 from kvstore.keys import KVLayout
 
 LAYOUT = KVLayout(4, 3, 64, "float16")
@@ -50,3 +51,13 @@ def test_flipped_payload_byte_and_truncation_are_detected():
 def test_raw_payload_must_match_layout():
     with pytest.raises(ValueError, match="must be"):
         BlockHeader(key=b"k" * 16, namespace=b"n" * 16, layout=LAYOUT, tokens=10, payload_len=123, checksum=0)
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, CHECKSUM_STEP - 1, CHECKSUM_STEP, CHECKSUM_STEP + 1, 5 * CHECKSUM_STEP + 500])
+def test_copy_checksummed_copies_and_hashes_as_the_one_shot_checksum(size):
+    payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    dest = bytearray(size)
+    assert copy_checksummed(memoryview(dest), memoryview(payload)) == payload_checksum(payload.tobytes())
+    assert bytes(dest) == payload.tobytes()
+    with pytest.raises(ValueError):
+        copy_checksummed(memoryview(bytearray(size + 1)), payload.tobytes())

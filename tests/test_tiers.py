@@ -74,6 +74,22 @@ def test_cpu_tier_round_trip_full_and_integrity():
         tier.read_payload_into(stored[0][0].key, memoryview(bytearray(10**6)))
 
 
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_checksummed_put_stores_the_payload_with_its_checksum(kind, tmp_path):
+    """CPU: hashed as it is copied; disk: the default, hashed then put. Either: as a put of the
+    header with the checksum computed first, and readable (disk verifies it)."""
+    header, payload = make_block(7, tokens=2000)  # 768 KB: several copy_checksummed steps
+    tier = CpuTier(capacity_bytes=1 << 22) if kind == "cpu" else DiskTier(tmp_path, capacity_bytes=1 << 22)
+    unhashed = BlockHeader(key=header.key, namespace=header.namespace, layout=LAYOUT, tokens=2000,
+                           payload_len=header.payload_len, checksum=0)
+    stored = tier.put_checksummed(unhashed, payload)
+    assert stored == header and tier.header(header.key) == header
+    assert read(tier, header) == bytes(payload)
+    with pytest.raises(ValueError):
+        tier.put_checksummed(make_block(8)[0], payload)  # payload_len disagrees: nothing stored
+    assert len(tier) == 1
+
+
 def test_disk_tier_round_trip_and_restart(tmp_path):
     tier = DiskTier(tmp_path, capacity_bytes=1 << 24)
     blocks = [make_block(i) for i in range(5)]

@@ -8,10 +8,11 @@ time and may call ``read_payload_into`` from worker threads for tiers with ``blo
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from typing import Iterator
 
-from kvstore.block import BlockHeader
+from kvstore.block import BlockHeader, payload_checksum
 
 
 class TierError(RuntimeError):
@@ -81,6 +82,14 @@ class Tier(ABC):
         Raises TierFullError when it does not fit (nothing is changed then) and TierError on I/O
         failure. The payload's checksum is the caller's promise; tiers do not recompute it.
         """
+
+    def put_checksummed(self, header: BlockHeader, payload: memoryview) -> BlockHeader:
+        """:meth:`put` of a block whose payload checksum is computed here (``header.checksum`` is
+        ignored); returns the header stored. Host-memory tiers hash each chunk as they copy it
+        (:func:`kvstore.block.copy_checksummed`, one read of the payload); others hash, then put."""
+        header = dataclasses.replace(header, checksum=payload_checksum(payload))
+        self.put(header, payload)
+        return header
 
     @abstractmethod
     def read_payload_into(self, key: bytes, dest: memoryview) -> BlockHeader:

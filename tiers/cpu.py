@@ -11,13 +11,14 @@ never sees bytes of a block put in its place.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import threading
 from typing import Iterator
 
 import numpy as np
 
-from kvstore.block import BlockHeader, CorruptBlockError
+from kvstore.block import BlockHeader, CorruptBlockError, copy_checksummed
 from tiers.allocator import ExtentAllocator
 from tiers.base import Tier, TierFullError
 from tiers.memory import prefault
@@ -92,16 +93,39 @@ class CpuTier(Tier):
         return self.payload_view(key)
 
     def put(self, header: BlockHeader, payload: memoryview) -> None:
+        offset = self._allocate(header, payload)
+        start = offset + header.header_len
+        self._arena[start : start + header.payload_len] = np.frombuffer(payload, dtype=np.uint8)
+        self._index(offset, header)
+
+    def put_checksummed(self, header: BlockHeader, payload: memoryview) -> BlockHeader:
+        offset = self._allocate(header, payload)
+        start = offset + header.header_len  # header_len does not depend on the checksum
+        try:
+            checksum = copy_checksummed(memoryview(self._arena[start : start + header.payload_len]), payload)
+        except BaseException:
+            with self._lock:
+                self._allocator.free(offset)
+            raise
+        header = dataclasses.replace(header, checksum=checksum)
+        self._index(offset, header)
+        return header
+
+    def _allocate(self, header: BlockHeader, payload: memoryview) -> int:
+        """An extent for the block (its header and payload); raises before anything is written."""
         if len(payload) != header.payload_len:
             raise ValueError(f"payload is {len(payload)} bytes, header says {header.payload_len}")
         with self._lock:
             offset = self._allocator.allocate(header.block_len)
         if offset is None:
             raise TierFullError(f"{self.name}: no free extent of {header.block_len} bytes")
+        return offset
+
+    def _index(self, offset: int, header: BlockHeader) -> None:
+        """Write the header of a block whose payload is in place, and index it (replacing any
+        block under its key)."""
         packed = header.pack()
         self._arena[offset : offset + len(packed)] = np.frombuffer(packed, dtype=np.uint8)
-        start = offset + header.header_len
-        self._arena[start : start + header.payload_len] = np.frombuffer(payload, dtype=np.uint8)
         self.delete(header.key)
         self._blocks[header.key] = (offset, header)
         self._used += header.block_len
