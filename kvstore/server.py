@@ -240,8 +240,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self._check_bytes(tenant, "this Put", 0, shared, arena_ids)
         # Validate everything before storing anything; then store, the checksum computed as the
         # payload is copied. (A client that rewrites its arena during the call spoils only this
-        # block of its own, stored under its tenant's keys: the checksum then fails and the block
-        # reads as a counted corrupt miss.)
+        # block of its own, stored under its tenant's keys: in the CPU tier the checksum is of the
+        # copy, so the block holds whatever was copied; in a tier that hashes first, it fails its
+        # checksum and reads as a counted corrupt miss.)
         for header, payload in prepared:
             await self.store.put(header, payload, owner=tenant.name, quota=tenant.quota_bytes,
                                  durable=request.durable, hash_payload=True)
