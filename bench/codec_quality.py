@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from compression import get_codec  # noqa: E402
-from compression.calibrate import SENSITIVITY_ALLOCATION  # noqa: E402
+from compression.calibrate import SENSITIVITY_ALLOCATION, SENSITIVITY_LIMIT  # noqa: E402
 from engine_adapter.generate import decode_loop, prefill  # noqa: E402
 from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
 from engine_adapter.model import KVCache, LlamaModel  # noqa: E402
@@ -244,12 +244,14 @@ def greedy_from(model: LlamaModel, kv: KVCache, context_len: int, question_ids: 
 
 def parse_kvtc(text: str) -> dict:
     """One --kvtc setting -> calibration options. ``KEY:VALUE[:DROP]`` (relative steps, post-RoPE keys, as
-    before) or ``key=0.2,value=0.2[,drop=0.5][,sinks=4][,rope=1]`` (``rope=1``: keys coded before RoPE)."""
+    before) or ``key=0.2,value=0.2[,drop=0.5][,sinks=4][,rope=1][,sens=1][,limit=4]`` (``rope=1``: keys coded
+    before RoPE; ``sens``: strength of the per-layer steps from measured sensitivity, clipped to
+    [1/limit, limit])."""
     if "=" not in text:
         parts = [float(v) for v in text.split(":")]
         return {"key": parts[0], "value": parts[1], "drop": parts[2] if len(parts) > 2 else 0.5, "sinks": 0, "rope": 0,
-                "sens": 0}
-    out = {"key": None, "value": None, "drop": 0.5, "sinks": 0, "rope": 0, "sens": 0}
+                "sens": 0, "limit": SENSITIVITY_LIMIT}
+    out = {"key": None, "value": None, "drop": 0.5, "sinks": 0, "rope": 0, "sens": 0, "limit": SENSITIVITY_LIMIT}
     for item in text.split(","):
         name, _, value = item.partition("=")
         if name not in out:
@@ -328,7 +330,7 @@ def kvtc_codecs(model: LlamaModel, tokenizer, args, evaluated: set[int], log) ->
             # step^2 alike, so the relative sensitivities hold at any step
             reference = bases[sinks, rope].with_allocation(dataclasses.replace(SENSITIVITY_ALLOCATION, sink_tokens=sinks))
             sensitivity = cached_sensitivity(model, texts, stats, reference, args.cache_dir, log)
-            scale = sensitivity_scale(sensitivity, groups=1, strength=setting["sens"])
+            scale = sensitivity_scale(sensitivity, groups=1, strength=setting["sens"], limit=setting["limit"])
             calibration = bases[sinks, rope].with_allocation(dataclasses.replace(allocation, row_scale=scale))
         calibration_store.register(calibration)
         spec = f"kvtc@{calibration.id[:12]}"
