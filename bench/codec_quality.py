@@ -446,6 +446,13 @@ def disk_ttft(model: LlamaModel, tokenizer, question: Question, block: torch.Ten
                 engine = CachedEngine(model, tokenizer, client)
                 keys = prefix_keys(engine.namespace, context)
                 store_context(client, engine, keys, full_kv, "disk", timeout_s=600)
+                on_disk = sum(f.stat().st_size for f in (scratch / f"d{len(out)}" / "blocks").rglob("*") if f.is_file())
+                raw_bytes = engine.namespace.layout.block_bytes(len(context))
+                if spec != "raw" and on_disk > 0.9 * raw_bytes:
+                    # measured 2026-12-02: a daemon whose top tier is the disk stores blocks as sent; only a
+                    # tier below the top re-encodes (kvstore/daemon.py), so this setup times raw loads
+                    raise RuntimeError(f"disk_codec {spec}: the disk tier holds {on_disk} bytes for {raw_bytes} raw, "
+                                       "i.e. blocks as sent; a disk-only daemon never transcodes")
                 runs = []
                 for _ in range(repeats + 1):
                     result = engine.generate(context + question.question_ids, max_new_tokens=1, store=False)
