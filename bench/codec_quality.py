@@ -30,7 +30,18 @@ the codec's KV (the teacher-forced forward already holds the KV of question + an
 A 135M model answers few MuSiQue questions right, so F1 moves by whole questions; KL and agreement
 are the sensitive measures.
 
-    python bench/codec_quality.py [--limit 20] [--seed 0] [--codecs raw int8 ...] [--json out.json]
+Also, with flags: per question, the reference's top-2 logit margin at the first answer token (is a
+flip a near-tie?) and how many questions got worse (any teacher-forced argmax changed);
+
+- ``--blend``      the blend case: the question's passages stored one block per chunk through the codec
+                   (computed alone, as `BlendEngine` stores them), blended with CacheBlend at
+                   ``--blend-ratio`` (0.15); first-token KL against the same blend over fp16-stored chunks;
+- ``--disk-read``  the disk tier's O_DIRECT read GB/s here, next to each codec's encode/decode GB/s, and
+                   the load GB/s from disk (encoded bytes read at that speed, then decoded);
+- ``--ttft-disk N`` TTFT warm from a disk-only daemon with each codec as its ``disk_codec`` against raw.
+
+    python bench/codec_quality.py [--limit 20] [--seed 0] [--codecs raw int8 ...] [--kvtc SETTING ...]
+                                  [--blend] [--disk-read] [--ttft-disk 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -56,7 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from compression import get_codec  # noqa: E402
-from compression.calibrate import SENSITIVITY_ALLOCATION  # noqa: E402
+from compression.calibrate import SENSITIVITY_ALLOCATION, SENSITIVITY_LIMIT  # noqa: E402
 from engine_adapter.generate import decode_loop, prefill  # noqa: E402
 from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
 from engine_adapter.model import KVCache, LlamaModel  # noqa: E402
@@ -233,12 +244,14 @@ def greedy_from(model: LlamaModel, kv: KVCache, context_len: int, question_ids: 
 
 def parse_kvtc(text: str) -> dict:
     """One --kvtc setting -> calibration options. ``KEY:VALUE[:DROP]`` (relative steps, post-RoPE keys, as
-    before) or ``key=0.2,value=0.2[,drop=0.5][,sinks=4][,rope=1]`` (``rope=1``: keys coded before RoPE)."""
+    before) or ``key=0.2,value=0.2[,drop=0.5][,sinks=4][,rope=1][,sens=1][,limit=4]`` (``rope=1``: keys coded
+    before RoPE; ``sens``: strength of the per-layer steps from measured sensitivity, clipped to
+    [1/limit, limit])."""
     if "=" not in text:
         parts = [float(v) for v in text.split(":")]
         return {"key": parts[0], "value": parts[1], "drop": parts[2] if len(parts) > 2 else 0.5, "sinks": 0, "rope": 0,
-                "sens": 0}
-    out = {"key": None, "value": None, "drop": 0.5, "sinks": 0, "rope": 0, "sens": 0}
+                "sens": 0, "limit": SENSITIVITY_LIMIT}
+    out = {"key": None, "value": None, "drop": 0.5, "sinks": 0, "rope": 0, "sens": 0, "limit": SENSITIVITY_LIMIT}
     for item in text.split(","):
         name, _, value = item.partition("=")
         if name not in out:
@@ -317,12 +330,143 @@ def kvtc_codecs(model: LlamaModel, tokenizer, args, evaluated: set[int], log) ->
             # step^2 alike, so the relative sensitivities hold at any step
             reference = bases[sinks, rope].with_allocation(dataclasses.replace(SENSITIVITY_ALLOCATION, sink_tokens=sinks))
             sensitivity = cached_sensitivity(model, texts, stats, reference, args.cache_dir, log)
-            scale = sensitivity_scale(sensitivity, groups=1, strength=setting["sens"])
+            scale = sensitivity_scale(sensitivity, groups=1, strength=setting["sens"], limit=setting["limit"])
             calibration = bases[sinks, rope].with_allocation(dataclasses.replace(allocation, row_scale=scale))
         calibration_store.register(calibration)
         spec = f"kvtc@{calibration.id[:12]}"
         log(f"{spec}: {text}, {int(calibration.kept.sum())}/{calibration.kept.numel()} components kept")
         out[spec] = get_codec(spec)
+    return out
+
+
+# -- the blend case: chunks stored lossy, then blended --------------------------------------------------------
+
+
+def blend_parts(tokenizer, data: Path, index: int):
+    """The question's 10 passages as `bench/reuse_vs_rag.build_prompt` cuts them: prefix, chunks, query."""
+    from bench.reuse_vs_rag import build_prompt
+
+    item = json.loads(data.read_text())[index]
+    return build_prompt(tokenizer, [p["text"] for p in item["ctxs"]], item["question"])
+
+
+def segment_blocks(model: LlamaModel, parts: list[list[int]], cache_dir: Path) -> list[torch.Tensor]:
+    """Each part's KV computed alone at 0..n-1 (`blend.assemble.chunk_block`) as stored: float16, cached on disk."""
+    from blend.assemble import chunk_block
+
+    blocks = []
+    for tokens in parts:
+        digest = hashlib.sha256(b"blend" + model.config.model_id.encode() + torch.tensor(tokens).numpy().tobytes())
+        path = cache_dir / f"seg-{digest.hexdigest()[:20]}.pt"
+        if path.is_file():
+            blocks.append(torch.load(path))
+            continue
+        block = chunk_block(model, tokens).to(STORE_DTYPE)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(block, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)
+        blocks.append(block)
+    return blocks
+
+
+@torch.inference_mode()
+def blend_first_logits(model: LlamaModel, prompt, blocks: list[torch.Tensor], codec, ratio: float) -> torch.Tensor:
+    """First-token logits [vocab] of CacheBlend over ``blocks`` (prefix + chunks) passed through ``codec``.
+
+    Each block is one stored block, as `BlendEngine` stores a chunk; the codec sees it as the
+    daemon's tiers would (start position estimated, not told)::
+
+        |<prefix>|<chunk 0>|<chunk 1>| ... |<chunk 9>|<query>|
+         '--- stored blocks, encoded + decoded, placed (keys re-rotated) ---' '-- prefilled --'
+         blend_prefill: layer 0 + check layer in full, then `ratio` of chunk tokens and the query
+    """
+    from blend.assemble import BlendLayout, place_block
+    from blend.recompute import blend_prefill
+    from blend.select import DEFAULT_SELECTOR, get_selector
+
+    layout = BlendLayout.from_lengths(len(prompt.prefix), [len(c) for c in prompt.chunks], len(prompt.query))
+    kv = model.new_cache(layout.total + 1)
+    for block, segment in zip(blocks, layout.cached):
+        if codec is not None:
+            encoded = codec.encode(block)
+            block = codec.decode(encoded.payload, encoded.params, tuple(block.shape), block.dtype)
+        place_block(model, kv, block, segment)
+    ids = torch.tensor(prompt.prefix + [t for c in prompt.chunks for t in c] + prompt.query, dtype=torch.long)
+    return blend_prefill(model, kv, layout, ids, get_selector(DEFAULT_SELECTOR), ratio).logits
+
+
+# -- reading from the disk tier ----------------------------------------------------------------------------------
+
+
+def o_direct_read_gbps(folder: Path, nbytes: int, piece: int) -> float:
+    """The disk tier's read ceiling: GB/s reading ``nbytes`` with O_DIRECT in ``piece``-byte reads (one block
+    each, as ``--disk-o-direct true`` reads), best of 2 (`bench/prefix_reuse.py`'s measure)."""
+    from bench.prefix_reuse import o_direct_read_gbps as measure
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return measure(folder, nbytes, piece)
+
+
+def disk_ttft(model: LlamaModel, tokenizer, question: Question, block: torch.Tensor, specs: list[str],
+              codecs: dict, folder: Path, repeats: int, log) -> dict[str, dict]:
+    """TTFT warm from the disk tier, per disk codec: one daemon each with no CPU tier and O_DIRECT reads.
+
+    The context's whole chunks (its tail cut off) are Put raw (the engine's float32 blocks) and the daemon re-encodes
+    them with its ``disk_codec``; `CachedEngine.generate` then loads them (Get, decode in the engine)
+    and prefills the question. Median of ``repeats`` after one untimed run. kvtc calibrations are
+    saved where the daemon and the engine resolve them (`calibration_store.save`).
+    """
+    import statistics
+    import tempfile
+
+    from bench.prefix_reuse import store_context
+    from compression import calibration_store
+    from compression.transform import TransformCodec
+    from engine_adapter.cached import CachedEngine
+    from engine_adapter.client import KVStoreClient
+    from kvstore.keys import prefix_keys
+    from kvstore.spawn import DaemonProcess
+
+    for spec in specs:
+        codec = codecs.get(spec)
+        if isinstance(codec, TransformCodec):
+            calibration_store.save(codec.calibration)
+    # only whole chunks, so the warm run loads every context token and prefills just the question
+    context = question.context_ids[:len(question.context_ids) // CHUNK_TOKENS * CHUNK_TOKENS]
+    full_kv = model.new_cache(len(context))
+    full_kv.load(block[:, :, :, :len(context)].to(model.dtype), 0)
+    out = {}
+    scratch = Path(tempfile.mkdtemp(prefix="kvb-codec-ttft-", dir=folder))
+    for spec in specs:
+        daemon = DaemonProcess.in_folder(scratch / f"d{len(out)}", cpu_capacity=0, disk_path=scratch / f"d{len(out)}" / "blocks",
+                                         disk_capacity="4GiB", disk_fsync="false", disk_o_direct="true",
+                                         disk_codec=spec)
+        try:
+            with KVStoreClient(daemon.address) as client:
+                engine = CachedEngine(model, tokenizer, client)
+                keys = prefix_keys(engine.namespace, context)
+                store_context(client, engine, keys, full_kv, "disk", timeout_s=600)
+                on_disk = sum(f.stat().st_size for f in (scratch / f"d{len(out)}" / "blocks").rglob("*") if f.is_file())
+                raw_bytes = engine.namespace.layout.block_bytes(len(context))
+                if spec != "raw" and on_disk > 0.9 * raw_bytes:
+                    # measured 2026-12-02: a daemon whose top tier is the disk stores blocks as sent; only a
+                    # tier below the top re-encodes (kvstore/daemon.py), so this setup times raw loads
+                    raise RuntimeError(f"disk_codec {spec}: the disk tier holds {on_disk} bytes for {raw_bytes} raw, "
+                                       "i.e. blocks as sent; a disk-only daemon never transcodes")
+                runs = []
+                for _ in range(repeats + 1):
+                    result = engine.generate(context + question.question_ids, max_new_tokens=1, store=False)
+                    if result.reused_tokens != len(context):
+                        raise RuntimeError(f"{spec}: reused {result.reused_tokens} tokens, expected all stored chunks")
+                    runs.append(result)
+                runs = runs[1:]
+                out[spec] = {"ttft_s": statistics.median(r.ttft_s for r in runs),
+                             "load_s": statistics.median(r.load_s for r in runs),
+                             "prefill_s": statistics.median(r.prefill_s for r in runs),
+                             "reused_tokens": runs[0].reused_tokens}
+                log(f"disk TTFT {spec}: {out[spec]}")
+        finally:
+            daemon.stop()
     return out
 
 
@@ -343,6 +487,9 @@ class CodecScore:
     answers: list[str] = field(default_factory=list)
     encode_s: float = 0.0  # all chunks, 1 torch thread
     decode_s: float = 0.0
+    per_question: list[dict] = field(default_factory=list)  # index, first_kl, first_agree, agreed / positions
+    blend_kl: list[float] = field(default_factory=list)  # --blend: first-token KL against the fp16-stored blend
+    blend_agree: list[bool] = field(default_factory=list)
 
     @property
     def ratio(self) -> float:
@@ -351,14 +498,21 @@ class CodecScore:
     def summary(self, ref_f1: float) -> dict:
         kl = torch.tensor(self.kl, dtype=torch.float64)
         f1 = sum(self.f1) / len(self.f1)
-        return {"codec": self.codec, "ratio": self.ratio, "kl_mean": float(kl.mean()),
+        worse = [q for q in self.per_question if q["agreed"] < q["positions"]]
+        out = {"codec": self.codec, "ratio": self.ratio, "kl_mean": float(kl.mean()),
                 "kl_p95": float(kl.quantile(0.95)), "kl_max": float(kl.max()),
                 "agree": sum(self.agree) / len(self.agree),
                 "first_kl": sum(self.first_kl) / len(self.first_kl),
                 "first_agree": sum(self.first_agree) / len(self.first_agree), "exact": sum(self.exact) / len(self.exact),
                 "f1": f1, "delta_f1": f1 - ref_f1, "positions": len(self.kl),
                 "encode_gbps": self.fp16_bytes / self.encode_s / 1e9 if self.encode_s else None,
-                "decode_gbps": self.fp16_bytes / self.decode_s / 1e9 if self.decode_s else None}
+                "decode_gbps": self.fp16_bytes / self.decode_s / 1e9 if self.decode_s else None,
+                "questions_worse": len(worse), "first_flipped": [q["index"] for q in self.per_question
+                                                                 if not q["first_agree"]]}
+        if self.blend_kl:
+            out.update(blend_kl=sum(self.blend_kl) / len(self.blend_kl), blend_kl_max=max(self.blend_kl),
+                       blend_agree=sum(self.blend_agree) / len(self.blend_agree))
+        return out
 
 
 def memcpy_gbps() -> float:
@@ -442,6 +596,16 @@ def main() -> int:
                              "(e.g. 0.2:0.2:0.2) or key=0.2,value=0.2,drop=0.2,sinks=4,rope=1 (see parse_kvtc)")
     parser.add_argument("--calibration-items", type=int, nargs="+", default=[33, 5],
                         help="dev.json indices whose contexts calibrate kvtc (default 33 5; must not be evaluated)")
+    parser.add_argument("--blend", action="store_true",
+                        help="also the blend case: each question's passages stored as chunks through each codec, "
+                             "blended (CacheBlend, --blend-ratio); first-token KL against the fp16-stored blend")
+    parser.add_argument("--blend-ratio", type=float, default=0.15, help="fraction of chunk tokens recomputed (0.15)")
+    parser.add_argument("--disk-read", action="store_true",
+                        help="also measure the disk tier's O_DIRECT read GB/s here and each codec's load GB/s "
+                             "from it (read the encoded bytes at that speed, then decode)")
+    parser.add_argument("--ttft-disk", type=int, default=0, metavar="REPEATS",
+                        help="also time TTFT warm from a disk-only daemon (O_DIRECT) on the first question, with "
+                             "disk_codec raw and each codec (median of REPEATS; 0 = off)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     if args.limit < 1 or args.max_new_tokens < 1:
@@ -459,6 +623,8 @@ def main() -> int:
     scores = {spec: CodecScore(codecs[spec].name) for spec in codecs}
     reference = CodecScore("fp16 (reference)")
     prefill_s, started = [], time.perf_counter()
+    first_margins: list[float] = []
+    blend_margins: list[float] = []
 
     with tqdm(total=len(questions) * (len(codecs) + 1), desc="codec x question", unit="run", file=sys.stderr) as bar:
         for q in questions:
@@ -477,6 +643,8 @@ def main() -> int:
             kv.truncate(n_ctx)
             ref_logits = teacher_forced_logits(model, kv, n_ctx, q.question_ids, answer)
             ref_argmax = ref_logits.argmax(-1)
+            top2 = ref_logits[0].topk(2).values
+            first_margins.append(float(top2[0] - top2[1]))  # how near a tie the reference's first token is
             ref_text = answer_text(tokenizer, answer)
             reference.fp16_bytes += fp16_bytes
             reference.answers.append(ref_text)
@@ -496,7 +664,11 @@ def main() -> int:
                 score.kl += kl.tolist()
                 score.first_kl.append(float(kl[0]))
                 score.first_agree.append(bool(logits[0].argmax() == ref_argmax[0]))
-                score.agree += (logits.argmax(-1) == ref_argmax).tolist()
+                agreed = (logits.argmax(-1) == ref_argmax).tolist()
+                score.agree += agreed
+                score.per_question.append({"index": q.index, "first_kl": float(kl[0]), "first_agree": score.first_agree[-1],
+                                           "agreed": sum(agreed), "positions": len(agreed),
+                                           "kl_mean": float(kl.mean())})
                 tokens = greedy_from(model, kv, n_ctx, q.question_ids, answer, ref_argmax, logits,
                                      args.max_new_tokens, eos)
                 text = answer_text(tokenizer, tokens)
@@ -505,6 +677,17 @@ def main() -> int:
                 score.f1.append(best_f1(text, q.answers))
                 bar.update(1)
             del kv, block
+            if args.blend:
+                bar.set_postfix_str(f"q{q.index} blend")
+                prompt = blend_parts(tokenizer, args.data, q.index)
+                blocks = segment_blocks(model, ([prompt.prefix] if prompt.prefix else []) + prompt.chunks, args.cache_dir)
+                ref_first = blend_first_logits(model, prompt, blocks, None, args.blend_ratio)
+                for spec, codec in codecs.items():
+                    first_logits = blend_first_logits(model, prompt, blocks, codec, args.blend_ratio)
+                    scores[spec].blend_kl.append(float(kl_per_position(ref_first[None], first_logits[None])[0]))
+                    scores[spec].blend_agree.append(bool(first_logits.argmax() == ref_first.argmax()))
+                top2 = ref_first.topk(2).values
+                blend_margins.append(float(top2[0] - top2[1]))
 
     # -- the report
     ref_f1 = sum(reference.f1) / len(reference.f1)
@@ -534,6 +717,53 @@ def main() -> int:
               f"{r['encode_gbps']:.3f} | {r['decode_gbps']:.3f} |")
     print("\nKL and agreement are the sensitive measures: with a 135M model F1 moves in steps of one "
           f"question (1/{len(questions)} = {1 / len(questions):.3f} of F1 per fully flipped answer).")
+    margin = {q.index: first_margins[i] for i, q in enumerate(questions)}
+    print("\nPer question: worse = questions with any teacher-forced argmax changed; first-token flips with the "
+          "reference's top-2 logit margin there (small = a near-tie); the reference's median margin is "
+          f"{sorted(first_margins)[len(first_margins) // 2]:.3f}\n")
+    print("| codec | questions worse | first-token flips (margin) |")
+    print("|---|---|---|")
+    for r in rows:
+        flips = ", ".join(f"{i} ({margin[i]:.3f})" for i in r["first_flipped"]) or "-"
+        print(f"| {r['codec']} | {r['questions_worse']} of {len(questions)} | {flips} |")
+    if args.blend:
+        print(f"\nBlend case: each question's passages (prefix + 10 chunks, `bench/reuse_vs_rag.build_prompt`) "
+              f"stored one block per chunk through the codec, blended at r = {args.blend_ratio} "
+              f"({len(questions)} prompts); first-token KL against the same blend over the fp16-stored chunks\n")
+        print("| codec | blend first KL mean | max | first agree % |")
+        print("|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['codec']} | {r['blend_kl']:.4f} | {r['blend_kl_max']:.4f} | {100 * r['blend_agree']:.1f} |")
+    ttft = None
+    if args.ttft_disk:
+        q = questions[0]
+        block, _ = context_block(model, q.context_ids, args.cache_dir)
+        specs = ["raw"] + [spec for spec in codecs if spec != "raw"]
+        ttft = disk_ttft(model, tokenizer, q, block, specs, codecs, args.cache_dir, args.ttft_disk, log)
+        print(f"\nTTFT warm from disk (dev item {q.index}, its first {ttft['raw']['reused_tokens']} context tokens, "
+              f"float32 blocks Put raw, "
+              f"re-encoded by the daemon's disk_codec; no CPU tier, O_DIRECT; median of {args.ttft_disk}):\n")
+        print("| disk_codec | TTFT s | load s | prefill s | TTFT vs raw |")
+        print("|---|---|---|---|---|")
+        for spec, t in ttft.items():
+            print(f"| {spec} | {t['ttft_s']:.3f} | {t['load_s']:.3f} | {t['prefill_s']:.3f} | "
+                  f"{t['ttft_s'] / ttft['raw']['ttft_s']:.2f}x |")
+    disk = None
+    if args.disk_read:
+        chunk_bytes = reference.fp16_bytes // sum(len(chunk_bounds(n)) for n in ctx_tokens)
+        read_gbps = o_direct_read_gbps(args.cache_dir / "disk-read", reference.fp16_bytes // len(questions), chunk_bytes)
+        disk = {"o_direct_read_gbps": read_gbps}
+        print(f"\nDisk tier: O_DIRECT reads of one block ({chunk_bytes >> 10} KiB) each, {read_gbps:.2f} GB/s here. "
+              "Load GB/s = fp16 bytes / (encoded bytes read at that speed + decode), 1 thread; raw reads fp16:\n")
+        print("| codec | enc GB/s | dec GB/s | read s per GB fp16 | decode s per GB fp16 | load GB/s from disk | vs raw |")
+        print("|---|---|---|---|---|---|---|")
+        print(f"| raw | - | - | {1 / read_gbps:.3f} | 0 | {read_gbps:.2f} | 1.00x |")
+        for spec, r in zip(codecs, rows):
+            read_s = 1 / (r["ratio"] * read_gbps)
+            decode_s = 1 / r["decode_gbps"]
+            r["disk_load_gbps"] = 1 / (read_s + decode_s)
+            print(f"| {r['codec']} | {r['encode_gbps']:.3f} | {r['decode_gbps']:.3f} | {read_s:.3f} | {decode_s:.3f} | "
+                  f"{r['disk_load_gbps']:.2f} | {r['disk_load_gbps'] / read_gbps:.2f}x |")
 
     targets = check_targets(rows)
     print()
@@ -548,9 +778,12 @@ def main() -> int:
             "questions": [{"index": q.index, "question": q.question, "answers": q.answers,
                            "context_tokens": len(q.context_ids), "question_tokens": len(q.question_ids),
                            "reference_answer": reference.answers[i], "reference_f1": reference.f1[i],
+                           "reference_first_margin": first_margins[i],
+                           "blend_reference_first_margin": blend_margins[i] if args.blend else None,
                            "codec_answers": {s: scores[s].answers[i] for s in codecs}}
                           for i, q in enumerate(questions)],
-            "reference_f1": ref_f1, "rows": rows, "targets": targets,
+            "reference_f1": ref_f1, "rows": rows, "targets": targets, "disk": disk, "ttft_disk": ttft,
+            "blend_ratio": args.blend_ratio if args.blend else None,
             "per_codec": {s: {k: v for k, v in asdict(scores[s]).items() if k != "answers"} for s in codecs},
         }, indent=2))
         print(f"json: {args.json}")

@@ -27,6 +27,7 @@ from compression.calibration import Allocation, Calibration, calibrate
 
 DEFAULT_ALLOCATION = Allocation(key_step=0.3, value_step=0.6, sink_tokens=4)
 SENSITIVITY_ALLOCATION = Allocation(key_step=0.35, value_step=0.35, drop=0.2)  # where row_sensitivity measures
+SENSITIVITY_LIMIT = 4.0  # per-row step factors are clipped to [1/limit, limit] (docs/compression.md)
 
 
 @dataclass
@@ -178,7 +179,7 @@ def codec_round_trip(codec, block: torch.Tensor) -> torch.Tensor:
 
 
 def sensitivity_scale(sensitivity: torch.Tensor, groups: int = 1, strength: float = 1.0,
-                      limit: float = 4.0) -> tuple[float, ...]:
+                      limit: float = SENSITIVITY_LIMIT) -> tuple[float, ...]:
     """Per-row step factors for `Allocation.row_scale` from per-(layer, k/v) KL sensitivities [L * 2].
 
     The KL a row adds grows as step^2 (small errors), and its bits fall as log2(step); spending
@@ -186,17 +187,21 @@ def sensitivity_scale(sensitivity: torch.Tensor, groups: int = 1, strength: floa
     normalised to geometric mean 1, raised to ``strength`` (0 = uniform) and clipped to
     [1/limit, limit]; each factor is repeated for the row's ``groups`` head groups.
     """
+    if not limit >= 1:
+        raise ValueError(f"sensitivity limit must be >= 1 (factors are clipped to [1/limit, limit]), got {limit}")
     s = sensitivity.double().clamp_min(float(sensitivity.max()) * 1e-6)
     factor = (s.log().mean() - s.log()).mul(0.5 * strength).exp().clamp(1 / limit, limit)  # [L * 2]
     return tuple(float(f) for f in factor.repeat_interleave(groups))
 
 
 def calibrate_model(model, texts_ids: list[list[int]], allocation: Allocation = DEFAULT_ALLOCATION,
-                    groups: int = 1, source: str = "", pre_rope: bool = True, sensitivity: bool = False) -> Calibration:
+                    groups: int = 1, source: str = "", pre_rope: bool = True, sensitivity: bool = False,
+                    sensitivity_limit: float = SENSITIVITY_LIMIT) -> Calibration:
     """`collect` then `calibrate` with the query / o_proj metric; keys before RoPE unless ``pre_rope=False``.
 
     ``sensitivity``: per-row step factors from `row_sensitivity`, measured under the calibration at
-    ``SENSITIVITY_ALLOCATION`` (relative sensitivities hold at any step to first order).
+    ``SENSITIVITY_ALLOCATION`` (relative sensitivities hold at any step to first order), clipped to
+    [1/sensitivity_limit, sensitivity_limit].
     """
     stats = collect(model, texts_ids)
     source = source or f"{stats.texts} texts, {stats.tokens} tokens"
@@ -209,7 +214,7 @@ def calibrate_model(model, texts_ids: list[list[int]], allocation: Allocation = 
 
     reference = base.with_allocation(dataclasses.replace(SENSITIVITY_ALLOCATION, sink_tokens=allocation.sink_tokens))
     rows = row_sensitivity(model, texts_ids, stats.blocks, TransformCodec(reference))
-    scale = sensitivity_scale(rows, groups=groups)
+    scale = sensitivity_scale(rows, groups=groups, limit=sensitivity_limit)
     return base.with_allocation(dataclasses.replace(allocation, row_scale=scale))
 
 
@@ -230,7 +235,9 @@ def run(args: argparse.Namespace) -> int:
         value_step=DEFAULT_ALLOCATION.value_step if args.value_step is None else args.value_step)
     calibration = calibrate_model(model, texts, allocation, groups=args.groups,
                                   source=f"{len(texts)} files, {sum(map(len, texts))} tokens",
-                                  pre_rope=not args.post_rope, sensitivity=args.sensitivity)
+                                  pre_rope=not args.post_rope, sensitivity=args.sensitivity,
+                                  sensitivity_limit=SENSITIVITY_LIMIT if args.sensitivity_limit is None
+                                  else args.sensitivity_limit)
     path = calibration_store.save(calibration)
     print(f"calibration {calibration.id}\n  file {path}\n  codec spec: kvtc@{calibration.id[:12]}  "
           f"(e.g. kvstore serve --disk-codec kvtc@{calibration.id[:12]})")

@@ -208,6 +208,9 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sensitivity", action="store_true",
                         help="per-layer steps from each layer's measured effect on the next-token distribution "
                              "(60 extra forwards over the texts; docs/compression.md measures it)")
+    parser.add_argument("--sensitivity-limit", type=float, default=None,
+                        help="with --sensitivity: per-layer step factors are clipped to [1/LIMIT, LIMIT] "
+                             "(default compression.calibrate.SENSITIVITY_LIMIT)")
     parser.add_argument("--gguf", type=Path, default=None, help="model GGUF (default: the bundled SmolLM2-135M)")
     parser.add_argument("--address", default=None, help="daemon address (default: the serve default socket)")
     parser.add_argument("--no-put", action="store_true", help="only write the calibration file, do not store it "

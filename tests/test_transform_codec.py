@@ -270,3 +270,6 @@ def test_sensitivity_scale_gives_sensitive_rows_finer_steps():
     assert math.prod(scale) == pytest.approx(1.0)  # geometric mean 1: about the same bytes
     assert sensitivity_scale(torch.tensor([1e-9, 1.0]), limit=4.0) == (4.0, 0.25)
     assert sensitivity_scale(torch.tensor([1e-4, 4e-4]), strength=0.0) == (1.0, 1.0)
+    assert sensitivity_scale(torch.tensor([1e-9, 1.0]), limit=16.0) == pytest.approx((16.0, 1 / 16))  # a wider clip
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        sensitivity_scale(torch.tensor([1e-4, 4e-4]), limit=0.5)
