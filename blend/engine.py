@@ -33,9 +33,9 @@ from engine_adapter.cached import model_namespace
 from engine_adapter.client import FetchedBlock, KVStoreClient
 from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
 from engine_adapter.generate import decode_after, sample_next
-from engine_adapter.model import LlamaModel
+from engine_adapter.model import KVCache, LlamaModel
 from engine_adapter.tokenizer import Tokenizer
-from kvstore.keys import chunk_key
+from kvstore.keys import Namespace, chunk_key
 
 
 DEFAULT_SEPARATOR = "<|chunk|>"
@@ -91,6 +91,17 @@ class BlendResult:
     store_done: threading.Event = field(default_factory=threading.Event, repr=False)
 
 
+@dataclass
+class BlendedPrompt:
+    """What :meth:`BlendEngine.prefill` leaves: the blended cache of every prompt token."""
+
+    kv: KVCache                     # tokens 0..layout.total-1 filled
+    layout: BlendLayout
+    result: BlendResult             # ttft_s, tokens and total_s are the caller's to fill
+    missing: list[tuple[bytes, int, torch.Tensor]]  # (chunk key, tokens, block) computed alone: to store
+    started: float                  # perf_counter() when the prefill began
+
+
 class BlendEngine:
     """The reference engine with CacheBlend chunk reuse through the kvstore daemon.
 
@@ -102,7 +113,8 @@ class BlendEngine:
 
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer, client: KVStoreClient | None,
                  selector: str | TokenSelector = DEFAULT_SELECTOR, ratio: float = DEFAULT_RATIO,
-                 controller: LoadingController | None = None, tenant: str = "") -> None:
+                 controller: LoadingController | None = None, tenant: str = "",
+                 cache: PrefixCache | None = None, namespace: Namespace | None = None) -> None:
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"ratio must be in [0, 1], got {ratio}")
         self.model = model
@@ -111,8 +123,9 @@ class BlendEngine:
         self.selector = get_selector(selector) if isinstance(selector, str) else selector
         self.ratio = ratio
         self.controller = controller
-        self.namespace = model_namespace(model, tenant)
-        self.cache = PrefixCache(client, self.namespace)
+        # another engine's guarded daemon link and namespace (the vLLM connector's) may be shared
+        self.namespace = namespace or (cache.namespace if cache is not None else model_namespace(model, tenant))
+        self.cache = cache or PrefixCache(client, self.namespace)
 
     @property
     def errors(self) -> int:
@@ -187,11 +200,13 @@ class BlendEngine:
     # -- generation ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def generate(self, prefix: Sequence[int], chunks: Sequence[Sequence[int]], query: Sequence[int],
-                 max_new_tokens: int = 32, ratio: float | None = None, selector: str | TokenSelector | None = None,
-                 temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
-                 use_cache: bool = True, store: bool = True) -> BlendResult:
-        """Generate after ``prefix + chunks + query`` (token ids), reusing each chunk's stored KV.
+    def prefill(self, prefix: Sequence[int], chunks: Sequence[Sequence[int]], query: Sequence[int],
+                ratio: float | None = None, selector: str | TokenSelector | None = None, use_cache: bool = True,
+                room: int = 1) -> BlendedPrompt:
+        """Load, assemble and blend ``prefix + chunks + query`` (token ids): the cache then holds
+        every prompt token's KV (chunks' selected tokens recomputed) and ``logits`` the first new
+        token's distribution. Segments the daemon lacks are computed alone and returned in
+        ``missing`` for the caller to store; ``room``: cache capacity past the prompt.
 
         ``ratio`` None: the engine's default, or the controller's choice when it has one.
         """
@@ -203,7 +218,7 @@ class BlendEngine:
         selector = self.selector if selector is None else (
             get_selector(selector) if isinstance(selector, str) else selector)
         keys = self.chunk_keys(parts)
-        kv = self.model.new_cache(layout.total + max(max_new_tokens, 1))
+        kv = self.model.new_cache(layout.total + max(room, 1))
         result = BlendResult(tokens=[], first_logits=torch.empty(0), ttft_s=0.0, prompt_tokens=layout.total,
                              chunk_tokens=layout.chunk_positions.numel(), recomputed_tokens=0, prefilled_tokens=0.0,
                              loaded_tokens=0, loaded_bytes=0, computed_segments=0, tiers=[], ratio=0.0,
@@ -227,14 +242,29 @@ class BlendEngine:
         loaded_at = time.perf_counter()
         ids = torch.tensor(prefix + [t for c in chunks for t in c] + query, dtype=torch.long)
         prefill = blend_prefill(self.model, kv, layout, ids, selector, result.ratio)
-        first = sample_next(prefill.logits, temperature, top_p, generator)
-        result.ttft_s = time.perf_counter() - start
         result.load_s, result.blend_s = loaded_at - start, time.perf_counter() - loaded_at
         result.first_logits = prefill.logits
         result.recomputed_tokens = int(prefill.selected.numel())
         result.prefilled_tokens = prefill.token_layers / len(self.model.layers) + computed_tokens
+        return BlendedPrompt(kv, layout, result, missing, start)
+
+    @torch.inference_mode()
+    def generate(self, prefix: Sequence[int], chunks: Sequence[Sequence[int]], query: Sequence[int],
+                 max_new_tokens: int = 32, ratio: float | None = None, selector: str | TokenSelector | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+                 use_cache: bool = True, store: bool = True) -> BlendResult:
+        """Generate after ``prefix + chunks + query`` (token ids), reusing each chunk's stored KV
+        (:meth:`prefill`), then store the segments that were missing, in the background.
+
+        ``ratio`` None: the engine's default, or the controller's choice when it has one.
+        """
+        blended = self.prefill(prefix, chunks, query, ratio, selector, use_cache, room=max_new_tokens)
+        result = blended.result
+        first = sample_next(result.first_logits, temperature, top_p, generator)
+        result.ttft_s = time.perf_counter() - blended.started
+        missing = blended.missing
         self.cache.store_blocks_async(len(missing) if store else 0, missing.__getitem__, result.store_done)
-        result.tokens = decode_after(self.model, kv, first, max_new_tokens, self.tokenizer.eos_token_ids,
+        result.tokens = decode_after(self.model, blended.kv, first, max_new_tokens, self.tokenizer.eos_token_ids,
                                      temperature, top_p, generator)
-        result.total_s = time.perf_counter() - start
+        result.total_s = time.perf_counter() - blended.started
         return result

@@ -29,6 +29,10 @@ vLLM builds two instances: the scheduler side (in the engine-core process) and t
                                             block and Puts it (save_mode async), or the step does
                                             (sync / durable, e.g. a kv_producer)
 
+A request with ``{"kvstore_blend": ...}`` in its ``kv_transfer_params`` is blended instead (CacheBlend:
+RAG passages reused at any position; ``engine_adapter/vllm/blend.py``): every token before its query
+is an external hit, which the worker writes with ``BlendEngine.prefill`` over a copy of the weights.
+
 A daemon that is down, slow or wrong costs misses, never a failed request: every call goes through
 the engines' shared guard (engine_adapter/prefix_cache.py: counted, each outage and each recovery
 logged once, a failed connection retried after ``retry_s``). A block that vanishes between Lookup
@@ -62,8 +66,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from engine_adapter.client import KVStoreClient
 from engine_adapter.loader import hf_rope
 from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
-from engine_adapter.vllm.layout import PagedKV, PageLayout, measure_page_layout, split_cache_write
+from engine_adapter.vllm.blend import BlendLoad, BlendSpec, VllmBlender, blend_spec
+from engine_adapter.vllm.layout import PagedKV, PagedSpan, PageLayout, measure_page_layout, split_cache_write
 from engine_adapter.vllm.plan import ChunkLoad, Planner, StepPlan
+from blend.engine import DEFAULT_RATIO
+from blend.select import DEFAULT_SELECTOR, SELECTORS
 from kernels.page_copy import PageWriter
 from kvstore.config import default_listen
 from kvstore.dtypes import TORCH_DTYPE_NAMES, TORCH_DTYPES
@@ -87,6 +94,7 @@ _HIT_SOURCES = {"gpu": CacheHitSource.DEVICE, "cpu": CacheHitSource.HOST, "disk"
 
 
 SAVE_MODES = ("auto", "async", "sync", "durable")
+BLEND_MODES = ("off", "lazy", "start")
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,13 @@ class ConnectorSettings:
     event_tier: str = "cpu"      # the daemon tier a Put lands in, named in vLLM's KV events (medium, ownership)
     save_mode: str = "auto"      # async: Put from a thread; sync: Put in the step; durable: sync, and on
                                  # disk or S3 when the step ends; auto: sync for kv_producer, else async
+    blend: str = "lazy"          # CacheBlend for requests that ask (engine_adapter/vllm/blend.py): "lazy" loads
+                                 # the blend's copy of the weights on the first such request, "start" at
+                                 # start, "off" serves them as plain prompts
+    blend_ratio: float = DEFAULT_RATIO  # fraction of passage tokens recomputed, unless a request says
+    blend_selector: str = DEFAULT_SELECTOR  # blend.select name, unless a request says
+    blend_controller: bool = False  # the ratio from measured load and compute speed (blend/controller.py)
+                                    # for requests that give none (or "auto"); blend_ratio is its floor
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":
@@ -134,6 +149,13 @@ class ConnectorSettings:
         if settings.save_mode not in SAVE_MODES:
             raise ValueError(f"kv_connector_extra_config['save_mode'] must be one of {SAVE_MODES}, "
                              f"got {settings.save_mode!r}")
+        if settings.blend not in BLEND_MODES:
+            raise ValueError(f"kv_connector_extra_config['blend'] must be one of {BLEND_MODES}, got {settings.blend!r}")
+        if not 0.0 <= settings.blend_ratio <= 1.0:
+            raise ValueError(f"kv_connector_extra_config['blend_ratio'] must be in [0, 1], got {settings.blend_ratio}")
+        if settings.blend_selector not in SELECTORS:
+            raise ValueError(f"kv_connector_extra_config['blend_selector'] {settings.blend_selector!r} is unknown; "
+                             f"known: {sorted(SELECTORS)}")
         if settings.timeout_s <= 0 or settings.retry_s < 0 or settings.lease_s < 0:
             raise ValueError("kv_connector_extra_config 'timeout_s' must be > 0, 'retry_s' and 'lease_s' >= 0")
         return settings
@@ -323,6 +345,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             # request -> (page ids, load start, end, step outputs seen): kept for two step outputs
             # (the load's step and, with async scheduling, the one before it)
             self._loading: dict[str, list] = {}
+            # blend requests: request -> (spec, vLLM's own hit), then the loads planned for the next step
+            self._blends: dict[str, tuple[BlendSpec, int]] = {}
+            self._blend_loads: list[BlendLoad] = []
         else:
             self.paged: PagedKV | None = None
             self.loaded_chunks = 0
@@ -335,6 +360,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._layer_index: dict[str, int] = {}
             self._stored_events: list = []  # BlockStored of pieces Put since the last step (save thread appends)
             self._layerwise: LayerwiseLoad | None = None  # this step's layer-wise load, until wait_for_save
+            self.blender: VllmBlender | None = None  # set in register_kv_caches unless blend is off
+            self._blend_stores: list = []  # passages a blend computed alone, stored after the forward
         self.cache.client()  # connect (and map the arena) now, not on the first request
 
     def _daemon_cache(self, role: KVConnectorRole) -> PrefixCache:
@@ -361,6 +388,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not prompt:
             return 0, False
         request_id = request.request_id
+        spec = self._blend_spec(request)
+        if spec is not None:  # a blend: the worker writes every token before the query
+            self._blends[request_id] = (spec, num_computed_tokens)
+            self._requests[request_id] = request
+            return max(0, spec.cached_tokens - num_computed_tokens), False
         keys = self.planner.keys_of(request_id, prompt)
         hits, tiers = 0, ()
         found = self.cache.lookup(keys)  # the local key index: no round trip
@@ -373,6 +405,23 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._requests[request_id] = request
         return self.planner.record_hit(request_id, hits, num_computed_tokens, tiers), False
 
+    def _blend_spec(self, request: "Request") -> BlendSpec | None:
+        """The blend a request asks for, or None: it asks for none, blend is off, its parameters
+        are malformed (logged, served as a plain prompt), or the daemon is down (then blending
+        would compute every passage alone: vLLM's own prefill is faster)."""
+        params = getattr(request, "kv_transfer_params", None)
+        if not params or self.settings.blend == "off":
+            return None
+        try:
+            spec = blend_spec(params, len(request.prompt_token_ids))
+        except ValueError as exc:
+            if request.request_id not in self._requests:  # once per request, not per scheduling attempt
+                log.warning("KVStoreConnector: request %s is served without blending: %s", request.request_id, exc)
+            return None
+        if spec is None or spec.cached_tokens == 0 or self.cache.client() is None:
+            return None
+        return spec
+
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
         sources: dict[CacheHitSource, int] = {}
         if num_external_tokens > 0 and request.request_id in self.planner.requests:
@@ -382,7 +431,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         return sources
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        if num_external_tokens > 0:
+        blend = self._blends.get(request.request_id)
+        if blend is not None and num_external_tokens > 0:
+            spec, start = blend
+            page_ids = blocks.get_block_ids()[0]
+            end = start + num_external_tokens
+            self._blend_loads.append(BlendLoad(request.request_id, tuple(request.prompt_token_ids), spec, start,
+                                               PagedSpan.of(page_ids, self.page_tokens, start, end)))
+            self._loading[request.request_id] = [list(page_ids), start, end, 0]
+        elif num_external_tokens > 0:
             page_ids = blocks.get_block_ids()[0]
             self.planner.plan_load(request.request_id, page_ids, num_external_tokens)
             start = self.planner.requests[request.request_id].local_tokens
@@ -410,6 +467,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
         plan = self.planner.plan_step([(rid, before, counts.get(rid, 0)) for rid, before in scheduled], page_ids_of,
                                       event_of if self._events_on else None)
+        plan.blends, self._blend_loads = self._blend_loads, []
         return KVStoreConnectorMetadata(plan)
 
     def take_events(self):
@@ -447,6 +505,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.planner.forget(request.request_id)
         self._requests.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
+        self._blends.pop(request.request_id, None)
         return False, None  # saves copy their pages within the step: vLLM may free them now
 
     # ==== worker side =========================================================================
@@ -476,6 +535,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             page_layout, write, native = PageLayout.split(kernel_tokens, layout.head_dim), split_cache_write, None
         self.paged = PagedKV(caches, page_layout, layout.num_kv_heads, self.page_tokens, write=write, native=native)
         self._layer_index = {name: i for i, name in enumerate(names)}
+        if self.settings.blend != "off":
+            settings = self.settings
+            self.blender = VllmBlender(self._vllm_config.model_config.model, self.namespace_dtype, self.cache,
+                                       self.namespace, settings.blend_ratio, settings.blend_selector,
+                                       settings.blend_controller)
+            if settings.blend == "start":
+                self.blender.engine()
 
     def _native_writer(self, caches: list[torch.Tensor], page_layout: PageLayout) -> PageWriter | None:
         """The native page writer for these CPU caches, or None (turned off, a layout it does not
@@ -515,7 +581,23 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         for chunks in plan.loads.values():
             self._load(chunks)
+        for blend in plan.blends:
+            self._blend(blend)
         self.load_s += time.perf_counter() - began
+
+    def _blend(self, load: BlendLoad) -> None:
+        """Blend one request into its pages; on any failure its pages are reported failed (vLLM
+        recomputes them) and the request is served as a plain prompt."""
+        try:
+            if self.blender is None or self.paged is None:
+                raise RuntimeError("blend is off in this worker")
+            blended = self.blender.run(load, self.paged)
+        except Exception as exc:  # noqa: BLE001 - a blend that fails is a prefill, never a failed request
+            log.warning("KVStoreConnector: blend of request %s failed (%s: %s); vLLM prefills it",
+                        load.request_id, type(exc).__name__, exc)
+            self._failed_pages.update(load.span.page_ids)
+            return
+        self._blend_stores.extend(blended.missing)
 
     def _start_layerwise(self, pieces: list[ChunkLoad]) -> bool:
         """Start this step's loads layer by layer (GetLayers, then a thread writing each layer's
@@ -579,6 +661,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         self._finish_layerwise()  # before vLLM asks for load errors
+        if self._blend_stores:  # passages blends computed alone, stored now that the forward is done
+            stores, self._blend_stores = self._blend_stores, []
+            self.cache.store_blocks_async(len(stores), stores.__getitem__)
         if not self.has_connector_metadata() or self.paged is None:
             return
         saves = self._get_connector_metadata().plan.saves
@@ -612,6 +697,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.cache.close(timeout=30.0)  # after the chunks already queued
         if self.role == KVConnectorRole.WORKER:
             log.info("KVStoreConnector worker: loaded %d pieces (%.1f MB, page writes %.1f ms, loads %.1f ms in all), "
-                     "saved %d, dropped %d, daemon errors %d in %d outages", self.loaded_chunks, self.load_bytes / 1e6,
-                     self.load_copy_s * 1e3, self.load_s * 1e3, self.saved_chunks, self.dropped_chunks,
-                     self.cache.errors, self.cache.outages)
+                     "saved %d, dropped %d, daemon errors %d in %d outages; blended %d requests (%.1f ms)",
+                     self.loaded_chunks, self.load_bytes / 1e6, self.load_copy_s * 1e3, self.load_s * 1e3,
+                     self.saved_chunks, self.dropped_chunks, self.cache.errors, self.cache.outages,
+                     self.blender.blended if self.blender else 0, (self.blender.seconds if self.blender else 0) * 1e3)

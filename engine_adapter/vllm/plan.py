@@ -60,9 +60,10 @@ class StepPlan:
 
     loads: dict[str, list[ChunkLoad]] = field(default_factory=dict)  # request id -> pieces, in order
     saves: list[ChunkSave] = field(default_factory=list)
+    blends: list = field(default_factory=list)  # blend.BlendLoad of requests blended this step
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves)
+        return bool(self.loads or self.saves or self.blends)
 
 
 @dataclass

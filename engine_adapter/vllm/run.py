@@ -3,8 +3,11 @@
     python -m engine_adapter.vllm.run --model DIR --prompts prompts.json --out result.json \\
         [--kvstore unix:/path/kvstore.sock] [--max-tokens 16] [--wait-stored 60]
 
-``prompts.json`` is a list of token-id lists; each is generated greedily, one request at a time
-(``--together``: all in one ``generate`` call, so vLLM batches them).
+``prompts.json`` is a list of prompts, each a token-id list or ``{"prompt_token_ids": [...],
+"kv_transfer_params": {...}}`` (e.g. a blend request, ``engine_adapter.vllm.blend.blend_request``);
+each is generated greedily, one request at a time (``--together``: all in one ``generate`` call, so
+vLLM batches them). ``--logprobs`` adds the first new token's log-probabilities over the whole
+vocabulary.
 The result holds, per prompt, the new token ids, vLLM's ``num_cached_tokens`` (its own prefix-cache
 hit plus kvstore's) and the wall time; with ``--wait-stored`` it also waits until the daemon holds
 every full chunk of each prompt (the connector saves in the background) and reports the namespace
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="kv_producer: a prefill instance (stores before returning); kv_consumer: decode (loads only)")
     parser.add_argument("--kv-events", default=None, metavar="ENDPOINT",
                         help="publish vLLM's KV events (its own and kvstore's) on this ZMQ endpoint, e.g. tcp://*:5557")
+    parser.add_argument("--logprobs", action="store_true",
+                        help="also write the first new token's log-probabilities over the whole vocabulary")
     parser.add_argument("--wait-stored", type=float, default=0.0, metavar="SECONDS",
                         help="after generating, wait up to this long for the daemon to hold every chunk")
     parser.add_argument("--wait-each", type=float, default=0.0, metavar="SECONDS",
@@ -91,19 +96,39 @@ def main(argv: list[str] | None = None) -> None:
         extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=args.kv_events)
     transfer = (kv_transfer_config(args.kvstore, args.connector_module, args.kv_role, **json.loads(args.kv_extra))
                 if args.kvstore else None)
+    if args.logprobs:
+        extra["max_logprobs"] = -1
     llm = LLM(model=args.model, dtype="bfloat16", max_model_len=args.max_model_len, enforce_eager=True,
               enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=transfer, **extra)
     result: dict = {"startup_s": time.perf_counter() - started, "outputs": []}
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos)
+    logprobs = {"logprobs": -1, "flat_logprobs": True} if args.logprobs else {}
+
+    def request(prompt) -> tuple:
+        ids, transfer = (prompt["prompt_token_ids"], prompt.get("kv_transfer_params")) if isinstance(prompt, dict) \
+            else (prompt, None)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos,
+                                extra_args={"kv_transfer_params": transfer} if transfer else None, **logprobs)
+        return TokensPrompt(prompt_token_ids=ids), params
+
     batches = [prompts] if args.together else [[prompt] for prompt in prompts]
     for batch in batches:
         start = time.perf_counter()
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in batch], params, use_tqdm=False)
+        requests = [request(prompt) for prompt in batch]
+        outputs = llm.generate([r for r, _ in requests], [p for _, p in requests], use_tqdm=False)
         for output in outputs:
-            result["outputs"].append({"token_ids": list(output.outputs[0].token_ids),
-                                      "text": output.outputs[0].text,
-                                      "num_cached_tokens": output.num_cached_tokens,
-                                      "seconds": time.perf_counter() - start})
+            done = {"token_ids": list(output.outputs[0].token_ids), "text": output.outputs[0].text,
+                    "num_cached_tokens": output.num_cached_tokens, "seconds": time.perf_counter() - start}
+            metrics = getattr(output, "metrics", None)
+            if getattr(metrics, "first_token_latency", 0):
+                done["first_token_latency_s"] = metrics.first_token_latency  # vLLM's own, before detokenizing
+            if args.logprobs:
+                first = output.outputs[0].logprobs  # FlatLogprobs; position 0 is the first new token
+                begin, end = first.start_indices[0], first.end_indices[0]
+                dense = [float("-inf")] * llm.llm_engine.model_config.get_vocab_size()
+                for token, value in zip(first.token_ids[begin:end], first.logprobs[begin:end]):
+                    dense[token] = value
+                done["first_logprobs"] = dense
+            result["outputs"].append(done)
         if args.kvstore and args.wait_each > 0:
             wait_stored(llm, args.kvstore, batch, args.wait_each)
     if args.kvstore and args.wait_stored > 0:

@@ -1,0 +1,194 @@
+"""CacheBlend inside vLLM: a RAG prompt's passages reused at any position (no vLLM import here).
+
+A request asks for blending with ``kv_transfer_params`` (vLLM passes them through
+``SamplingParams.extra_args``, and its OpenAI server through the request body)::
+
+    {"kvstore_blend": {"lengths": [prefix, passage 1, ..., passage n],   # token counts, in order
+                       "ratio": 0.15,                                  # optional: float in [0, 1] or "auto"
+                       "selector": "lead_attn_deviation"}}             # optional: blend.select name
+
+The prompt's tokens are ``prefix + passage 1 + ... + passage n + query``; the query (at least one
+token) is what follows the lengths. :func:`blend_request` builds both from text marked with the
+separator of ``blend.engine.split_prompt``, each part tokenized on its own, so a passage's tokens,
+and its chunk key, are the same in every prompt and in ``BlendEngine``.
+
+Through the connector (``connector.py``)::
+
+    scheduler  get_num_new_matched_tokens  a blend request reports prefix + passages as external hits
+               update_state_after_alloc    the pages of those tokens (after vLLM's own hit)
+               build_connector_meta        a BlendLoad: prompt ids, lengths, ratio, selector, pages
+    worker     start_load_kv               VllmBlender: BlendEngine.prefill over the same weights
+                                           (passages by chunk key from the daemon, missing ones
+                                           computed alone), then the blended KV into vLLM's pages
+               vLLM's forward              the query only
+               wait_for_save               passages computed alone are stored (background thread)
+
+Blended KV is never stored under prefix keys: it is not the exact KV of its token prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from blend.engine import DEFAULT_RATIO, DEFAULT_SEPARATOR, BlendEngine, split_prompt
+from blend.select import DEFAULT_SELECTOR, SELECTORS
+from engine_adapter.vllm.layout import PagedSpan
+
+if TYPE_CHECKING:
+    from blend.engine import BlendedPrompt
+    from engine_adapter.prefix_cache import PrefixCache
+    from engine_adapter.tokenizer import Tokenizer
+    from engine_adapter.vllm.layout import PagedKV
+    from kvstore.keys import Namespace
+
+log = logging.getLogger("vllm.kvstore_connector")
+
+BLEND_PARAM = "kvstore_blend"
+
+
+@dataclass(frozen=True)
+class BlendSpec:
+    """One request's blend: segment lengths (prefix, then passages), ratio and selector (None:
+    the deployment's; ratio "auto": the loading controller's)."""
+
+    lengths: tuple[int, ...]
+    ratio: float | str | None = None
+    selector: str | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens before the query: what the blend writes and vLLM need not compute."""
+        return sum(self.lengths)
+
+    def parts(self, prompt: Sequence[int]) -> tuple[list[int], list[list[int]], list[int]]:
+        """(prefix, passages, query) of ``prompt``."""
+        prompt = list(prompt)
+        bounds = [0]
+        for n in self.lengths:
+            bounds.append(bounds[-1] + n)
+        prefix = prompt[: bounds[1]]
+        passages = [prompt[a:b] for a, b in zip(bounds[1:-1], bounds[2:])]
+        return prefix, passages, prompt[bounds[-1]:]
+
+
+def blend_spec(params: dict[str, Any] | None, prompt_tokens: int) -> BlendSpec | None:
+    """The blend a request's ``kv_transfer_params`` ask for; None when they ask for none. Raises
+    ValueError (one line, naming the field) for a malformed request."""
+    if not params or BLEND_PARAM not in params:
+        return None
+    spec = params[BLEND_PARAM]
+    if not isinstance(spec, dict):
+        raise ValueError(f"kv_transfer_params[{BLEND_PARAM!r}] must be an object, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - {"lengths", "ratio", "selector"})
+    if unknown:
+        raise ValueError(f"kv_transfer_params[{BLEND_PARAM!r}] has unknown keys {unknown}; known: lengths, ratio, selector")
+    lengths = spec.get("lengths")
+    if not isinstance(lengths, (list, tuple)) or not lengths or \
+            not all(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
+        raise ValueError(f"{BLEND_PARAM}.lengths must be a list of token counts [prefix, passage, ...], got {lengths!r}")
+    if lengths[0] < 0 or any(n <= 0 for n in lengths[1:]):
+        raise ValueError(f"{BLEND_PARAM}.lengths: the prefix must be >= 0 tokens and every passage > 0, got {list(lengths)}")
+    if sum(lengths) >= prompt_tokens:
+        raise ValueError(f"{BLEND_PARAM}.lengths cover {sum(lengths)} of the prompt's {prompt_tokens} tokens; "
+                         f"the query needs at least one")
+    ratio = spec.get("ratio")
+    if ratio is not None and ratio != "auto" and (
+            isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0):
+        raise ValueError(f"{BLEND_PARAM}.ratio must be a number in [0, 1] or \"auto\", got {ratio!r}")
+    selector = spec.get("selector")
+    if selector is not None and selector not in SELECTORS:
+        raise ValueError(f"{BLEND_PARAM}.selector {selector!r} is unknown; known: {sorted(SELECTORS)}")
+    return BlendSpec(tuple(int(n) for n in lengths), None if ratio is None else (ratio if ratio == "auto" else float(ratio)),
+                     selector)
+
+
+def blend_request(tokenizer: "Tokenizer", text: str, separator: str = DEFAULT_SEPARATOR,
+                  ratio: float | str | None = None, selector: str | None = None) -> tuple[list[int], dict[str, Any]]:
+    """Prompt token ids and ``kv_transfer_params`` for ``text`` marked as for
+    ``blend.engine.split_prompt`` (``prefix<sep>passage<sep>...<sep>query``)::
+
+        ids, params = blend_request(tokenizer, text)
+        llm.generate(TokensPrompt(prompt_token_ids=ids),
+                     SamplingParams(max_tokens=64, extra_args={"kv_transfer_params": params}))
+    """
+    prompt = split_prompt(tokenizer, text, separator)
+    ids = prompt.prefix + [t for chunk in prompt.chunks for t in chunk] + prompt.query
+    spec: dict[str, Any] = {"lengths": [len(prompt.prefix), *(len(c) for c in prompt.chunks)]}
+    if ratio is not None:
+        spec["ratio"] = ratio
+    if selector is not None:
+        spec["selector"] = selector
+    return ids, {BLEND_PARAM: spec}
+
+
+@dataclass(frozen=True)
+class BlendLoad:
+    """A blend for the worker: tokens ``start .. spec.cached_tokens - 1`` of ``token_ids`` into ``span``
+    (``start``: vLLM's own prefix-cache hit, whose pages it already holds)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    spec: BlendSpec
+    start: int
+    span: PagedSpan
+
+
+class VllmBlender:
+    """The worker's blend: ``BlendEngine`` over the model's weights, its KV written into vLLM's pages.
+
+    The weights are a second copy loaded from vLLM's model folder (``load_hf_folder``), on the
+    first blend (or at start with ``eager``); ``BlendEngine`` shares the connector's guarded daemon
+    link and namespace, so passages are the same blocks ``BlendEngine`` stores anywhere.
+    """
+
+    def __init__(self, folder: str | Path, dtype: torch.dtype, cache: "PrefixCache", namespace: "Namespace",
+                 ratio: float = DEFAULT_RATIO, selector: str = DEFAULT_SELECTOR, controller: bool = False) -> None:
+        self.folder = Path(folder)
+        self.dtype = dtype
+        self.cache = cache
+        self.namespace = namespace
+        self.ratio = ratio
+        self.selector = selector
+        self.controller = controller
+        self._engine: BlendEngine | None = None
+        self._lock = threading.Lock()
+        self.blended = 0
+        self.seconds = 0.0
+
+    def engine(self) -> BlendEngine:
+        with self._lock:
+            if self._engine is None:
+                from blend.controller import LoadingController
+                from engine_adapter.loader import load_hf_folder
+
+                model, tokenizer = load_hf_folder(self.folder, dtype=self.dtype)
+                layout = self.namespace.layout
+                if (model.config.num_layers, model.config.num_kv_heads, model.config.head_dim) != \
+                        (layout.num_layers, layout.num_kv_heads, layout.head_dim):
+                    raise ValueError(f"the model in {self.folder} does not match vLLM's KV layout {layout}")
+                controller = LoadingController(layout.num_layers) if self.controller else None
+                self._engine = BlendEngine(model, tokenizer, None, selector=self.selector, ratio=self.ratio,
+                                           controller=controller,
+                                           cache=self.cache, namespace=self.namespace)
+                log.info("KVStoreConnector: blend model loaded from %s (%s)", self.folder, self.dtype)
+            return self._engine
+
+    def run(self, load: BlendLoad, paged: "PagedKV") -> "BlendedPrompt":
+        """Blend ``load`` and write tokens ``load.start ..`` of the blended KV into vLLM's pages."""
+        engine = self.engine()
+        prefix, passages, query = load.spec.parts(load.token_ids)
+        # no ratio, or "auto": the controller's choice where the deployment runs one, else its ratio
+        ratio = None if load.spec.ratio == "auto" else load.spec.ratio
+        blended = engine.prefill(prefix, passages, query, ratio=ratio, selector=load.spec.selector)
+        end = load.spec.cached_tokens
+        if load.start < end:
+            paged.scatter(blended.kv.export(load.start, end), load.span)
+        self.blended += 1
+        self.seconds += blended.result.load_s + blended.result.blend_s
+        return blended

@@ -1,0 +1,112 @@
+"""CacheBlend inside vLLM (issue #16): a real vLLM CPU process, a real daemon, the reference engine.
+
+Runs where vLLM is importable (CI's vLLM step, see .ci/run); the main suite skips it. One MuSiQue
+question with three passages: vLLM's full prefill is the reference; the same prompt as a blend
+request at ratio 1 must match it within bf16 tolerance, at 0.15 be closer than naive reuse (0), and
+the passages vLLM computed alone and stored must be hits for ``BlendEngine``, with its first token.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed here; CI runs this module from .venv-vllm (see .ci/run)",
+                allow_module_level=True)
+
+from blend.engine import BlendEngine  # noqa: E402
+from engine_adapter.client import KVStoreClient  # noqa: E402
+from engine_adapter.vllm.blend import BLEND_PARAM  # noqa: E402
+from engine_adapter.vllm.hf_folder import write_hf_folder  # noqa: E402
+from kvstore.spawn import DaemonProcess  # noqa: E402
+from tests.test_vllm import run_vllm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from reuse_vs_rag import MUSIQUE_DEV, build_prompt  # noqa: E402
+
+MODES = ("full", "ratio 1 (passages computed alone)", "ratio 0.15", "naive (ratio 0)", "bad parameters")
+
+
+def kl(ref: list[float], other: list[float]) -> float:
+    p, q = torch.tensor(ref, dtype=torch.float64), torch.tensor(other, dtype=torch.float64)
+    return float((p.exp() * (p - q)).sum())
+
+
+@pytest.fixture(scope="module")
+def blend_case():
+    from engine_adapter.loader import load_hf_folder
+
+    folder = write_hf_folder(Path(tempfile.gettempdir()) / "kvstore-test-hf-v1", dtype="bfloat16")
+    model, tokenizer = load_hf_folder(folder, dtype=torch.bfloat16)
+    data = MUSIQUE_DEV if MUSIQUE_DEV.is_file() else None
+    if data is None:
+        pytest.skip(f"MuSiQue data not found at {MUSIQUE_DEV}")
+    item = json.loads(data.read_text())[1]
+    passages = [c["title"] + "\n" + c["text"] if isinstance(c, dict) else c for c in item["ctxs"]]
+    prompt = build_prompt(tokenizer, passages, item["question"])
+    chosen = [0, 1, 2]
+    ids = prompt.ids(chosen)
+    lengths = [len(prompt.prefix), *(len(prompt.chunks[i]) for i in chosen)]
+
+    def blend(ratio) -> dict:
+        return {"prompt_token_ids": ids, "kv_transfer_params": {BLEND_PARAM: {"lengths": lengths, "ratio": ratio}}}
+
+    bad = {"prompt_token_ids": ids, "kv_transfer_params": {BLEND_PARAM: {"lengths": [len(ids)]}}}
+    work = Path(tempfile.mkdtemp(prefix="kvs-vllm-blend-"))
+    daemon = DaemonProcess.in_folder(work / "d", cpu_capacity="512MiB", disk_path="")
+    try:
+        run = run_vllm(folder, work, "blend", [ids, blend(1.0), blend(0.15), blend(0.0), bad], daemon.address,
+                       new_tokens=4, args=("--no-prefix-caching", "--logprobs"))
+        down = run_vllm(folder, work, "down", [blend(0.15)], f"unix:{work / 'none.sock'}", new_tokens=4,
+                        args=("--no-prefix-caching",))
+        with KVStoreClient(daemon.address) as client:
+            engine = BlendEngine(model, tokenizer, client)
+            reference = engine.generate(prompt.prefix, [prompt.chunks[i] for i in chosen], prompt.query,
+                                        max_new_tokens=1, ratio=0.15, store=False)
+        yield {"outputs": dict(zip(MODES, run["outputs"])), "log": run["log"], "down": down,
+               "reference": reference, "cached": sum(lengths)}
+    finally:
+        daemon.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_ratio_one_is_vllms_full_prefill(blend_case):
+    out = blend_case["outputs"]
+    full, exact = out["full"], out["ratio 1 (passages computed alone)"]
+    assert exact["token_ids"][0] == full["token_ids"][0]
+    assert kl(full["first_logprobs"], exact["first_logprobs"]) < 0.02  # bf16 tolerance (measured 0.001)
+
+
+def test_blend_reports_every_token_before_the_query_as_cached(blend_case):
+    out = blend_case["outputs"]
+    for mode in MODES[1:4]:
+        assert out[mode]["num_cached_tokens"] == blend_case["cached"], mode
+    assert "blended 3 requests" in blend_case["log"]
+
+
+def test_blend_at_0_15_is_closer_to_full_prefill_than_naive_reuse(blend_case):
+    out = blend_case["outputs"]
+    full = out["full"]["first_logprobs"]
+    assert kl(full, out["ratio 0.15"]["first_logprobs"]) < kl(full, out["naive (ratio 0)"]["first_logprobs"])
+
+
+def test_passages_vllm_stored_are_hits_for_blend_engine_with_its_first_token(blend_case):
+    reference = blend_case["reference"]
+    assert reference.computed_segments == 0  # vLLM computed them alone and stored them
+    assert reference.tokens[0] == blend_case["outputs"]["ratio 0.15"]["token_ids"][0]
+
+
+def test_bad_parameters_and_a_down_daemon_still_answer(blend_case):
+    out = blend_case["outputs"]
+    assert out["bad parameters"]["token_ids"][0] == out["full"]["token_ids"][0]
+    assert "served without blending" in blend_case["log"]
+    assert blend_case["down"]["outputs"][0]["token_ids"][0] == out["full"]["token_ids"][0]
