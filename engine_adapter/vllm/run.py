@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
                 if args.kvstore else None)
     if args.logprobs:
         extra["max_logprobs"] = -1
+        extra["disable_log_stats"] = False  # vLLM's own per-request first-token latency, in the output
     llm = LLM(model=args.model, dtype="bfloat16", max_model_len=args.max_model_len, enforce_eager=True,
               enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=transfer, **extra)
     result: dict = {"startup_s": time.perf_counter() - started, "outputs": []}

@@ -1,0 +1,184 @@
+"""RAG passages in vLLM: full prefill, vLLM's own prefix cache, kvstore naive reuse and CacheBlend.
+
+Per MuSiQue question (the CacheBlend paper's prompt, top-k BM25 passages, k = --top-k; 0: all 10)::
+
+    full       vLLM's full prefill of the prompt (the quality reference), prefix cache on, first sight
+    resident   the same prompt again: vLLM's own prefix cache
+    naive      a kvstore blend request at ratio 0: passages' KV reused as stored, only the query computed
+    blend r    a kvstore blend request at ratio r (--ratios), default selector
+
+Passages are stored first by the reference engine (``BlendEngine.ingest``), so every blend request
+finds them: vLLM reuses blocks another engine stored. vLLM's prefix cache is off for the kvstore
+modes, so their hits are kvstore's. TTFT is vLLM's own first-token latency of the request (engine
+front end to first token, before detokenizing the logprobs); KL is KL(P_full || P) of the first
+new token over the whole vocabulary; top-1 agreement with full; F1 of the greedy answer. The
+reference engine's own blend KL (``BlendEngine`` at the first ratio against its own full prefill)
+is printed beside vLLM's.
+
+    .venv-vllm/bin/python bench/vllm_rag.py --questions 20 [--top-k 3] [--ratios 0.15 0.3]
+        [--json out.json] [--plot bench/vllm_rag.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from blend.engine import BlendEngine  # noqa: E402
+from engine_adapter.client import KVStoreClient  # noqa: E402
+from engine_adapter.loader import load_hf_folder  # noqa: E402
+from engine_adapter.vllm.blend import BLEND_PARAM  # noqa: E402
+from engine_adapter.vllm.hf_folder import write_hf_folder  # noqa: E402
+from kvstore.spawn import DaemonProcess  # noqa: E402
+from reuse_vs_rag import MUSIQUE_DEV, bm25_top_k, build_prompt, f1_score  # noqa: E402
+
+
+def kl(ref: list[float] | torch.Tensor, other: list[float] | torch.Tensor) -> float:
+    """KL(P || Q) of two log-probability (or logit) vectors."""
+    p = torch.as_tensor(ref, dtype=torch.float64).log_softmax(-1)
+    q = torch.as_tensor(other, dtype=torch.float64).log_softmax(-1)
+    return float((p.exp() * (p - q)).sum())
+
+
+def run_vllm(folder: Path, work: Path, name: str, prompts: list, address: str | None, args: list[str],
+             new_tokens: int, max_model_len: int) -> list[dict]:
+    prompts_file, out = work / f"{name}.prompts.json", work / f"{name}.json"
+    prompts_file.write_text(json.dumps(prompts))
+    cmd = [sys.executable, "-m", "engine_adapter.vllm.run", "--model", str(folder), "--prompts", str(prompts_file),
+           "--out", str(out), "--max-tokens", str(new_tokens), "--logprobs", "--max-model-len", str(max_model_len),
+           *args]
+    if address:
+        cmd += ["--kvstore", address]
+    log = work / f"{name}.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        raise SystemExit(f"vLLM run {name} failed; see {log}:\n{log.read_text()[-3000:]}")
+    return json.loads(out.read_text())["outputs"]
+
+
+def ttft(output: dict) -> float:
+    return output.get("first_token_latency_s") or output["seconds"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--questions", type=int, default=20)
+    parser.add_argument("--skip", type=int, default=0, help="start at this question (keep a part aside)")
+    parser.add_argument("--top-k", type=int, default=3, help="BM25 passages per question; 0: all 10")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.15, 0.3])
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--data", type=Path, default=MUSIQUE_DEV)
+    parser.add_argument("--json", type=Path, default=None, help="per-question records")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG: TTFT and KL per mode")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="kvs-vllm-rag-"))
+    folder = write_hf_folder(Path(tempfile.gettempdir()) / "kvstore-test-hf-v1", dtype="bfloat16")
+    model, tokenizer = load_hf_folder(folder, dtype=torch.bfloat16)
+    items = json.loads(args.data.read_text())[args.skip : args.skip + args.questions]
+    cases = []
+    for item in items:
+        passages = [c["title"] + "\n" + c["text"] if isinstance(c, dict) else c for c in item["ctxs"]]
+        prompt = build_prompt(tokenizer, passages, item["question"])
+        chosen = bm25_top_k(item["question"], passages, args.top_k) if args.top_k else list(range(len(passages)))
+        lengths = [len(prompt.prefix), *(len(prompt.chunks[i]) for i in chosen)]
+        cases.append({"prompt": prompt, "chosen": chosen, "ids": prompt.ids(chosen), "lengths": lengths,
+                      "answers": item.get("answers") or [item.get("answer", "")]})
+    modes = ["full", "resident", "naive"] + [f"blend r={r}" for r in args.ratios]
+    daemon = DaemonProcess.in_folder(work / "d", cpu_capacity="2GiB", disk_path="")
+    try:
+        with KVStoreClient(daemon.address) as client:
+            engine = BlendEngine(model, tokenizer, client)
+            reference_kl = []
+            for case in cases:
+                p = case["prompt"]
+                engine.ingest([p.prefix] + [p.chunks[i] for i in case["chosen"]])
+                with torch.inference_mode():
+                    full = model(torch.tensor(case["ids"]), model.new_cache(len(case["ids"]) + 1), 0, last_only=True)[-1]
+                blended = engine.generate(p.prefix, [p.chunks[i] for i in case["chosen"]], p.query, max_new_tokens=1,
+                                          ratio=args.ratios[0], store=False)
+                reference_kl.append(kl(full.float(), blended.first_logits.float()))
+        plain = run_vllm(folder, work, "plain", [c["ids"] for c in cases for _ in range(2)], None, [],
+                         args.max_new_tokens, args.max_model_len)
+        blends = [{"prompt_token_ids": c["ids"], "kv_transfer_params": {BLEND_PARAM: {"lengths": c["lengths"], "ratio": r}}}
+                  for c in cases for r in [0.0, *args.ratios]]
+        blended_out = run_vllm(folder, work, "blend", blends, daemon.address, ["--no-prefix-caching"],
+                               args.max_new_tokens, args.max_model_len)
+    finally:
+        daemon.stop()
+    per_mode = len(args.ratios) + 1
+    records = []
+    for i, case in enumerate(cases):
+        outs = [plain[2 * i], plain[2 * i + 1], *blended_out[per_mode * i : per_mode * (i + 1)]]
+        ref = outs[0]["first_logprobs"]
+        record = {"question": args.skip + i, "prompt_tokens": len(case["ids"]), "cached_tokens": sum(case["lengths"]),
+                  "reference_blend_kl": reference_kl[i], "modes": {}}
+        for mode, out in zip(modes, outs):
+            record["modes"][mode] = {"ttft_s": ttft(out), "kl": kl(ref, out["first_logprobs"]),
+                                     "agree": out["token_ids"][0] == outs[0]["token_ids"][0],
+                                     "f1": f1_score(out["text"], case["answers"]),
+                                     "cached": out["num_cached_tokens"], "text": out["text"]}
+        records.append(record)
+
+    print(f"{len(records)} questions, top-{args.top_k or 'all'} passages, "
+          f"{statistics.mean(r['prompt_tokens'] for r in records):.0f} prompt tokens on average")
+    print(f"{'mode':<14}{'TTFT p50':>10}{'vs full':>9}{'KL mean':>10}{'top-1':>8}{'F1':>7}{'worse than naive':>18}")
+    summary = {}
+    for mode in modes:
+        rows = [r["modes"][mode] for r in records]
+        ttfts = [row["ttft_s"] for row in rows]
+        speedup = statistics.median(r["modes"]["full"]["ttft_s"] / r["modes"][mode]["ttft_s"] for r in records)
+        worse = sum(r["modes"][mode]["kl"] > r["modes"]["naive"]["kl"] for r in records)
+        summary[mode] = {"ttft_p50_s": statistics.median(ttfts), "speedup_vs_full": speedup,
+                         "kl_mean": statistics.mean(row["kl"] for row in rows),
+                         "agree": statistics.mean(row["agree"] for row in rows),
+                         "f1": statistics.mean(row["f1"] for row in rows), "worse_than_naive": worse}
+        s = summary[mode]
+        print(f"{mode:<14}{s['ttft_p50_s'] * 1e3:>8.0f}ms{speedup:>8.2f}x{s['kl_mean']:>10.4f}{s['agree']:>8.0%}"
+              f"{s['f1']:>7.3f}{worse:>18}")
+    first = f"blend r={args.ratios[0]}"
+    print(f"reference engine's own blend at r={args.ratios[0]}: KL mean "
+          f"{statistics.mean(reference_kl):.4f} (vLLM's: {summary[first]['kl_mean']:.4f})")
+    s, naive = summary[first], summary["naive"]
+    checks = [("TTFT vs full prefill >= 3x", s["speedup_vs_full"], s["speedup_vs_full"] >= 3.0),
+              ("KL <= 0.7x naive", s["kl_mean"] / max(naive["kl_mean"], 1e-12), s["kl_mean"] <= 0.7 * naive["kl_mean"]),
+              ("worse than naive <= 1 in 5", s["worse_than_naive"] / len(records), s["worse_than_naive"] <= len(records) / 5)]
+    for name, value, met in checks:
+        print(f"target {name} at {first}: {value:.2f} {'met' if met else 'MISSED'}")
+    if args.json:
+        args.json.write_text(json.dumps({"summary": summary, "records": records, "reference_blend_kl": reference_kl}))
+    if args.plot:
+        try:
+            import matplotlib
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        left.boxplot([[r["modes"][m]["ttft_s"] * 1e3 for r in records] for m in modes], tick_labels=modes)
+        left.set_ylabel("TTFT (ms), vLLM CPU")
+        right.boxplot([[r["modes"][m]["kl"] for r in records] for m in modes[2:]], tick_labels=modes[2:])
+        right.set_ylabel("first-token KL vs full prefill")
+        fig.suptitle(f"vLLM + kvstore on MuSiQue, {len(records)} questions, top-{args.top_k or 'all'} passages")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
