@@ -389,6 +389,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             return 0, False
         request_id = request.request_id
         spec = self._blend_spec(request)
+        self._blends.pop(request_id, None)  # a request asked again (preempted, or the daemon went down)
         if spec is not None:  # a blend: the worker writes every token before the query
             self._blends[request_id] = (spec, num_computed_tokens)
             self._requests[request_id] = request
