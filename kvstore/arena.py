@@ -8,7 +8,10 @@ The daemon creates every arena and hands it out; no client names a file for the 
                                               fd = memfd (pages allocated, sealed: no shrink, no grow)
       mmap(fd) ◄──────── {"arena_id": ...}\\n + fd (SCM_RIGHTS)
       ... Get/Put over gRPC name (arena_id, offset, length) ...
-      close (or exit, or crash) ────────────► EOF: the daemon unmaps the arena at once
+      close: "\\n" ────────────────────────►  release: the daemon unmaps the arena, then
+      unmap ◄─────────────────────────── EOF  closes the connection; the client's mapping goes
+                                              last, so the client frees the pages, not the daemon
+      exit, or crash ──────────────────────►  EOF: the daemon unmaps the arena at once
 
 Why sealed memfds: a client can do nothing to the pages' file that hurts the daemon. It cannot
 shrink it (a daemon copy past the end would die of SIGBUS) or grow it, and the size is the
@@ -45,6 +48,8 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 #: Longest request or reply line on the arena socket.
 MAX_LINE = 4096
+#: Seconds a client's close waits for the daemon to unmap its arena before unmapping its own.
+RELEASE_TIMEOUT_S = 2.0
 
 
 def arena_socket_path(socket_path: str | os.PathLike) -> Path:
@@ -149,5 +154,19 @@ class ArenaLease:
             raise
 
     def close(self) -> None:
-        self._connection.close()
+        """Release the arena: ask the daemon to unmap it, wait until it has (it then closes the
+        connection), and only then unmap ours. The last mapping to go frees the pages, so this
+        process, not the daemon, pays for freeing them (~10 ms of CPU per 118 MB here; in the
+        daemon that was taken from other clients' Gets). A daemon that does not answer within
+        ``RELEASE_TIMEOUT_S`` is not waited for."""
+        connection = self._connection
+        try:
+            connection.settimeout(RELEASE_TIMEOUT_S)
+            connection.sendall(b"\n")  # any byte after the reply: release
+            while connection.recv(MAX_LINE):
+                pass
+        except OSError:  # gone, refused, or too slow: the pages are freed by whoever unmaps last
+            pass
+        finally:
+            connection.close()
         self.arena.close()

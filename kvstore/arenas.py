@@ -11,7 +11,10 @@ See kvstore/arena.py for the protocol and why arenas are sealed memfds. Here:
   fds). Refusals name the caller's own cap, never what others hold.
 - ``ArenaSocket``: a unix socket beside the gRPC one (mode 0600), on the daemon's event loop. A
   request is one JSON line; the reply one JSON line with the memfd attached. The connection then
-  stays open: when it closes (the client closed it, exited or crashed), the arena is unmapped.
+  stays open: when it closes (the client exited or crashed), the arena is unmapped. A client that
+  closes in order sends a byte first and waits for EOF: the daemon unmaps the arena before it
+  closes the connection, so the client's mapping goes last and the client, not the daemon, pays
+  for freeing the pages (~10 ms of CPU per 118 MB here, once taken from other clients' Gets).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class _Entry:
     released: asyncio.Event = field(default_factory=asyncio.Event)
     #: Released, its unmapping under way: resolves for nobody, still counts against every cap.
     closing: bool = False
+    #: The unmapping in its worker thread, once released.
+    unmapped: asyncio.Future | None = None
 
 
 class ArenaRegistry:
@@ -125,16 +130,20 @@ class ArenaRegistry:
         GIL; on the event loop that stalled every other call, e.g. the Puts of other clients.)"""
         entry = self._detach(arena_id, tenant)
         if entry is None:
-            return
-        loop = asyncio.get_running_loop()
-        try:
-            unmapped = loop.run_in_executor(None, entry.arena.close)
-        except RuntimeError:  # the executor is shut down (the daemon is stopping)
-            entry.arena.close()
-            del self._entries[arena_id]
-            return
-        unmapped.add_done_callback(lambda _: self._entries.pop(arena_id, None))
-        try:
+            pending = self._entries.get(arena_id) if tenant is None else None
+            unmapped = pending.unmapped if pending is not None else None
+            if unmapped is None:
+                return
+        else:
+            loop = asyncio.get_running_loop()
+            try:
+                unmapped = entry.unmapped = loop.run_in_executor(None, entry.arena.close)
+            except RuntimeError:  # the executor is shut down (the daemon is stopping)
+                entry.arena.close()
+                del self._entries[arena_id]
+                return
+            unmapped.add_done_callback(lambda _: self._entries.pop(arena_id, None))
+        try:  # (an unmapping already under way, e.g. from UnregisterArena: waited for as well)
             await asyncio.shield(unmapped)  # a cancelled caller leaves the unmapping to finish
         except Exception:  # noqa: BLE001 - the arena is gone from the registry either way
             log.exception("arena %d: unmapping failed", arena_id)
@@ -247,9 +256,11 @@ class ArenaSocket:
         except Exception:  # noqa: BLE001 - one client's connection never takes the socket down
             log.exception("arena socket: connection failed")
         finally:
-            connection.close()
-            if arena_id is not None:
-                await self.registry.release(arena_id)
+            try:
+                if arena_id is not None:  # unmapped before the client sees EOF: it unmaps last (arena.py)
+                    await self.registry.release(arena_id)
+            finally:
+                connection.close()
 
     async def _register(self, raw: bytes, pid: int, uid: int) -> tuple[int, int, _Entry]:
         if uid not in (os.getuid(), 0):

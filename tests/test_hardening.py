@@ -124,6 +124,30 @@ def test_arenas_are_capped_per_client_and_released_with_their_connection(daemon_
     idle.close()
 
 
+def test_a_closing_client_frees_its_own_arena_pages(daemon):
+    """guarantees: Integrity — a client's close returns once the daemon has unmapped its arena, so the
+    client's own unmapping is the last and frees the pages (in the daemon, that CPU was taken from
+    other clients' Gets)."""
+    def daemon_arenas() -> int:
+        with open(f"/proc/{daemon.proc.pid}/maps") as maps:
+            return sum("memfd:kvstore-arena" in line for line in maps)
+
+    before = daemon_arenas()
+    for _ in range(5):  # the protocol: a byte after the reply; the daemon unmaps, then closes
+        connection, reply, fds = _raw_arena(daemon, 64 << 20)
+        os.close(fds[0])
+        assert "arena_id" in reply and daemon_arenas() == before + 1
+        connection.sendall(b"\n")
+        assert connection.recv(1) == b""
+        assert daemon_arenas() == before
+        connection.close()
+    for _ in range(3):  # what KVStoreClient.close does
+        client = KVStoreClient(daemon.address, arena_bytes=8 << 20)
+        assert client.shared_memory and daemon_arenas() == before + 1
+        client.close()
+        assert daemon_arenas() == before
+
+
 def test_a_client_cannot_shrink_grow_or_hollow_its_arena_under_the_daemon(daemon):
     """guarantees: Isolation — nothing a client does to its shared memory crashes or bloats the daemon."""
     size = 4 * BLOCK
