@@ -91,7 +91,7 @@ def main() -> None:
     items = json.loads(args.data.read_text())[args.skip : args.skip + args.questions]
     cases = []
     for item in items:
-        passages = [c["title"] + "\n" + c["text"] if isinstance(c, dict) else c for c in item["ctxs"]]
+        passages = [c["text"] for c in item["ctxs"]]  # as bench/reuse_vs_rag.py and bench/codec_quality.py
         prompt = build_prompt(tokenizer, passages, item["question"])
         chosen = bm25_top_k(item["question"], passages, args.top_k) if args.top_k else list(range(len(passages)))
         lengths = [len(prompt.prefix), *(len(prompt.chunks[i]) for i in chosen)]

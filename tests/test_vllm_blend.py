@@ -9,7 +9,6 @@ the passages vLLM computed alone and stored must be hits for ``BlendEngine``, wi
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
 import sys
 import tempfile
@@ -31,14 +30,11 @@ from tests.test_vllm import run_vllm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from reuse_vs_rag import MUSIQUE_DEV, build_prompt  # noqa: E402
+from codec_quality import blend_parts  # noqa: E402
+from reuse_vs_rag import MUSIQUE_DEV  # noqa: E402
+from vllm_rag import kl  # noqa: E402
 
 MODES = ("full", "ratio 1 (passages computed alone)", "ratio 0.15", "naive (ratio 0)", "bad parameters")
-
-
-def kl(ref: list[float], other: list[float]) -> float:
-    p, q = torch.tensor(ref, dtype=torch.float64), torch.tensor(other, dtype=torch.float64)
-    return float((p.exp() * (p - q)).sum())
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +46,7 @@ def blend_case():
     data = MUSIQUE_DEV if MUSIQUE_DEV.is_file() else None
     if data is None:
         pytest.skip(f"MuSiQue data not found at {MUSIQUE_DEV}")
-    item = json.loads(data.read_text())[1]
-    passages = [c["title"] + "\n" + c["text"] if isinstance(c, dict) else c for c in item["ctxs"]]
-    prompt = build_prompt(tokenizer, passages, item["question"])
+    prompt = blend_parts(tokenizer, data, 1)  # question 1's ten passages, as the codec bench cuts them
     chosen = [0, 1, 2]
     ids = prompt.ids(chosen)
     lengths = [len(prompt.prefix), *(len(prompt.chunks[i]) for i in chosen)]

@@ -143,7 +143,7 @@ class VllmBlender:
     """The worker's blend: ``BlendEngine`` over the model's weights, its KV written into vLLM's pages.
 
     The weights are a second copy loaded from vLLM's model folder (``load_hf_folder``), on the
-    first blend (or at start with ``eager``); ``BlendEngine`` shares the connector's guarded daemon
+    first blend (``blend: lazy``) or at start (``start``); ``BlendEngine`` shares the connector's guarded daemon
     link and namespace, so passages are the same blocks ``BlendEngine`` stores anywhere.
     """
 

@@ -55,6 +55,11 @@ def wait_stored(llm, address: str, prompts: list[list[int]], timeout: float) -> 
             time.sleep(0.05)
 
 
+def token_ids(prompt: list[int] | dict) -> list[int]:
+    """A prompt's token ids: the prompt itself, or its ``prompt_token_ids``."""
+    return prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="Hugging Face folder (see engine_adapter.vllm.hf_folder)")
@@ -105,8 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     logprobs = {"logprobs": -1, "flat_logprobs": True} if args.logprobs else {}
 
     def request(prompt) -> tuple:
-        ids, transfer = (prompt["prompt_token_ids"], prompt.get("kv_transfer_params")) if isinstance(prompt, dict) \
-            else (prompt, None)
+        ids, transfer = token_ids(prompt), prompt.get("kv_transfer_params") if isinstance(prompt, dict) else None
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos,
                                 extra_args={"kv_transfer_params": transfer} if transfer else None, **logprobs)
         return TokensPrompt(prompt_token_ids=ids), params
@@ -131,9 +135,10 @@ def main(argv: list[str] | None = None) -> None:
                 done["first_logprobs"] = dense
             result["outputs"].append(done)
         if args.kvstore and args.wait_each > 0:
-            wait_stored(llm, args.kvstore, batch, args.wait_each)
+            wait_stored(llm, args.kvstore, [token_ids(p) for p in batch], args.wait_each)
     if args.kvstore and args.wait_stored > 0:
-        result["namespace"], result["stored_chunks"] = wait_stored(llm, args.kvstore, prompts, args.wait_stored)
+        result["namespace"], result["stored_chunks"] = wait_stored(llm, args.kvstore, [token_ids(p) for p in prompts],
+                                                                  args.wait_stored)
     Path(args.out).write_text(json.dumps(result))
 
 
