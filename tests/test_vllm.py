@@ -46,6 +46,9 @@ from kernels.page_copy import PageWriter  # noqa: E402
 from kvstore.keys import KVLayout, Namespace, prefix_keys  # noqa: E402
 from tests.conftest import ROOT, DaemonProcess, MotoServer  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from vllm_rag import kl  # noqa: E402
+
 pytestmark = pytest.mark.vllm
 
 CHUNK = 256
@@ -54,6 +57,15 @@ VLLM_TIMEOUT_S = 600
 DOCUMENT = ROOT / "engine_adapter" / "data" / "musique_sample.json"
 # bf16 KV of the same tokens from two engines (different kernels): relative L2 distance per block
 CROSS_ENGINE_KV_REL_TOLERANCE = 0.05
+# Two bf16 runs of one prompt in different batch shapes move first-token log-probabilities by up to
+# about 0.1 nats (vLLM's CPU kernels tile by batch): where the reference's top two are closer than
+# this, either may come first. Measured: "who?" in the shared-prefix batch has a margin of 0.125
+# and came out as the second token in one CI run; reruns of that batch here start with the top
+# token at KL 0.0024-0.0040 to plain, so the loaded KV is right and the flip is the tie.
+NEAR_TIE_NATS = 0.25
+# KL(plain || run) of the first token for a run whose KV came from kvstore: bf16 batch noise is
+# 0.002-0.007 (measured, 8 requests); KV loaded into the wrong pages or rows gives far more
+FIRST_TOKEN_KL_TOLERANCE = 0.03
 
 
 # ---- layout and plan: pure torch / Python, no vLLM process ---------------------------------------
@@ -422,10 +434,12 @@ def scenario(hf_folder, reference, prompts):
                 "layerwise": run_vllm(hf_folder, work, "layerwise", [prompts["A"]], daemon.address,
                                       args=("--kv-extra", json.dumps({"layerwise": True}))),
                 "down": run_vllm(hf_folder, work, "down", [prompts["A"], prompts["B"]], down),
-                "plain": run_vllm(hf_folder, work, "plain", [prompts["A"], *edges, *shared], None),
+                # the reference every other run is held to; its log-probabilities tell a near tie
+                "plain": run_vllm(hf_folder, work, "plain", [prompts["A"], *edges, *shared], None,
+                                  args=("--logprobs",)),
                 # eight at once, sharing a stored prefix; vLLM's own prefix cache off: every hit is kvstore's
                 "together": run_vllm(hf_folder, work, "together", shared, daemon.address,
-                                     args=("--together", "--no-prefix-caching")),
+                                     args=("--together", "--no-prefix-caching", "--logprobs")),
                 # four ~840-token prompts at once in 30 pages of 128 tokens: they fit (7 pages each), but
                 # decoding past token 896 needs 4 more pages: vLLM preempts; pages written by vLLM's own
                 # cache-write op (the fallback of the native page writer every other run uses)
@@ -491,6 +505,18 @@ class EventCollector:
         return [event for batch in self.batches for event in batch.events]
 
 
+def assert_first_tokens_agree(outputs: list[dict], plain: list[dict]) -> None:
+    """Each output starts as vLLM without a connector did, or with the other side of a near tie in
+    plain's own first-token log-probabilities (see NEAR_TIE_NATS)."""
+    assert len(outputs) == len(plain)
+    for i, (out, ref) in enumerate(zip(outputs, plain)):
+        token, expected = out["token_ids"][0], ref["token_ids"][0]
+        if token != expected:
+            logprobs = ref["first_logprobs"]
+            gap = logprobs[expected] - logprobs[token]
+            assert gap < NEAR_TIE_NATS, f"request {i}: first token {token}, plain's {expected} ({gap:.3f} nats apart)"
+
+
 def full_chunks(prompt: list[int]) -> int:
     return (len(prompt) - 1) // CHUNK * CHUNK
 
@@ -541,7 +567,8 @@ def test_prompts_around_a_page_hit_up_to_the_last_page(scenario, prompts):
     first, fresh, plain = first[2 : 2 + len(edges)], fresh[1 : 1 + len(edges)], plain[1 : 1 + len(edges)]
     assert [len(p) for p in edges] == list(EDGE_LENGTHS)
     assert [o["num_cached_tokens"] for o in fresh] == [page_hit(p) for p in edges] == [0, 0, 0, PAGE, CHUNK + PAGE]
-    assert [o["token_ids"][0] for o in fresh] == [o["token_ids"][0] for o in plain] == [o["token_ids"][0] for o in first]
+    assert_first_tokens_agree(fresh, plain)
+    assert_first_tokens_agree(first, plain)
 
 
 def test_eight_concurrent_requests_share_a_stored_prefix(scenario, prompts):
@@ -549,7 +576,10 @@ def test_eight_concurrent_requests_share_a_stored_prefix(scenario, prompts):
     context = prompts["shared_context"]
     assert len(together) == SHARED
     assert all(o["num_cached_tokens"] >= len(context) // CHUNK * CHUNK for o in together)  # kvstore: no own cache
-    assert [o["token_ids"][0] for o in together] == [o["token_ids"][0] for o in plain[-SHARED:]]
+    assert_first_tokens_agree(together, plain[-SHARED:])
+    # the whole first-token distribution, not only its top: kvstore's KV is the KV vLLM computes
+    assert all(kl(p["first_logprobs"], o["first_logprobs"]) < FIRST_TOKEN_KL_TOLERANCE
+               for o, p in zip(together, plain[-SHARED:]))
 
 
 def test_preemption_under_a_tiny_kv_budget(scenario):
@@ -558,7 +588,7 @@ def test_preemption_under_a_tiny_kv_budget(scenario):
     assert "page writes by vLLM's cache-write op" in preempt["log"]
     assert all(o["num_cached_tokens"] > 0 for o in preempt["outputs"])  # the op wrote kvstore's hits
     assert all(len(o["token_ids"]) == PREEMPT_TOKENS for o in preempt["outputs"])
-    assert [o["token_ids"][0] for o in preempt["outputs"]] == [o["token_ids"][0] for o in plain[-SHARED:][:4]]
+    assert_first_tokens_agree(preempt["outputs"], plain[-SHARED:][:4])
 
 
 def test_hit_lost_before_the_load_is_recomputed_and_counted(scenario, prompts):
@@ -567,7 +597,7 @@ def test_hit_lost_before_the_load_is_recomputed_and_counted(scenario, prompts):
     fault, plain = scenario["runs"]["fault"], scenario["runs"]["plain"]["outputs"]
     (out,) = fault["outputs"]
     assert out["num_cached_tokens"] == 0
-    assert out["token_ids"][0] == plain[0]["token_ids"][0]
+    assert_first_tokens_agree([out], plain[:1])
     assert len(out["token_ids"]) == NEW_TOKENS
     assert "kvstore daemon at" in fault["log"] and "computes the rest" in fault["log"]
 
@@ -654,7 +684,7 @@ def test_prefill_decode_through_the_cache(disaggregated, scenario, prompts, wher
     plain = scenario["runs"]["plain"]["outputs"][0]
     assert prefill["num_cached_tokens"] == 0 and len(prefill["token_ids"]) == 1
     assert decode["num_cached_tokens"] == page_hit(a) and len(a) - decode["num_cached_tokens"] <= PAGE
-    assert decode["token_ids"][0] == plain["token_ids"][0] == prefill["token_ids"][0]
+    assert_first_tokens_agree([decode, prefill], [plain, plain])
     assert len(decode["token_ids"]) == NEW_TOKENS
     decode_daemon = disaggregated["stats"]["one" if where == "same" else "decode"]
     pieces = full_chunks(a) // CHUNK + (page_hit(a) > full_chunks(a))

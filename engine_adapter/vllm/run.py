@@ -7,7 +7,9 @@
 "kv_transfer_params": {...}}`` (e.g. a blend request, ``engine_adapter.vllm.blend.blend_request``);
 each is generated greedily, one request at a time (``--together``: all in one ``generate`` call, so
 vLLM batches them). ``--logprobs`` adds the first new token's log-probabilities over the whole
-vocabulary.
+vocabulary; vLLM then computes them for every new token, so those requests skip vLLM's
+detokenizer (which would decode the whole vocabulary per token, about a second each here) and
+their text is decoded once at the end.
 The result holds, per prompt, the new token ids, vLLM's ``num_cached_tokens`` (its own prefix-cache
 hit plus kvstore's) and the wall time; with ``--wait-stored`` it also waits until the daemon holds
 every full chunk of each prompt (the connector saves in the background) and reports the namespace
@@ -112,16 +114,20 @@ def main(argv: list[str] | None = None) -> None:
     def request(prompt) -> tuple:
         ids, transfer = token_ids(prompt), prompt.get("kv_transfer_params") if isinstance(prompt, dict) else None
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos,
-                                extra_args={"kv_transfer_params": transfer} if transfer else None, **logprobs)
+                                extra_args={"kv_transfer_params": transfer} if transfer else None,
+                                detokenize=not args.logprobs, **logprobs)
         return TokensPrompt(prompt_token_ids=ids), params
 
+    tokenizer = llm.get_tokenizer()
     batches = [prompts] if args.together else [[prompt] for prompt in prompts]
     for batch in batches:
         start = time.perf_counter()
         requests = [request(prompt) for prompt in batch]
         outputs = llm.generate([r for r, _ in requests], [p for _, p in requests], use_tqdm=False)
         for output in outputs:
-            done = {"token_ids": list(output.outputs[0].token_ids), "text": output.outputs[0].text,
+            new_tokens = list(output.outputs[0].token_ids)
+            text = tokenizer.decode(new_tokens, skip_special_tokens=True) if args.logprobs else output.outputs[0].text
+            done = {"token_ids": new_tokens, "text": text,
                     "num_cached_tokens": output.num_cached_tokens, "seconds": time.perf_counter() - start}
             metrics = getattr(output, "metrics", None)
             if getattr(metrics, "first_token_latency", 0):
