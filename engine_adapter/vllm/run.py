@@ -112,11 +112,11 @@ def main(argv: list[str] | None = None) -> None:
     logprobs = {"logprobs": -1, "flat_logprobs": True} if args.logprobs else {}
 
     def request(prompt) -> tuple:
-        ids, transfer = token_ids(prompt), prompt.get("kv_transfer_params") if isinstance(prompt, dict) else None
+        transfer = prompt.get("kv_transfer_params") if isinstance(prompt, dict) else None
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos,
                                 extra_args={"kv_transfer_params": transfer} if transfer else None,
                                 detokenize=not args.logprobs, **logprobs)
-        return TokensPrompt(prompt_token_ids=ids), params
+        return TokensPrompt(prompt_token_ids=token_ids(prompt)), params
 
     tokenizer = llm.get_tokenizer()
     batches = [prompts] if args.together else [[prompt] for prompt in prompts]
