@@ -202,11 +202,13 @@ class BlendEngine:
     @torch.inference_mode()
     def prefill(self, prefix: Sequence[int], chunks: Sequence[Sequence[int]], query: Sequence[int],
                 ratio: float | None = None, selector: str | TokenSelector | None = None, use_cache: bool = True,
-                room: int = 1) -> BlendedPrompt:
+                room: int = 1, kv_only: bool = False) -> BlendedPrompt:
         """Load, assemble and blend ``prefix + chunks + query`` (token ids): the cache then holds
         every prompt token's KV (chunks' selected tokens recomputed) and ``logits`` the first new
         token's distribution. Segments the daemon lacks are computed alone and returned in
-        ``missing`` for the caller to store; ``room``: cache capacity past the prompt.
+        ``missing`` for the caller to store; ``room``: cache capacity past the prompt. ``kv_only``:
+        for an engine that computes the query itself, only the non-query KV is exact afterwards and
+        ``first_logits`` is empty (`blend.recompute.blend_prefill`).
 
         ``ratio`` None: the engine's default, or the controller's choice when it has one.
         """
@@ -241,7 +243,7 @@ class BlendEngine:
         result.ratio = self.ratio if ratio is None else ratio
         loaded_at = time.perf_counter()
         ids = torch.tensor(prefix + [t for c in chunks for t in c] + query, dtype=torch.long)
-        prefill = blend_prefill(self.model, kv, layout, ids, selector, result.ratio)
+        prefill = blend_prefill(self.model, kv, layout, ids, selector, result.ratio, kv_only=kv_only)
         result.load_s, result.blend_s = loaded_at - start, time.perf_counter() - loaded_at
         result.first_logits = prefill.logits
         result.recomputed_tokens = int(prefill.selected.numel())

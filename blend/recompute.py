@@ -12,6 +12,12 @@ Layer by layer (check = the selector's check layer; budget = round(ratio * chunk
 budget 0 skips the check (naive reuse: only the query is computed). A selector without a check
 layer (sinks) chooses before layer 0, and every layer is partial.
 
+``kv_only``: for an engine that computes the query itself (vLLM through the connector), only the
+chunk KV is wanted. Query rows then leave after the check layer (the selector needed their fresh q
+there), the last layer writes K/V without attention or MLP, and no logits are made; budget 0 is
+no compute at all. The chunk rows' KV is the same either way: they precede the query, so under the
+causal mask they never read it.
+
 The mask: kept rows are not contiguous, so the usual bottom-right causal mask (row i sees the
 first S-R+i keys) is wrong for them; row i sees keys 0..rows[i] exactly::
 
@@ -58,9 +64,12 @@ def _gather(rows: torch.Tensor, subset: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def blend_prefill(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids: torch.Tensor,
-                  selector: TokenSelector, ratio: float) -> BlendPrefill:
+                  selector: TokenSelector, ratio: float, kv_only: bool = False) -> BlendPrefill:
     """Prefill ``token_ids`` [T] over ``kv``, which holds the assembled cached KV of every
-    non-query segment. Writes recomputed K/V into ``kv`` and sets ``kv.length = T``."""
+    non-query segment. Writes recomputed K/V into ``kv`` and sets ``kv.length = T``.
+
+    ``kv_only``: recompute the chunk rows' KV only (see the module doc); ``logits`` stays empty and
+    the query's KV is written on layers up to the check layer at most."""
     total = layout.total
     if token_ids.shape != (total,):
         raise ValueError(f"token_ids must be [{total}] for this layout, got {tuple(token_ids.shape)}")
@@ -77,14 +86,19 @@ def blend_prefill(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids
         raise ValueError(f"check layer {check} is past the model's {len(model.layers)} layers")
 
     all_rows = torch.arange(total, device=device)
+    tail = query_pos[:0] if kv_only else query_pos  # the query rows past the check layer
+    if kv_only and check is None and budget == 0:
+        kv.length = total  # naive reuse for an engine that computes the query: nothing to compute
+        return BlendPrefill(logits=torch.empty(0), selected=chunk_pos[:0], rows_per_layer=[0] * len(model.layers))
     cos_all, sin_all = model.rope(all_rows)  # [T, D] each
     if check is None:  # choose before layer 0: sinks, or nothing (naive reuse)
         selected = selector.select(layout, None, budget).to(device) if budget > 0 else chunk_pos[:0]
-        rows = torch.cat((selected, query_pos)).sort().values
+        rows = torch.cat((selected, tail)).sort().values
     else:
         selected, rows = chunk_pos, all_rows
     h = model.embed(token_ids.to(device)[rows])  # [R, hidden]
     out = BlendPrefill(logits=torch.empty(0), selected=selected)
+    last = len(model.layers) - 1
 
     for layer in model.layers:
         i = layer.index
@@ -95,7 +109,7 @@ def blend_prefill(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids
             view = CheckLayerView(layout, q, k, v, cached_k, cached_v)
             selected = selector.select(layout, view, budget).to(device)
             kv.write(i, 0, k, v)  # every token's fresh K/V: exact inputs, computed anyway
-            keep = torch.cat((selected, query_pos)).sort().values
+            keep = torch.cat((selected, tail)).sort().values
             index = _gather(rows, keep)
             q, h, rows = q[:, index], h[index], keep
         elif full:
@@ -112,9 +126,15 @@ def blend_prefill(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids
             kv.keys[i][:, rows] = k  # scatter the recomputed rows into the assembled cache
             kv.values[i][:, rows] = v
             if narrowed.numel() != selected.numel():
-                keep = torch.cat((narrowed, query_pos)).sort().values
+                keep = torch.cat((narrowed, tail)).sort().values
                 index = _gather(rows, keep)
                 q, h, rows, selected = q[:, index], h[index], keep, narrowed
+        if kv_only and (i == last or rows.numel() == 0):
+            out.rows_per_layer.append(0)  # the last layer's output feeds only the logits
+            if rows.numel() == 0:  # nothing left to recompute: later layers keep the cached KV
+                out.rows_per_layer.extend([0] * (last - i))
+                break
+            continue
         out.rows_per_layer.append(rows.numel())  # rows through attention + MLP (the check layer's
         # q/k/v projections ran for every token)
         keys, values = kv.read(i, total)
@@ -123,6 +143,7 @@ def blend_prefill(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids
         h = h + layer.feed_forward(h)
 
     kv.length = total
-    out.logits = model.final_logits(h[-1:])[0]
+    if not kv_only:
+        out.logits = model.final_logits(h[-1:])[0]
     out.selected = selected
     return out

@@ -156,6 +156,31 @@ def test_ratio_zero_is_naive_reuse():
     assert out.rows_per_layer == [len(query)] * 4 and out.selected.numel() == 0
 
 
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("ratio", [0.0, 0.2, 0.55, 1.0])
+def test_kv_only_blends_the_same_chunk_kv_without_the_query(name, ratio):
+    # The vLLM path: the engine computes the query itself, so the blend leaves it out after the
+    # check layer. The chunk KV must be the same (bit for bit: the chunk rows never read the query),
+    # and the query computed over it afterwards must give the full blend's logits.
+    model = tiny_model(layers=5)
+    prefix, chunks, query = tiny_prompt(prefix=4, chunks=(19, 7, 26), query=9)
+    ids = torch.tensor(prefix + sum(chunks, []) + query)
+    layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query))
+    end = layout.query.start
+    whole = assembled(model, layout, [prefix] + chunks)
+    ref = blend_prefill(model, whole, layout, ids, get_selector(name), ratio)
+    kv = assembled(model, layout, [prefix] + chunks)
+    out = blend_prefill(model, kv, layout, ids, get_selector(name), ratio, kv_only=True)
+    assert torch.equal(kv.export(0, end), whole.export(0, end))
+    assert out.selected.tolist() == ref.selected.tolist() and out.logits.numel() == 0
+    # fewer rows on every layer after the check layer, none on the last
+    assert all(a <= b for a, b in zip(out.rows_per_layer, ref.rows_per_layer)) and out.rows_per_layer[-1] == 0
+    kv.length = end
+    with torch.inference_mode():
+        logits = model(torch.tensor(query), kv, end)[-1]
+    assert (logits - ref.logits).abs().max() <= TOL
+
+
 def test_blending_moves_toward_the_full_prefill_as_ratio_grows():
     model = tiny_model(layers=6)
     prefix, chunks, query = tiny_prompt(chunks=(40, 40, 40))

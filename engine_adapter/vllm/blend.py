@@ -185,7 +185,8 @@ class VllmBlender:
         prefix, passages, query = load.spec.parts(load.token_ids)
         # no ratio, or "auto": the controller's choice where the deployment runs one, else its ratio
         ratio = None if load.spec.ratio == "auto" else load.spec.ratio
-        blended = engine.prefill(prefix, passages, query, ratio=ratio, selector=load.spec.selector)
+        # vLLM computes the query itself: only the passages' KV is blended here
+        blended = engine.prefill(prefix, passages, query, ratio=ratio, selector=load.spec.selector, kv_only=True)
         end = load.spec.cached_tokens
         if load.start < end:
             paged.scatter(blended.kv.export(load.start, end), load.span)
