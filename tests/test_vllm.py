@@ -59,8 +59,11 @@ CROSS_ENGINE_KV_REL_TOLERANCE = 0.05
 # about 0.1 nats (vLLM's CPU kernels tile by batch): where the reference's top two are closer than
 # this, either may come first. Measured: "who?" in the shared-prefix batch has a margin of 0.125
 # and came out as the second token in one CI run; reruns of that batch here start with the top
-# token at KL 0.0024-0.0040 to plain, so the loaded KV is right and the flip is the tie.
-NEAR_TIE_NATS = 0.25
+# token at KL 0.0024-0.0040 to plain, so the loaded KV is right and the flip is the tie. On an AMX
+# host the same prompt's margin was 0.250 and flipped too: vLLM's logits are bf16, whose spacing
+# is 0.125 at |logit| 16-32 and 0.25 at 32-64, so such margins are one or two bf16 steps. The
+# bound is four steps at 0.125; wrong KV shows in the batch's KL (FIRST_TOKEN_KL_TOLERANCE) anyway.
+NEAR_TIE_NATS = 0.5
 # KL(plain || run) of the first token for a run whose KV came from kvstore: bf16 batch noise is
 # 0.002-0.007 (measured, 8 requests); KV loaded into the wrong pages or rows gives far more
 FIRST_TOKEN_KL_TOLERANCE = 0.03
