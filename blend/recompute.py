@@ -138,17 +138,16 @@ def blend_prefill(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids
                 index = _gather(rows, keep)
                 q, h, rows, selected = q[:, index], h[index], keep, narrowed
         if kv_only and (i == last or rows.numel() == 0):
-            out.rows_per_layer.append(0)  # the last layer's output feeds only the logits
-            if rows.numel() == 0:  # nothing left to recompute: later layers keep the cached KV
-                out.rows_per_layer.extend([0] * (last - i))
-                break
-            continue
+            # the last layer's output feeds only the logits; with no rows left, later layers keep
+            # the cached KV
+            out.rows_per_layer.extend([0] * (last + 1 - i))
+            break
         out.rows_per_layer.append(rows.numel())  # rows through attention + MLP (the check layer's
         # q/k/v projections ran for every token)
         keys, values = kv.read(i, total)
         if rows.numel() == total:
             mask = None
-        elif mask_rows is None or not torch.equal(mask_rows, rows):  # rows change at most a few times
+        elif rows is not mask_rows:  # rows are rebound only where they change (check layer, refine)
             mask_rows, mask = rows, additive_mask(row_causal_mask(rows, total), q.dtype)
         h = h + layer.attend(q, keys, values, mask)
         h = h + layer.feed_forward(h)
