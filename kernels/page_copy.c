@@ -2,11 +2,13 @@
  *
  * A block layer holds K and V as [kv_heads, tokens, head_dim] (any strides, head_dim contiguous).
  * A paged cache layer is [pages, kv_heads, page_tokens, 2 * head_dim]; each (page, head) plane of
- * 2 * N * D elements (N = page_tokens, D = head_dim) places K and V by one of three layouts:
+ * 2 * N * D elements (N = page_tokens, D = head_dim) places K and V by one of four layouts:
  *
  *     KT_HALVES  K as [D][N] (transposed), then V as [N][D]      vLLM CPU_ATTN, ISA "vec"
  *     HALVES     K as [N][D], then V as [N][D]
  *     SPLIT      row r = [K(D) | V(D)]                           FLASH_ATTN / TRITON pages
+ *     AMX        K as N/16 tiles [D/2][16][2], then V as         vLLM CPU_ATTN, ISA "amx"
+ *                D/16 blocks [N/2][16][2] (VNNI pairs)
  *
  * Token i of the block goes to slot slots[i] = page * N + row. Consecutive tokens whose slots are
  * consecutive within one page form a run, copied as one tile per (layer, head):
@@ -15,9 +17,11 @@
  *     runs    |-- page 0, rows 17..20 --|-- page 4, rows 0..127 --|-- page 0, rows 64..65 --|
  *
  * The K transpose of KT_HALVES moves 8x8 tiles of 16-bit elements through SSE2 registers (every
- * x86-64 has SSE2); other element sizes, other CPUs and tile edges go element by element. Layers
- * are shared out among `threads` POSIX threads. Nothing here allocates; slots are checked against
- * the caches' size here, every shape, stride and dtype by kernels/page_copy.py before the call.
+ * x86-64 has SSE2). AMX's K is a transpose of dim pairs (4x4 tiles of 32-bit pairs); its V
+ * interleaves two token rows, 8 elements per register. Other element sizes, other CPUs and tile
+ * edges go element by element. Layers are shared out among `threads` POSIX threads. Nothing here
+ * allocates; slots are checked against the caches' size here, every shape, stride and dtype by
+ * kernels/page_copy.py before the call (AMX: N and D multiples of 16).
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -26,7 +30,7 @@
 #include <emmintrin.h>
 #endif
 
-enum { KT_HALVES = 0, HALVES = 1, SPLIT = 2 };
+enum { KT_HALVES = 0, HALVES = 1, SPLIT = 2, AMX = 3 };  /* PLANE_LAYOUTS' order */
 
 typedef struct {
     int layout, elem_size, heads, page_tokens, head_dim;
@@ -62,29 +66,84 @@ static inline void transpose8x8_u16(const uint16_t *src, int64_t ss, uint16_t *d
     _mm_storeu_si128((__m128i *)(dst + 6 * ds), _mm_unpacklo_epi64(c3, c7));
     _mm_storeu_si128((__m128i *)(dst + 7 * ds), _mm_unpackhi_epi64(c3, c7));
 }
+
+/* dst[c * ds + r] = src[r * ss + c] for r, c in 0..3 (32-bit elements) */
+static inline void transpose4x4_u32(const uint32_t *src, int64_t ss, uint32_t *dst, int64_t ds) {
+    __m128i a0 = _mm_loadu_si128((const __m128i *)(src + 0 * ss)), a1 = _mm_loadu_si128((const __m128i *)(src + 1 * ss));
+    __m128i a2 = _mm_loadu_si128((const __m128i *)(src + 2 * ss)), a3 = _mm_loadu_si128((const __m128i *)(src + 3 * ss));
+    __m128i b0 = _mm_unpacklo_epi32(a0, a1), b1 = _mm_unpackhi_epi32(a0, a1);  /* r0 r1 interleaved */
+    __m128i b2 = _mm_unpacklo_epi32(a2, a3), b3 = _mm_unpackhi_epi32(a2, a3);
+    _mm_storeu_si128((__m128i *)(dst + 0 * ds), _mm_unpacklo_epi64(b0, b2));
+    _mm_storeu_si128((__m128i *)(dst + 1 * ds), _mm_unpackhi_epi64(b0, b2));
+    _mm_storeu_si128((__m128i *)(dst + 2 * ds), _mm_unpacklo_epi64(b1, b3));
+    _mm_storeu_si128((__m128i *)(dst + 3 * ds), _mm_unpackhi_epi64(b1, b3));
+}
 #endif
 
-/* dst[c * ds + r] = src[r * ss + c] for r < rows, c < cols; strides in elements */
+/* dst[c * ds + r * es] = src[r * ss + c * es] for r < rows, c < cols of `es`-byte elements;
+ * ss and ds in bytes */
 static void transpose(const char *src, int64_t ss, char *dst, int64_t ds, int64_t rows, int64_t cols, int es) {
     int64_t r0 = 0, c0 = 0;
 #if defined(__SSE2__)
-    if (es == 2) {
-        const uint16_t *s = (const uint16_t *)src;
-        uint16_t *d = (uint16_t *)dst;
+    if (es == 2 && ss % 2 == 0 && ds % 2 == 0) {
         for (r0 = 0; r0 + 8 <= rows; r0 += 8)
             for (c0 = 0; c0 + 8 <= cols; c0 += 8)
-                transpose8x8_u16(s + r0 * ss + c0, ss, d + c0 * ds + r0, ds);
+                transpose8x8_u16((const uint16_t *)(src + r0 * ss) + c0, ss / 2, (uint16_t *)(dst + c0 * ds) + r0, ds / 2);
         r0 = rows - rows % 8;
         c0 = cols - cols % 8;
+    } else if (es == 4 && ss % 4 == 0 && ds % 4 == 0) {
+        for (r0 = 0; r0 + 4 <= rows; r0 += 4)
+            for (c0 = 0; c0 + 4 <= cols; c0 += 4)
+                transpose4x4_u32((const uint32_t *)(src + r0 * ss) + c0, ss / 4, (uint32_t *)(dst + c0 * ds) + r0, ds / 4);
+        r0 = rows - rows % 4;
+        c0 = cols - cols % 4;
     }
 #endif
     /* what the tiles left: the bottom rows (all columns), then the right columns (tiled rows) */
     for (int64_t r = r0; r < rows; r++)
         for (int64_t c = 0; c < cols; c++)
-            memcpy(dst + (c * ds + r) * es, src + (r * ss + c) * es, es);
+            memcpy(dst + c * ds + r * es, src + r * ss + c * es, es);
     for (int64_t r = 0; r < r0; r++)
         for (int64_t c = c0; c < cols; c++)
-            memcpy(dst + (c * ds + r) * es, src + (r * ss + c) * es, es);
+            memcpy(dst + c * ds + r * es, src + r * ss + c * es, es);
+}
+
+/* AMX keys: rows row..row+len-1 of a page, K(r, c) at ((r / 16) * 16 * D + (c / 2) * 32 + (r % 16) * 2
+ * + c % 2): within a 16-row tile, a transpose of [rows][D/2] dim pairs into [D/2][16] */
+static void amx_keys(const char *k, int64_t ss, char *plane, int64_t row, int64_t len, int d, int es) {
+    for (int64_t r = row, end = row + len, n; r < end; r += n) {
+        const int64_t tile = r / 16, in_tile = r % 16;
+        n = 16 - in_tile < end - r ? 16 - in_tile : end - r;
+        transpose(k + (r - row) * ss, ss, plane + (tile * 16 * d + in_tile * 2) * es, 32 * (int64_t)es, n, d / 2, 2 * es);
+    }
+}
+
+/* AMX values: V(r, c) at (N * D + (c / 16) * 16 * N + (r / 2) * 32 + (c % 16) * 2 + r % 2): a row
+ * pair interleaved, 16 dims at a time; a lone row (a run's odd start or end) element by element */
+static void amx_values(const char *v, int64_t ss, char *plane, int64_t n, int64_t row, int64_t len, int d, int es) {
+    char *base = plane + n * d * es;
+    for (int64_t r = row, end = row + len; r < end;) {
+        const char *src = v + (r - row) * ss;
+#if defined(__SSE2__)
+        if (es == 2 && r % 2 == 0 && r + 1 < end) {
+            for (int c = 0; c < d; c += 16) {
+                const uint16_t *a = (const uint16_t *)(src + c * es), *b = (const uint16_t *)(src + ss + c * es);
+                uint16_t *out = (uint16_t *)(base + ((c / 16) * 16 * n + (r / 2) * 32) * es);
+                const __m128i a0 = _mm_loadu_si128((const __m128i *)a), a1 = _mm_loadu_si128((const __m128i *)(a + 8));
+                const __m128i b0 = _mm_loadu_si128((const __m128i *)b), b1 = _mm_loadu_si128((const __m128i *)(b + 8));
+                _mm_storeu_si128((__m128i *)out, _mm_unpacklo_epi16(a0, b0));
+                _mm_storeu_si128((__m128i *)(out + 8), _mm_unpackhi_epi16(a0, b0));
+                _mm_storeu_si128((__m128i *)(out + 16), _mm_unpacklo_epi16(a1, b1));
+                _mm_storeu_si128((__m128i *)(out + 24), _mm_unpackhi_epi16(a1, b1));
+            }
+            r += 2;
+            continue;
+        }
+#endif
+        for (int c = 0; c < d; c++)
+            memcpy(base + ((c / 16) * 16 * n + (r / 2) * 32 + (c % 16) * 2 + r % 2) * es, src + c * es, es);
+        r += 1;
+    }
 }
 
 /* rows of `width` elements, source rows `ss` apart, destination rows `ds` apart */
@@ -115,12 +174,16 @@ static void *run_job(void *arg) {
                 char *p = cache + ((page * job->heads + h) * plane) * es;  /* the (page, head) plane */
                 switch (job->layout) {
                 case KT_HALVES:
-                    transpose(k, job->s_token, p + row * es, n, len, d, es);
+                    transpose(k, job->s_token * es, p + row * es, (int64_t)n * es, len, d, es);
                     copy_rows(v, job->s_token, p + ((int64_t)n * d + row * d) * es, d, len, d, es);
                     break;
                 case HALVES:
                     copy_rows(k, job->s_token, p + row * d * es, d, len, d, es);
                     copy_rows(v, job->s_token, p + ((int64_t)n * d + row * d) * es, d, len, d, es);
+                    break;
+                case AMX:
+                    amx_keys(k, job->s_token * es, p, row, len, d, es);
+                    amx_values(v, job->s_token * es, p, n, row, len, d, es);
                     break;
                 default: /* SPLIT */
                     copy_rows(k, job->s_token, p + row * 2 * d * es, 2 * d, len, d, es);

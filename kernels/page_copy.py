@@ -1,7 +1,8 @@
 """Native page writer: a block's tokens into CPU paged KV caches in one pass (`page_copy.c`).
 
 vLLM's CPU attention stores keys transposed within each page (ISA ``vec``: ``[head_dim,
-page_tokens]`` per page and head), so half of a load's bytes are a transpose. vLLM's own cache-write
+page_tokens]`` per page and head; ISA ``amx``: dim pairs transposed in 16-row tiles, values with
+row pairs interleaved), so a load's bytes are mostly a transpose. vLLM's own cache-write
 op does it token by token (about 6x a memcpy of the same bytes); torch's strided copies are no
 faster. `page_copy.c` copies whole runs of a page as 8x8 SSE2 tiles, layers shared among threads.
 
@@ -29,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from kernels.page_copy_ref import PLANE_LAYOUTS
+from kernels.page_copy_ref import PLANE_LAYOUTS, plane_offsets
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class PageWriter:
         if first.element_size() not in (2, 4) or first.shape[3] % 2:
             raise ValueError(f"PageWriter needs 2- or 4-byte elements and an even last dim, got {first.dtype} "
                              f"{tuple(first.shape)}")
+        plane_offsets(layout, first.shape[2], first.shape[3] // 2)  # raises for a shape the layout cannot hold
         library = native_library()
         if library is None:
             raise RuntimeError("the native page writer could not be built (see the log)")

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-PLANE_LAYOUTS = ("kt_halves", "halves", "split")
+PLANE_LAYOUTS = ("kt_halves", "halves", "split", "amx")
 
 
 def plane_offsets(layout: str, page_tokens: int, head_dim: int) -> torch.Tensor:
@@ -22,6 +22,13 @@ def plane_offsets(layout: str, page_tokens: int, head_dim: int) -> torch.Tensor:
         kt_halves   K as [D][N] (transposed), then V as [N][D]   vLLM CPU_ATTN, ISA "vec"
         halves      K as [N][D], then V as [N][D]
         split       row r = [K(D) | V(D)]                        FLASH_ATTN / TRITON
+        amx         K in tiles of 16 rows, each [D/2][16][2]       vLLM CPU_ATTN, ISA "amx" (bf16)
+                    (pairs of dims per row, AMX's VNNI form of K^T);
+                    then V in blocks of 16 dims, each [N/2][16][2]
+                    (pairs of rows per dim, VNNI form of V)
+
+    ``amx`` needs page_tokens and head_dim multiples of 16 (vLLM uses it at multiples of 32) and
+    raises ValueError otherwise, as it does for an unknown name.
     """
     n, d = page_tokens, head_dim
     row = torch.arange(n, dtype=torch.int64).view(-1, 1)  # [N, 1]
@@ -32,6 +39,11 @@ def plane_offsets(layout: str, page_tokens: int, head_dim: int) -> torch.Tensor:
         key, value = row * d + dim, n * d + row * d + dim
     elif layout == "split":
         key, value = row * 2 * d + dim, row * 2 * d + d + dim
+    elif layout == "amx":
+        if n % 16 or d % 16:
+            raise ValueError(f"the amx page layout needs page_tokens and head_dim multiples of 16, got {n}, {d}")
+        key = (row // 16) * 16 * d + (dim // 2) * 32 + (row % 16) * 2 + dim % 2
+        value = n * d + (dim // 16) * 16 * n + (row // 2) * 32 + (dim % 16) * 2 + row % 2
     else:
         raise ValueError(f"unknown page layout {layout!r}; known: {', '.join(PLANE_LAYOUTS)}")
     return torch.stack((key.expand(n, d), value.expand(n, d)))

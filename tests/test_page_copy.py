@@ -45,6 +45,23 @@ def test_the_library_builds_here():
     (32, 8, 1, 31),      # one token, in the last row of a page
 ])
 def test_native_writer_matches_the_reference(layout, dtype, page_tokens, head_dim, tokens, offset):
+    if layout == "amx" and (page_tokens % 16 or head_dim % 16):
+        pytest.skip("the amx layout holds page_tokens and head_dim multiples of 16 only (tested below)")
+    check_against_reference(layout, dtype, page_tokens, head_dim, tokens, offset)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("page_tokens,head_dim,tokens,offset", [
+    (32, 64, 77, 3),     # odd start row (a lone V row first), mid-tile ends, runs across 16-row tiles
+    (128, 64, 300, 50),  # vLLM's CPU page and SmolLM2's head size
+    (48, 16, 50, 17),    # one 16-dim V block, an odd start and an odd length
+    (16, 32, 2, 15),     # two tokens over a page edge: two runs of one row each
+])
+def test_native_amx_writer_matches_the_reference(dtype, page_tokens, head_dim, tokens, offset):
+    check_against_reference("amx", dtype, page_tokens, head_dim, tokens, offset)
+
+
+def check_against_reference(layout, dtype, page_tokens, head_dim, tokens, offset):
     layers, heads, pages = 3, 3, 3 + (offset + tokens) // page_tokens
     caches = random_caches(layers, pages, heads, page_tokens, head_dim, dtype, seed=tokens)
     expected = [cache.clone() for cache in caches]
@@ -99,6 +116,8 @@ def test_bad_inputs_are_refused_before_the_kernel_runs():
         PageWriter([caches[0], caches[1].float()], "halves")
     with pytest.raises(ValueError, match="contiguous CPU"):
         PageWriter([caches[0].transpose(2, 3)], "halves")
+    with pytest.raises(ValueError, match="multiples of 16"):
+        PageWriter(random_caches(1, 2, 2, 24, 16, torch.bfloat16, seed=4), "amx")
 
 
 @pytest.mark.parametrize("name", PLANE_LAYOUTS)

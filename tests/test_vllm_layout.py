@@ -160,12 +160,38 @@ def test_vllm_cpu_write_op_scatter_is_bit_identical_to_the_layout_path():
     PagedKV(theirs, layout, heads, page_tokens, write=write).scatter(block, span)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), isa
     # the connector's CPU path: kvstore's native page writer, where it knows the measured layout
-    if isa == "vec":  # AVX2 / AVX-512 without AMX: keys transposed within the page
+    if isa in ("vec", "vec16"):  # AVX2 / AVX-512 without AMX: keys transposed within the page
         assert layout.name() == "kt_halves"
+    if isa == "amx":  # AMX: VNNI pairs (dims of K, rows of V)
+        assert layout.name() == "amx"
     if layout.name() is not None:
         native = [torch.zeros_like(c) for c in ours]
         PagedKV(native, layout, heads, page_tokens, native=PageWriter(native, layout.name())).scatter(block, span)
         assert all(torch.equal(a, b) for a, b in zip(native, theirs)), isa
+
+
+@pytest.mark.parametrize("isa,name,page_tokens,head_dim", [
+    ("vec", "kt_halves", 128, 64), ("vec16", "kt_halves", 16, 64),
+    ("amx", "amx", 128, 64), ("amx", "amx", 32, 128),
+])
+def test_every_cpu_isa_layout_is_one_the_native_writer_knows(isa, name, page_tokens, head_dim):
+    """Whatever ISA this host picks, each CPU_ATTN page layout is measured from vLLM's own op and
+    named, so the connector writes it natively on any host; the writer matches the op bit for bit."""
+    from engine_adapter.vllm.connector import cpu_cache_write
+
+    write = cpu_cache_write(isa)
+    try:
+        layout = measure_page_layout(write, 2, page_tokens, head_dim, torch.bfloat16)
+    except RuntimeError as exc:  # an ISA this vLLM build cannot run here
+        pytest.skip(f"vLLM's cache-write op for ISA {isa} does not run here: {exc}")
+    assert layout.name() == name
+    block = torch.randn(2, 2, 2, 2 * page_tokens + 7, head_dim).to(torch.bfloat16)
+    span = PagedSpan((4, 0, 2), 5, 2 * page_tokens + 7)
+    ours = [torch.randn(5, 2, page_tokens, 2 * head_dim).to(torch.bfloat16) for _ in range(2)]
+    theirs = [c.clone() for c in ours]
+    PagedKV(ours, layout, 2, page_tokens, native=PageWriter(ours, name)).scatter(block, span)
+    PagedKV(theirs, layout, 2, page_tokens, write=write).scatter(block, span)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
 def test_paged_span_of_a_token_range():

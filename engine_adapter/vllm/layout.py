@@ -99,7 +99,7 @@ class PageLayout:
     @classmethod
     def named(cls, name: str, page_tokens: int, head_dim: int) -> "PageLayout":
         """One of `kernels/page_copy_ref.py`'s named plane layouts (``split``: FLASH_ATTN / TRITON,
-        token row r is [K | V]; ``halves``: K rows, then V rows; ``kt_halves``: CPU ``vec``)."""
+        token row r is [K | V]; ``halves``: K rows, then V rows; ``kt_halves``: CPU ``vec``; ``amx``: CPU ``amx``)."""
         return cls.from_offsets(plane_offsets(name, page_tokens, head_dim))
 
     @classmethod
@@ -114,7 +114,11 @@ class PageLayout:
         """The named layout this one is (the native page writer knows those), or None."""
         offsets = self.plane_rows * (2 * self.head_dim) + self.plane_cols
         for name in PLANE_LAYOUTS:
-            if torch.equal(offsets, plane_offsets(name, self.page_tokens, self.head_dim)):
+            try:
+                named = plane_offsets(name, self.page_tokens, self.head_dim)
+            except ValueError:  # a layout that cannot hold this page shape
+                continue
+            if torch.equal(offsets, named):
                 return name
         return None
 
