@@ -90,13 +90,9 @@ class BlendLayout:
 
 def rerotate_keys(keys: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor,
                   inv_freq: torch.Tensor) -> torch.Tensor:
-    """Keys [..., T, D] moved to new positions: the Triton kernel on CUDA, the torch reference
-    elsewhere (``$KVSTORE_KERNELS`` overrides, see `kernels.backend`)."""
-    if kernels.backend(keys) == "triton":
-        from kernels.rope import rerotate_keys as rotate
-    else:
-        from kernels.rope_ref import rerotate_keys as rotate
-    return rotate(keys, old_positions, new_positions, inv_freq.to(keys.device))
+    """Keys [..., T, D] moved to new positions: the Triton kernel on CUDA, the native C one on the
+    CPU (``$KVSTORE_KERNELS`` overrides, see `kernels.rope_ops`)."""
+    return kernels.rope_ops(keys).rerotate_keys(keys, old_positions, new_positions, inv_freq.to(keys.device))
 
 
 def place_block(model: LlamaModel, kv: KVCache, block: torch.Tensor, segment: Segment) -> None:

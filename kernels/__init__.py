@@ -9,8 +9,10 @@
 A `choice` argument overrides the environment. Triton is imported only when it is chosen, so this
 package imports (and the codecs work) without triton installed.
 
-One kernel is native C rather than Triton: `page_copy.c` (through `page_copy.py`, beside
-`page_copy_ref.py`) writes blocks into vLLM's CPU pages, where Triton does not run.
+Two kernels are native C rather than Triton, for CPU tensors, where Triton does not run (built by
+`kernels.native`): `page_copy.c` (through `page_copy.py`, beside `page_copy_ref.py`) writes blocks
+into vLLM's CPU pages, and `rope_native.c` (`rope_native.py`) re-rotates keys with the bits of
+`rope_ref.py`.
 """
 
 from __future__ import annotations
@@ -65,11 +67,17 @@ def transform_ops(x: torch.Tensor, choice: str | None = None) -> ModuleType:
 
 
 def rope_ops(x: torch.Tensor, choice: str | None = None) -> ModuleType:
-    """kernels.rope or kernels.rope_ref for x (RoPE re-rotation of keys); same rule as `ops`."""
+    """kernels.rope or kernels.rope_ref for x (RoPE re-rotation of keys); same rule as `ops`,
+    except that "auto" takes the native C kernel (`kernels.rope_native`, the reference's bits in
+    one pass) for a CPU tensor."""
     if backend(x, choice) == "triton":
         from kernels import rope
 
         return rope
+    if x.device.type == "cpu" and (choice or os.environ.get(KERNELS_ENV, "auto")) == "auto":
+        from kernels import rope_native
+
+        return rope_native
     from kernels import rope_ref
 
     return rope_ref

@@ -6,68 +6,33 @@ row pairs interleaved), so a load's bytes are mostly a transpose. vLLM's own cac
 op does it token by token (about 6x a memcpy of the same bytes); torch's strided copies are no
 faster. `page_copy.c` copies whole runs of a page as 8x8 SSE2 tiles, layers shared among threads.
 
-The C file is compiled once per machine with the system's C compiler (``cc``, or ``$CC``) into
-``$XDG_CACHE_HOME/kvstore/native`` (the file name carries a hash of source, compiler and platform).
-:func:`native_library` returns None where there is no compiler or the build fails, and says why
-once; callers then keep the engine's own op. The reference with the same signature is
-`kernels/page_copy_ref.py` ``write_pages_ref``.
+The C file is compiled once per machine by `kernels.native`; :func:`native_library` returns None
+where there is no compiler or the build fails, and callers then keep the engine's own op. The
+reference with the same signature is `kernels/page_copy_ref.py` ``write_pages_ref``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from kernels.native import build
 from kernels.page_copy_ref import PLANE_LAYOUTS, plane_offsets
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("page_copy.c")
 _LAYOUT_CODES = {name: code for code, name in enumerate(PLANE_LAYOUTS)}  # the C enum's order
 _I64 = ctypes.c_int64
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "kvstore" / "native"
-
-
 @functools.lru_cache(maxsize=1)
 def native_library() -> ctypes.CDLL | None:
-    """The compiled page writer, built on first use; None (said once) when it cannot be built."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("kvstore page writer: no C compiler (cc, gcc or $CC); the engine's own cache-write op is used")
-        return None
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        source = SOURCE.read_bytes()
-        digest = hashlib.sha256(source + version.encode() + platform.machine().encode() + sys.platform.encode())
-        target = _cache_dir() / f"page_copy-{digest.hexdigest()[:16]}.so"
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-                built = Path(scratch) / target.name
-                command = [compiler, "-O3", "-shared", "-fPIC", "-pthread", "-o", str(built), str(SOURCE)]
-                result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-                if result.returncode != 0:
-                    raise RuntimeError(f"{' '.join(command)} failed: {result.stderr.strip()[-500:]}")
-                os.replace(built, target)  # atomic: a concurrent build of the same source is the same file
-        library = ctypes.CDLL(str(target))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("kvstore page writer: could not build %s (%s); the engine's own cache-write op is used", SOURCE, exc)
+    """The compiled page writer, built on first use (`kernels.native.build`); None when it cannot be."""
+    library = build(SOURCE, "page writer")
+    if library is None:
         return None
     library.kvstore_write_pages.restype = ctypes.c_int
     library.kvstore_write_pages.argtypes = [
