@@ -55,6 +55,7 @@ def run_vllm(folder: Path, work: Path, name: str, prompts: list, address: str | 
              new_tokens: int, max_model_len: int) -> list[dict]:
     prompts_file, out = work / f"{name}.prompts.json", work / f"{name}.json"
     prompts_file.write_text(json.dumps(prompts))
+    progress(f"vLLM run {name!r}: {len(prompts)} requests (log: {work / f'{name}.log'})")
     cmd = [sys.executable, "-m", "engine_adapter.vllm.run", "--model", str(folder), "--prompts", str(prompts_file),
            "--out", str(out), "--max-tokens", str(new_tokens), "--logprobs", "--max-model-len", str(max_model_len),
            *args]
@@ -66,6 +67,11 @@ def run_vllm(folder: Path, work: Path, name: str, prompts: list, address: str | 
     if proc.returncode:
         raise SystemExit(f"vLLM run {name} failed; see {log}:\n{log.read_text()[-3000:]}")
     return json.loads(out.read_text())["outputs"]
+
+
+def progress(line: str) -> None:
+    """One line of progress on stderr (a run takes minutes; the table comes at the end)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def ttft(output: dict) -> float:
@@ -103,7 +109,8 @@ def main() -> None:
         with KVStoreClient(daemon.address) as client:
             engine = BlendEngine(model, tokenizer, client)
             reference_kl = []
-            for case in cases:
+            for number, case in enumerate(cases, 1):
+                progress(f"reference engine: question {number}/{len(cases)} (passages stored, full and blended prefill)")
                 p = case["prompt"]
                 engine.ingest([p.prefix] + [p.chunks[i] for i in case["chosen"]])
                 with torch.inference_mode():
