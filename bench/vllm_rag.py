@@ -104,7 +104,13 @@ def main() -> None:
         cases.append({"prompt": prompt, "chosen": chosen, "ids": prompt.ids(chosen), "lengths": lengths,
                       "answers": item.get("answers") or [item.get("answer", "")]})
     modes = ["full", "resident", "naive"] + [f"blend r={r}" for r in args.ratios]
-    daemon = DaemonProcess.in_folder(work / "d", cpu_capacity="2GiB", disk_path="")
+    # the CPU tier holds every passage of the run (all 10 passages of 20 questions are ~2.8 GB in
+    # bf16): an evicted passage would be computed alone again and its request timed as a miss
+    cfg = model.config
+    token_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.finfo(model.dtype).bits // 8
+    stored = sum(sum(case["lengths"]) for case in cases)
+    capacity = max(2 << 30, int(1.25 * stored * token_bytes) + (256 << 20))
+    daemon = DaemonProcess.in_folder(work / "d", cpu_capacity=capacity, disk_path="")
     try:
         with KVStoreClient(daemon.address) as client:
             engine = BlendEngine(model, tokenizer, client)
