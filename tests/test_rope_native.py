@@ -98,3 +98,23 @@ def test_auto_takes_the_native_kernel_on_the_cpu(monkeypatch):
     assert kernels.rope_ops(x, "torch") is rope_ref
     monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
     assert kernels.rope_ops(x) is rope_ref
+
+
+def test_without_a_compiler_the_reference_answers(monkeypatch, tmp_path, caplog):
+    from kernels import native
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native.build.cache_clear()
+    rope_native.native_library.cache_clear()
+    try:
+        keys, _ = sample((2, 12, 16), torch.bfloat16, 5)
+        old = torch.arange(12)
+        with caplog.at_level("WARNING"):
+            got = rope_native.rerotate_keys(keys, old, old + 40, inv_freq(16))
+        assert rope_native.native_library() is None
+        assert "could not build" in caplog.text and "rope_native.c" in caplog.text
+        assert torch.equal(got, rope_ref.rerotate_keys(keys, old, old + 40, inv_freq(16)))
+    finally:
+        native.build.cache_clear()
+        rope_native.native_library.cache_clear()
