@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rope_ref import TWO_PI, check_rerotate_args
+from kernels.rope_ref import TWO_PI, as_4d, check_rerotate_args
 
 BLOCK_T = 64
 
@@ -51,18 +51,6 @@ def _rerotate_kernel(
     tl.store(p_o1 + half * stride_od, b_y2.to(p_out.dtype.element_ty), mask=m_x)
 
 
-def _as_4d(x: torch.Tensor) -> torch.Tensor:
-    """A [A, B, T, D] view of x [..., T, D] (leading dims folded where strides allow, else ValueError)."""
-    lead = x.shape[:-2]
-    if len(lead) <= 2:
-        return x.reshape((1,) * (2 - len(lead)) + tuple(x.shape)) if len(lead) < 2 else x
-    try:
-        return x.view(-1, lead[-1], *x.shape[-2:])
-    except RuntimeError as exc:
-        raise ValueError(f"keys of shape {tuple(x.shape)} and strides {x.stride()} cannot be viewed as "
-                         "[A, B, T, D]; pass .contiguous() keys") from exc
-
-
 def rerotate_keys(keys: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor,
                   inv_freq: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Keys [..., T, D] rotated from `old_positions` [T] to `new_positions` [T]; returns `out`.
@@ -76,7 +64,7 @@ def rerotate_keys(keys: torch.Tensor, old_positions: torch.Tensor, new_positions
     tokens, head_dim = keys.shape[-2], keys.shape[-1]
     if keys.numel() == 0:
         return out
-    x, o = _as_4d(keys), _as_4d(out)
+    x, o = as_4d(keys), as_4d(out)
     half = head_dim // 2
     grid = (triton.cdiv(tokens, BLOCK_T), x.shape[1], x.shape[0])
     _rerotate_kernel[grid](

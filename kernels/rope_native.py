@@ -4,7 +4,7 @@ Same signature and the same bits as `kernels/rope_ref.py` ``rerotate_keys``: the
 the reference's `rotation_angles`, and the C code does the reference's float32 arithmetic in its
 order. The reference makes about ten passes over the keys through float32 temporaries: for the
 3.6 M key elements of a 620-token passage of SmolLM2-135M, 9-12 ms against 4.6 ms for this on a
-quiet 2-core dev VM (2 torch threads; this is one), 51 ms against 6-11 ms with the VM loaded.
+quiet 2-core dev VM (the reference on 2 torch threads, this on one), 51 ms against 6-11 ms with the VM loaded.
 Other dtypes, and hosts without a C compiler (`kernels.native`), take the reference.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from kernels import rope_ref
 from kernels.native import build
-from kernels.rope_ref import check_rerotate_args, rotation_angles
+from kernels.rope_ref import as_4d, check_rerotate_args, rotation_angles
 
 SOURCE = Path(__file__).with_name("rope_native.c")
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}  # the C enum
@@ -35,16 +35,13 @@ def native_library() -> ctypes.CDLL | None:
     return library
 
 
-def _as_4d(x: torch.Tensor) -> torch.Tensor | None:
-    """A [A, B, T, D] view of x [..., T, D] with D contiguous, or None where strides do not allow one."""
+def _view_4d(x: torch.Tensor) -> torch.Tensor | None:
+    """`rope_ref.as_4d` of x with head_dim contiguous (what the C code reads), or None."""
     if x.stride(-1) != 1 and x.shape[-1] > 1:
         return None
-    lead = x.shape[:-2]
-    if len(lead) < 2:
-        return x[(None,) * (2 - len(lead))]
     try:
-        return x.view(-1, lead[-1], *x.shape[-2:])
-    except RuntimeError:
+        return as_4d(x)
+    except ValueError:
         return None
 
 
@@ -58,7 +55,7 @@ def rerotate_keys(keys: torch.Tensor, old_positions: torch.Tensor, new_positions
     if library is None or (out is not None and not in_place and _overlap(keys, out)):
         return rope_ref.rerotate_keys(keys, old_positions, new_positions, inv_freq, out)
     target = torch.empty_like(keys) if out is None else out
-    x, o = _as_4d(keys), _as_4d(target)
+    x, o = _view_4d(keys), _view_4d(target)
     if x is None or o is None:
         return rope_ref.rerotate_keys(keys, old_positions, new_positions, inv_freq, out)
     if keys.numel() == 0:

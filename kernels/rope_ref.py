@@ -47,6 +47,19 @@ def check_rerotate_args(keys: torch.Tensor, old_positions: torch.Tensor, new_pos
         raise ValueError(f"out must match keys ({keys.dtype} {tuple(keys.shape)}), got {out.dtype} {tuple(out.shape)}")
 
 
+def as_4d(x: torch.Tensor) -> torch.Tensor:
+    """A [A, B, T, D] view of x [..., T, D]: missing leading dims added, extra ones folded where
+    strides allow (else ValueError). Always a view, so a kernel writing into it writes into x."""
+    lead = x.shape[:-2]
+    if len(lead) < 2:
+        return x[(None,) * (2 - len(lead))]
+    try:
+        return x.view(-1, lead[-1], *x.shape[-2:])
+    except RuntimeError as exc:
+        raise ValueError(f"keys of shape {tuple(x.shape)} and strides {x.stride()} cannot be viewed as "
+                         "[A, B, T, D]; pass .contiguous() keys") from exc
+
+
 def rotation_angles(old_positions: torch.Tensor, new_positions: torch.Tensor,
                     inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, D/2] in float32 of (new - old) * inv_freq, formed in float64 mod 2*pi."""
