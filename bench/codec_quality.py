@@ -51,11 +51,8 @@ import dataclasses
 import hashlib
 import json
 import random
-import re
-import string
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -72,8 +69,8 @@ from engine_adapter.generate import decode_loop, prefill  # noqa: E402
 from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
 from engine_adapter.model import KVCache, LlamaModel  # noqa: E402
 from engine_adapter.prompts import document_prompt  # noqa: E402
+from reuse_vs_rag import MUSIQUE_DEV, f1_score  # noqa: E402  (the benches' one data path and answer F1)
 
-MUSIQUE_DEV = ROOT.parent / "shared" / "data" / "musique" / "dev.json"
 DEFAULT_CODECS = (
     "raw",
     "int8",
@@ -182,25 +179,6 @@ def load_through_codec(kv: KVCache, block: torch.Tensor, codec) -> Transfer:
 
 
 # -- scoring -------------------------------------------------------------------------------------------------
-
-
-def normalize_answer(text: str) -> str:
-    text = "".join(c for c in text.lower() if c not in set(string.punctuation))
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
-
-
-def token_f1(prediction: str, gold: str) -> float:
-    pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
-    common = sum((Counter(pred) & Counter(ref)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(pred), common / len(ref)
-    return 2 * precision * recall / (precision + recall)
-
-
-def best_f1(prediction: str, answers: list[str]) -> float:
-    return max(token_f1(prediction, a) for a in answers)
 
 
 def answer_text(tokenizer, tokens: list[int]) -> str:
@@ -648,7 +626,7 @@ def main() -> int:
             ref_text = answer_text(tokenizer, answer)
             reference.fp16_bytes += fp16_bytes
             reference.answers.append(ref_text)
-            reference.f1.append(best_f1(ref_text, q.answers))
+            reference.f1.append(f1_score(ref_text, q.answers))
             bar.update(1)
 
             for spec, codec in codecs.items():
@@ -674,7 +652,7 @@ def main() -> int:
                 text = answer_text(tokenizer, tokens)
                 score.answers.append(text)
                 score.exact.append(text == ref_text)
-                score.f1.append(best_f1(text, q.answers))
+                score.f1.append(f1_score(text, q.answers))
                 bar.update(1)
             del kv, block
             if args.blend:
