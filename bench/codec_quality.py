@@ -38,7 +38,8 @@ flip a near-tie?) and how many questions got worse (any teacher-forced argmax ch
                    ``--blend-ratio`` (0.15); first-token KL against the same blend over fp16-stored chunks;
 - ``--disk-read``  the disk tier's O_DIRECT read GB/s here, next to each codec's encode/decode GB/s, and
                    the load GB/s from disk (encoded bytes read at that speed, then decoded);
-- ``--ttft-disk N`` TTFT warm from a disk-only daemon with each codec as its ``disk_codec`` against raw.
+- ``--ttft-disk N`` TTFT warm from disk (a small CPU tier above it, evicted) with each codec as the
+                   daemon's ``disk_codec``, against raw.
 
     python bench/codec_quality.py [--limit 20] [--seed 0] [--codecs raw int8 ...] [--kvtc SETTING ...]
                                   [--blend] [--disk-read] [--ttft-disk 3] [--json out.json]
@@ -387,23 +388,27 @@ def o_direct_read_gbps(folder: Path, nbytes: int, piece: int) -> float:
 
 def disk_ttft(model: LlamaModel, tokenizer, question: Question, block: torch.Tensor, specs: list[str],
               codecs: dict, folder: Path, repeats: int, log) -> dict[str, dict]:
-    """TTFT warm from the disk tier, per disk codec: one daemon each with no CPU tier and O_DIRECT reads.
+    """TTFT warm from the disk tier, per disk codec: one daemon each, a CPU tier above an O_DIRECT disk.
 
-    The context's whole chunks (its tail cut off) are Put raw (the engine's float32 blocks) and the daemon re-encodes
-    them with its ``disk_codec``; `CachedEngine.generate` then loads them (Get, decode in the engine)
-    and prefills the question. Median of ``repeats`` after one untimed run. kvtc calibrations are
-    saved where the daemon and the engine resolve them (`calibration_store.save`).
+    Only a tier below the top re-encodes (the top keeps blocks as sent, `kvstore/daemon.py`), so the
+    daemon has a CPU tier of ``EVICTING_CPU_CHUNKS`` chunks: the context's whole chunks (its tail cut
+    off) are Put raw (the engine's float32 blocks), copied down and re-encoded with the
+    ``disk_codec``, and evicted from the CPU tier by the later chunks and a few filler chunks, until
+    Lookup finds every context chunk on disk only. Promotion on Get is off, so every repeat reads
+    the disk. `CachedEngine.generate` then loads them (Get, decode in the engine) and prefills the
+    question. Median of ``repeats`` after one untimed run. kvtc calibrations are saved where the
+    daemon and the engine resolve them (`calibration_store.save`).
     """
     import statistics
     import tempfile
 
-    from bench.prefix_reuse import store_context
     from compression import calibration_store
     from compression.transform import TransformCodec
     from engine_adapter.cached import CachedEngine
     from engine_adapter.client import KVStoreClient
     from kvstore.keys import prefix_keys
     from kvstore.spawn import DaemonProcess
+    from tiers.disk import block_path
 
     for spec in specs:
         codec = codecs.get(spec)
@@ -416,36 +421,58 @@ def disk_ttft(model: LlamaModel, tokenizer, question: Question, block: torch.Ten
     out = {}
     scratch = Path(tempfile.mkdtemp(prefix="kvb-codec-ttft-", dir=folder))
     for spec in specs:
-        daemon = DaemonProcess.in_folder(scratch / f"d{len(out)}", cpu_capacity=0, disk_path=scratch / f"d{len(out)}" / "blocks",
-                                         disk_capacity="4GiB", disk_fsync="false", disk_o_direct="true",
-                                         disk_codec=spec)
+        run = scratch / f"d{len(out)}"
+        chunk_bytes = full_kv.export(0, CHUNK_TOKENS).numel() * full_kv.export(0, 1).element_size()
+        daemon = DaemonProcess.in_folder(run, cpu_capacity=EVICTING_CPU_CHUNKS * (chunk_bytes + 2**16) + 2**20,
+                                         disk_path=run / "blocks", disk_capacity="4GiB", disk_fsync="false",
+                                         disk_o_direct="true", disk_codec=spec, promote_on_get="false")
         try:
             with KVStoreClient(daemon.address) as client:
                 engine = CachedEngine(model, tokenizer, client)
                 keys = prefix_keys(engine.namespace, context)
-                store_context(client, engine, keys, full_kv, "disk", timeout_s=600)
-                on_disk = sum(f.stat().st_size for f in (scratch / f"d{len(out)}" / "blocks").rglob("*") if f.is_file())
-                raw_bytes = engine.namespace.layout.block_bytes(len(context))
-                if spec != "raw" and on_disk > 0.9 * raw_bytes:
-                    # measured 2026-12-02: a daemon whose top tier is the disk stores blocks as sent; only a
-                    # tier below the top re-encodes (kvstore/daemon.py), so this setup times raw loads
-                    raise RuntimeError(f"disk_codec {spec}: the disk tier holds {on_disk} bytes for {raw_bytes} raw, "
-                                       "i.e. blocks as sent; a disk-only daemon never transcodes")
+                fillers = prefix_keys(engine.namespace, [t + 1 for t in context[:(EVICTING_CPU_CHUNKS + 1) * CHUNK_TOKENS]])
+                store_on_disk_only(client, engine, keys, fillers, full_kv)
+                # the context's own block files (headers included), against its float32 payloads
+                on_disk = sum(block_path(run / "blocks", k).stat().st_size for k in keys)
+                raw_bytes = engine.namespace.layout.block_bytes(CHUNK_TOKENS) * len(keys)
                 runs = []
                 for _ in range(repeats + 1):
                     result = engine.generate(context + question.question_ids, max_new_tokens=1, store=False)
                     if result.reused_tokens != len(context):
                         raise RuntimeError(f"{spec}: reused {result.reused_tokens} tokens, expected all stored chunks")
                     runs.append(result)
+                if set(client.lookup(keys).tiers) != {"disk"}:
+                    raise RuntimeError(f"{spec}: the context left the disk tier during the runs (promotion?)")
                 runs = runs[1:]
                 out[spec] = {"ttft_s": statistics.median(r.ttft_s for r in runs),
                              "load_s": statistics.median(r.load_s for r in runs),
                              "prefill_s": statistics.median(r.prefill_s for r in runs),
-                             "reused_tokens": runs[0].reused_tokens}
+                             "ttft_per_repeat_s": [r.ttft_s for r in runs],
+                             "reused_tokens": runs[0].reused_tokens, "disk_bytes": on_disk,
+                             "disk_vs_float32": raw_bytes / on_disk}
                 log(f"disk TTFT {spec}: {out[spec]}")
         finally:
             daemon.stop()
     return out
+
+
+#: CPU-tier capacity, in chunks, of `disk_ttft`'s daemons: small, so the context ends up on disk only.
+EVICTING_CPU_CHUNKS = 2
+
+
+def store_on_disk_only(client, engine, keys: list[bytes], fillers: list[bytes], kv: KVCache,
+                       timeout_s: float = 600.0) -> None:
+    """Put each chunk of ``kv`` under ``keys``, then filler chunks (the first chunk's KV under
+    ``fillers``) until the CPU tier has evicted (demoted) every context chunk: wait until Lookup
+    finds them all on disk and nowhere higher."""
+    from bench.prefix_reuse import wait_in_tier
+
+    n = engine.namespace.chunk_tokens
+    for c, key in enumerate(keys):
+        client.put(engine.namespace, [(key, n, kv.export(c * n, (c + 1) * n))])
+    for key in fillers:
+        client.put(engine.namespace, [(key, n, kv.export(0, n))])
+    wait_in_tier(client, keys, "disk", timeout_s)
 
 
 # -- one run -----------------------------------------------------------------------------------------------------
@@ -720,12 +747,13 @@ def main() -> int:
         ttft = disk_ttft(model, tokenizer, q, block, specs, codecs, args.cache_dir, args.ttft_disk, log)
         print(f"\nTTFT warm from disk (dev item {q.index}, its first {ttft['raw']['reused_tokens']} context tokens, "
               f"float32 blocks Put raw, "
-              f"re-encoded by the daemon's disk_codec; no CPU tier, O_DIRECT; median of {args.ttft_disk}):\n")
-        print("| disk_codec | TTFT s | load s | prefill s | TTFT vs raw |")
-        print("|---|---|---|---|---|")
+              f"re-encoded by the daemon's disk_codec when its {EVICTING_CPU_CHUNKS}-chunk CPU tier demotes them; "
+              f"read from disk with O_DIRECT, decoded in the engine; median of {args.ttft_disk}):\n")
+        print("| disk_codec | on disk vs float32 | TTFT s | load s | prefill s | TTFT vs raw |")
+        print("|---|---|---|---|---|---|")
         for spec, t in ttft.items():
-            print(f"| {spec} | {t['ttft_s']:.3f} | {t['load_s']:.3f} | {t['prefill_s']:.3f} | "
-                  f"{t['ttft_s'] / ttft['raw']['ttft_s']:.2f}x |")
+            print(f"| {spec} | {t['disk_vs_float32']:.2f}x | {t['ttft_s']:.3f} | {t['load_s']:.3f} | "
+                  f"{t['prefill_s']:.3f} | {t['ttft_s'] / ttft['raw']['ttft_s']:.2f}x |")
     disk = None
     if args.disk_read:
         chunk_bytes = reference.fp16_bytes // sum(len(chunk_bounds(n)) for n in ctx_tokens)

@@ -123,6 +123,11 @@ def store_context(client: KVStoreClient, engine: CachedEngine, keys: list[bytes]
     for i in range(0, len(keys), 4):
         chunk_ids = range(i, min(i + 4, len(keys)))
         client.put(engine.namespace, [(keys[c], n, kv.export(c * n, (c + 1) * n)) for c in chunk_ids])
+    wait_in_tier(client, keys, expect_tier, timeout_s)
+
+
+def wait_in_tier(client: KVStoreClient, keys: list[bytes], expect_tier: str, timeout_s: float = 120.0) -> None:
+    """Wait until Lookup finds every one of ``keys`` with ``expect_tier`` as its highest tier."""
     deadline = time.monotonic() + timeout_s
     while True:
         hits = client.lookup(keys)

@@ -114,8 +114,7 @@ class DiskTier(Tier):
     # -- index -------------------------------------------------------------------------------
 
     def _path(self, key: bytes) -> Path:
-        hexkey = key.hex()
-        return self.root / hexkey[:2] / (hexkey + SUFFIX)
+        return block_path(self.root, key)
 
     def close(self) -> None:
         """Release the folder's lock (another daemon may then open it)."""
@@ -289,6 +288,12 @@ class DiskTier(Tier):
                                f"missing on disk, {len(extra)} files not indexed, or sizes differ")
         if sum(indexed.values()) != self._used:
             raise RuntimeError(f"{self.name}: used bytes {self._used} != sum of blocks {sum(indexed.values())}")
+
+
+def block_path(root: Path, key: bytes) -> Path:
+    """Where the disk tier rooted at ``root`` keeps ``key``'s block: ``ab/<32 hex>.kvb``."""
+    hexkey = key.hex()
+    return root / hexkey[:2] / (hexkey + SUFFIX)
 
 
 def _size(n: int) -> str:
