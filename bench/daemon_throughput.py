@@ -219,6 +219,8 @@ def interleaved_disk_rounds(address: str, block_dir: Path, client_id: int, n: in
                             rounds: int, o_direct: bool) -> dict:
     """Median Get GB/s and median plain-read GB/s of the same block files, measured alternately."""
     keys = keys_for(client_id, n)
+    # the disk tier's file names (tiers.disk.block_path), spelled out: bench/ab_pairs.py runs this
+    # file against older revisions, so it uses no helper they may lack
     paths = [block_dir / k.hex()[:2] / f"{k.hex()}.kvb" for k in keys]
     dest = destinations(batch)
     gets, reads = [], []
