@@ -416,33 +416,43 @@ def disk_ttft(model: LlamaModel, tokenizer, question: Question, block: torch.Ten
             calibration_store.save(codec.calibration)
     # only whole chunks, so the warm run loads every context token and prefills just the question
     context = question.context_ids[:len(question.context_ids) // CHUNK_TOKENS * CHUNK_TOKENS]
+    if not context:
+        raise ValueError(f"dev item {question.index} has fewer than {CHUNK_TOKENS} context tokens: nothing to load")
     full_kv = model.new_cache(len(context))
     full_kv.load(block[:, :, :, :len(context)].to(model.dtype), 0)
     out = {}
     scratch = Path(tempfile.mkdtemp(prefix="kvb-codec-ttft-", dir=folder))
+    first = full_kv.export(0, CHUNK_TOKENS)
+    chunk_bytes = first.numel() * first.element_size()  # one chunk's payload as the engine Puts it (float32)
     for spec in specs:
         run = scratch / f"d{len(out)}"
-        chunk_bytes = full_kv.export(0, CHUNK_TOKENS).numel() * full_kv.export(0, 1).element_size()
+        # write-back: a block is copied down (re-encoded) only when the CPU tier evicts it, so no
+        # write-through copy of the last chunks is still encoding while the loads are timed
         daemon = DaemonProcess.in_folder(run, cpu_capacity=EVICTING_CPU_CHUNKS * (chunk_bytes + 2**16) + 2**20,
                                          disk_path=run / "blocks", disk_capacity="4GiB", disk_fsync="false",
-                                         disk_o_direct="true", disk_codec=spec, promote_on_get="false")
+                                         disk_o_direct="true", disk_codec=spec, promote_on_get="false",
+                                         write_policy="write-back")
         try:
             with KVStoreClient(daemon.address) as client:
                 engine = CachedEngine(model, tokenizer, client)
                 keys = prefix_keys(engine.namespace, context)
-                fillers = prefix_keys(engine.namespace, [t + 1 for t in context[:(EVICTING_CPU_CHUNKS + 1) * CHUNK_TOKENS]])
+                # filler chunks under keys no context shares (token ids 1, 2, ...): they push the
+                # context's last chunks out of the CPU tier
+                fillers = prefix_keys(engine.namespace, list(range(1, (EVICTING_CPU_CHUNKS + 1) * CHUNK_TOKENS + 1)))
                 store_on_disk_only(client, engine, keys, fillers, full_kv)
                 # the context's own block files (headers included), against its float32 payloads
                 on_disk = sum(block_path(run / "blocks", k).stat().st_size for k in keys)
-                raw_bytes = engine.namespace.layout.block_bytes(CHUNK_TOKENS) * len(keys)
+                raw_bytes = chunk_bytes * len(keys)
+                if spec != "raw" and raw_bytes / on_disk < 1.1:
+                    raise RuntimeError(f"disk_codec {spec}: the disk holds {on_disk} bytes for {raw_bytes} raw, i.e. "
+                                       "blocks as sent: the daemon did not re-encode them")
                 runs = []
                 for _ in range(repeats + 1):
                     result = engine.generate(context + question.question_ids, max_new_tokens=1, store=False)
-                    if result.reused_tokens != len(context):
-                        raise RuntimeError(f"{spec}: reused {result.reused_tokens} tokens, expected all stored chunks")
+                    if result.reused_tokens != len(context) or set(result.tiers) != {"disk"}:
+                        raise RuntimeError(f"{spec}: reused {result.reused_tokens} tokens from {set(result.tiers)}, "
+                                           f"expected all {len(context)} from disk")
                     runs.append(result)
-                if set(client.lookup(keys).tiers) != {"disk"}:
-                    raise RuntimeError(f"{spec}: the context left the disk tier during the runs (promotion?)")
                 runs = runs[1:]
                 out[spec] = {"ttft_s": statistics.median(r.ttft_s for r in runs),
                              "load_s": statistics.median(r.load_s for r in runs),
@@ -465,11 +475,10 @@ def store_on_disk_only(client, engine, keys: list[bytes], fillers: list[bytes], 
     """Put each chunk of ``kv`` under ``keys``, then filler chunks (the first chunk's KV under
     ``fillers``) until the CPU tier has evicted (demoted) every context chunk: wait until Lookup
     finds them all on disk and nowhere higher."""
-    from bench.prefix_reuse import wait_in_tier
+    from bench.prefix_reuse import put_chunks, wait_in_tier
 
+    put_chunks(client, engine, keys, kv)
     n = engine.namespace.chunk_tokens
-    for c, key in enumerate(keys):
-        client.put(engine.namespace, [(key, n, kv.export(c * n, (c + 1) * n))])
     for key in fillers:
         client.put(engine.namespace, [(key, n, kv.export(0, n))])
     wait_in_tier(client, keys, "disk", timeout_s)
@@ -609,8 +618,9 @@ def main() -> int:
                         help="also measure the disk tier's O_DIRECT read GB/s here and each codec's load GB/s "
                              "from it (read the encoded bytes at that speed, then decode)")
     parser.add_argument("--ttft-disk", type=int, default=0, metavar="REPEATS",
-                        help="also time TTFT warm from a disk-only daemon (O_DIRECT) on the first question, with "
-                             "disk_codec raw and each codec (median of REPEATS; 0 = off)")
+                        help="also time TTFT warm from disk (O_DIRECT, blocks demoted from a small CPU tier and "
+                             "re-encoded) on the first question, with disk_codec raw and each codec (median of "
+                             "REPEATS; 0 = off)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
     if args.limit < 1 or args.max_new_tokens < 1:

@@ -119,11 +119,16 @@ def stop_daemon(daemon: DaemonProcess) -> None:
 def store_context(client: KVStoreClient, engine: CachedEngine, keys: list[bytes], kv: KVCache,
                   expect_tier: str, timeout_s: float = 120.0) -> None:
     """Put every chunk of ``kv`` under ``keys`` and wait until all are in ``expect_tier``."""
+    put_chunks(client, engine, keys, kv)
+    wait_in_tier(client, keys, expect_tier, timeout_s)
+
+
+def put_chunks(client: KVStoreClient, engine: CachedEngine, keys: list[bytes], kv: KVCache) -> None:
+    """Put chunk c of ``kv`` under ``keys[c]``, 4 chunks per call."""
     n = engine.namespace.chunk_tokens
     for i in range(0, len(keys), 4):
         chunk_ids = range(i, min(i + 4, len(keys)))
         client.put(engine.namespace, [(keys[c], n, kv.export(c * n, (c + 1) * n)) for c in chunk_ids])
-    wait_in_tier(client, keys, expect_tier, timeout_s)
 
 
 def wait_in_tier(client: KVStoreClient, keys: list[bytes], expect_tier: str, timeout_s: float = 120.0) -> None:
