@@ -160,8 +160,10 @@ def test_ratio_zero_is_naive_reuse():
 @pytest.mark.parametrize("ratio", [0.0, 0.2, 0.55, 1.0])
 def test_kv_only_blends_the_same_chunk_kv_without_the_query(name, ratio):
     # The vLLM path: the engine computes the query itself, so the blend leaves it out after the
-    # check layer. The chunk KV must be the same (bit for bit: the chunk rows never read the query),
-    # and the query computed over it afterwards must give the full blend's logits.
+    # check layer. The chunk KV must be the same (the chunk rows never read the query), to float32
+    # rounding: with fewer rows a BLAS may block the products differently (bit for bit on an AMX
+    # host, 2e-7 relative on an AVX2 one), and the query computed over it afterwards must give the
+    # full blend's logits.
     model = tiny_model(layers=5)
     prefix, chunks, query = tiny_prompt(prefix=4, chunks=(19, 7, 26), query=9)
     ids = torch.tensor(prefix + sum(chunks, []) + query)
@@ -171,7 +173,8 @@ def test_kv_only_blends_the_same_chunk_kv_without_the_query(name, ratio):
     ref = blend_prefill(model, whole, layout, ids, get_selector(name), ratio)
     kv = assembled(model, layout, [prefix] + chunks)
     out = blend_prefill(model, kv, layout, ids, get_selector(name), ratio, kv_only=True)
-    assert torch.equal(kv.export(0, end), whole.export(0, end))
+    chunk_kv, full_kv = kv.export(0, end), whole.export(0, end)
+    assert (chunk_kv - full_kv).abs().max() <= 1e-5 * full_kv.abs().max()  # ~100 float32 ulps of the largest
     assert out.selected.tolist() == ref.selected.tolist() and out.logits.numel() == 0
     # fewer rows on every layer after the check layer, none on the last
     assert all(a <= b for a, b in zip(out.rows_per_layer, ref.rows_per_layer)) and out.rows_per_layer[-1] == 0
