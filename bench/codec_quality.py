@@ -241,13 +241,21 @@ def parse_kvtc(text: str) -> dict:
     return out
 
 
-def calibration_stats(model: LlamaModel, tokenizer, args, log):
-    """`compression.calibrate.collect` over --calibration-items, cached in --cache-dir."""
+def calibration_stats(model: LlamaModel, tokenizer, args, log, on: str = "contexts"):
+    """`compression.calibrate.collect` over --calibration-items, cached in --cache-dir.
+
+    ``on="contexts"``: each item's whole document prompt, prefilled at 0..n-1 (a stored prefix's KV);
+    ``on="passages"``: each of its passages alone at 0..n-1, cut as the blend case cuts them (the
+    KV that `BlendEngine` stores per chunk).
+    """
     from compression.calibrate import collect
 
     items = json.loads(args.data.read_text())
     texts = []
     for i in args.calibration_items:
+        if on == "passages":
+            texts.extend(blend_parts(tokenizer, args.data, i).chunks)
+            continue
         document = "\n\n".join(p["text"] for p in items[i]["ctxs"])
         texts.append(document_prompt(tokenizer, document, items[i]["question"])[0])
     digest = hashlib.sha256(model.config.model_id.encode() + json.dumps(texts).encode()).hexdigest()[:20]
@@ -256,7 +264,7 @@ def calibration_stats(model: LlamaModel, tokenizer, args, log):
         return texts, torch.load(path, weights_only=False)
     start = time.perf_counter()
     stats = collect(model, texts)
-    log(f"kvtc calibration statistics: {stats.tokens} tokens from dev items {args.calibration_items} "
+    log(f"kvtc calibration statistics: {stats.tokens} tokens from dev items {args.calibration_items} ({on}) "
         f"in {time.perf_counter() - start:.0f} s")
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     torch.save(stats, path.with_suffix(".tmp"))
@@ -290,17 +298,23 @@ def kvtc_codecs(model: LlamaModel, tokenizer, args, evaluated: set[int], log) ->
         raise SystemExit(f"--calibration-items {sorted(overlap)} are also evaluated; calibrate on other contexts")
     from compression.calibrate import sensitivity_scale
 
+    # the per-row sensitivities are always measured on whole contexts (row_sensitivity needs texts
+    # longer than a chunk plus its probe; passages are shorter), under the chosen basis
     texts, stats = calibration_stats(model, tokenizer, args, log)
-    source = f"MuSiQue dev items {args.calibration_items}, {stats.tokens} tokens"
+    basis_stats = stats if args.calibrate_on == "contexts" else calibration_stats(model, tokenizer, args, log,
+                                                                                on=args.calibrate_on)[1]
+    source = f"MuSiQue dev items {args.calibration_items}, {basis_stats.tokens} tokens"
+    if args.calibrate_on != "contexts":  # (contexts: the source, hence the calibration ids, as before)
+        source += f", {args.calibrate_on} alone"
     bases = {}
     out = {}
     for text in args.kvtc:
         setting = parse_kvtc(text)
         sinks, rope = int(setting["sinks"]), bool(setting["rope"])
         if (sinks, rope) not in bases:
-            bases[sinks, rope] = calibrate(stats.blocks, Allocation(0.5, 0.5, sink_tokens=sinks),
-                                           metric=stats.metric(1, pre_rope=rope), source=source,
-                                           rope_inv_freq=stats.inv_freq if rope else None,
+            bases[sinks, rope] = calibrate(basis_stats.blocks, Allocation(0.5, 0.5, sink_tokens=sinks),
+                                           metric=basis_stats.metric(1, pre_rope=rope), source=source,
+                                           rope_inv_freq=basis_stats.inv_freq if rope else None,
                                            max_position=model.config.max_position_embeddings if rope else 0)
         allocation = Allocation(setting["key"], setting["value"], setting["drop"], sink_tokens=sinks)
         calibration = bases[sinks, rope].with_allocation(allocation)
@@ -610,6 +624,10 @@ def main() -> int:
                              "(e.g. 0.2:0.2:0.2) or key=0.2,value=0.2,drop=0.2,sinks=4,rope=1 (see parse_kvtc)")
     parser.add_argument("--calibration-items", type=int, nargs="+", default=[33, 5],
                         help="dev.json indices whose contexts calibrate kvtc (default 33 5; must not be evaluated)")
+    parser.add_argument("--calibrate-on", choices=("contexts", "passages"), default="contexts",
+                        help="kvtc bases from the calibration items' whole contexts (default: a stored prefix's KV) "
+                             "or from their passages each computed alone (the blend case's chunk KV); per-row "
+                             "sensitivities always come from the whole contexts")
     parser.add_argument("--blend", action="store_true",
                         help="also the blend case: each question's passages stored as chunks through each codec, "
                              "blended (CacheBlend, --blend-ratio); first-token KL against the fp16-stored blend")
@@ -791,6 +809,7 @@ def main() -> int:
             "model": "SmolLM2-135M-Instruct", "compute_dtype": "float32", "store_dtype": "float16",
             "reference": REFERENCE, "threads": args.threads, "chunk_tokens": CHUNK_TOKENS,
             "max_new_tokens": args.max_new_tokens, "data": str(args.data), "seed": args.seed,
+            "calibration_items": args.calibration_items, "calibrate_on": args.calibrate_on,
             "questions": [{"index": q.index, "question": q.question, "answers": q.answers,
                            "context_tokens": len(q.context_ids), "question_tokens": len(q.question_ids),
                            "reference_answer": reference.answers[i], "reference_f1": reference.f1[i],
