@@ -12,6 +12,12 @@ at their place in the prompt and rotates their keys from 0..len-1 to the new pos
 
 The prefix sits where it was computed, so its KV is exactly what a full prefill would give; a
 chunk's KV lacks the cross-attention to everything before it, which selective recompute repairs.
+
+A chunk may be preceded by *glue*: tokens that belong to no stored segment (a passage separator
+as an engine tokenized it inside the whole prompt, see `engine_adapter/vllm/blend.py`). Glue is
+never cached; like the query, it is computed on every layer::
+
+    |--prefix--|-glue-|----chunk 1----|-glue-|--chunk 2--|--query--|
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 import kernels
 from engine_adapter.model import KVCache, LlamaModel
 
-SEGMENT_KINDS = ("prefix", "chunk", "query")
+SEGMENT_KINDS = ("prefix", "glue", "chunk", "query")
 
 
 @dataclass(frozen=True)
@@ -48,13 +54,20 @@ class BlendLayout:
     segments: tuple[Segment, ...]
 
     @classmethod
-    def from_lengths(cls, prefix: int, chunks: Sequence[int], query: int) -> BlendLayout:
+    def from_lengths(cls, prefix: int, chunks: Sequence[int], query: int,
+                     glue: Sequence[int] | None = None) -> BlendLayout:
+        """``glue[i]``: tokens just before chunk i (None or 0: none)."""
         if query <= 0:
             raise ValueError("the query must have at least one token: its last token's logits are the answer")
         if prefix < 0 or any(n <= 0 for n in chunks):
             raise ValueError(f"prefix length must be >= 0 and every chunk non-empty, got {prefix}, {list(chunks)}")
+        glue = [0] * len(chunks) if glue is None else list(glue)
+        if len(glue) != len(chunks) or any(n < 0 for n in glue):
+            raise ValueError(f"glue must give a count >= 0 for each of the {len(chunks)} chunks, got {glue}")
         segments, start = [], 0
-        for kind, n in [("prefix", prefix), *(("chunk", n) for n in chunks), ("query", query)]:
+        pieces = [("prefix", prefix), *(p for g, n in zip(glue, chunks) for p in (("glue", g), ("chunk", n))),
+                  ("query", query)]
+        for kind, n in pieces:
             if n:
                 segments.append(Segment(kind, start, start + n))
                 start += n
@@ -68,10 +81,10 @@ class BlendLayout:
     def query(self) -> Segment:
         return self.segments[-1]
 
-    @property
+    @cached_property
     def cached(self) -> tuple[Segment, ...]:
         """Segments whose KV comes from the cache (prefix and chunks), in order."""
-        return self.segments[:-1]
+        return tuple(s for s in self.segments[:-1] if s.kind != "glue")
 
     @property
     def chunks(self) -> tuple[Segment, ...]:
@@ -86,6 +99,12 @@ class BlendLayout:
     @cached_property
     def query_positions(self) -> torch.Tensor:
         return torch.arange(self.query.start, self.query.end)
+
+    @cached_property
+    def glue_positions(self) -> torch.Tensor:
+        """Positions of every glue token: never cached, computed on every layer."""
+        spans = [torch.arange(s.start, s.end) for s in self.segments if s.kind == "glue"]
+        return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
 
 
 def rerotate_keys(keys: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor,

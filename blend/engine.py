@@ -202,20 +202,23 @@ class BlendEngine:
     @torch.inference_mode()
     def prefill(self, prefix: Sequence[int], chunks: Sequence[Sequence[int]], query: Sequence[int],
                 ratio: float | None = None, selector: str | TokenSelector | None = None, use_cache: bool = True,
-                room: int = 1, kv_only: bool = False) -> BlendedPrompt:
+                room: int = 1, kv_only: bool = False, glue: Sequence[Sequence[int]] | None = None) -> BlendedPrompt:
         """Load, assemble and blend ``prefix + chunks + query`` (token ids): the cache then holds
         every prompt token's KV (chunks' selected tokens recomputed) and ``logits`` the first new
         token's distribution. Segments the daemon lacks are computed alone and returned in
         ``missing`` for the caller to store; ``room``: cache capacity past the prompt. ``kv_only``:
         for an engine that computes the query itself, only the non-query KV is exact afterwards and
-        ``first_logits`` is empty (`blend.recompute.blend_prefill`).
+        ``first_logits`` is empty (`blend.recompute.blend_prefill`). ``glue[i]``: tokens just before
+        chunk i that belong to no stored segment (a separator tokenized inside the whole prompt):
+        never looked up, computed on every layer (`blend.assemble`).
 
         ``ratio`` None: the engine's default, or the controller's choice when it has one.
         """
         start = time.perf_counter()
         prefix, query = list(prefix), list(query)
         chunks = [list(c) for c in chunks]
-        layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query))
+        glue = [list(g) for g in glue] if glue is not None else [[] for _ in chunks]
+        layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query), [len(g) for g in glue])
         parts = ([prefix] if prefix else []) + chunks
         selector = self.selector if selector is None else (
             get_selector(selector) if isinstance(selector, str) else selector)
@@ -242,7 +245,7 @@ class BlendEngine:
             ratio = self.controller.choose(result.chunk_tokens, per_tier).ratio
         result.ratio = self.ratio if ratio is None else ratio
         loaded_at = time.perf_counter()
-        ids = torch.tensor(prefix + [t for c in chunks for t in c] + query, dtype=torch.long)
+        ids = torch.tensor(prefix + [t for g, c in zip(glue, chunks) for t in g + c] + query, dtype=torch.long)
         prefill = blend_prefill(self.model, kv, layout, ids, selector, result.ratio, kv_only=kv_only)
         result.load_s, result.blend_s = loaded_at - start, time.perf_counter() - loaded_at
         result.first_logits = prefill.logits

@@ -10,7 +10,8 @@ Layer by layer (check = the selector's check layer; budget = round(ratio * chunk
                      positions; they attend to the whole cache under a row-exact causal mask
 
 budget 0 skips the check (naive reuse: only the query is computed). A selector without a check
-layer (sinks) chooses before layer 0, and every layer is partial.
+layer (sinks) chooses before layer 0, and every layer is partial. Glue tokens (a separator between
+chunks, `blend.assemble`) are computed on every layer, like the query, and are no part of the budget.
 
 ``kv_only``: for an engine that computes the query itself (vLLM through the connector), only the
 chunk KV is wanted. Query rows then leave after the check layer (the selector needed their fresh q
@@ -93,9 +94,11 @@ def blend_prefill(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids
     if check is not None and check >= len(model.layers):
         raise ValueError(f"check layer {check} is past the model's {len(model.layers)} layers")
 
+    glue_pos = layout.glue_positions.to(device)  # no cached KV: each layer writes it before reading
     all_rows = torch.arange(total, device=device)
-    tail = query_pos[:0] if kv_only else query_pos  # the query rows past the check layer
-    if kv_only and check is None and budget == 0:
+    # rows computed past the check layer besides the selected ones: glue, and the query unless kv_only
+    tail = glue_pos if kv_only else torch.cat((glue_pos, query_pos))
+    if kv_only and check is None and budget == 0 and not glue_pos.numel():
         kv.length = total  # naive reuse for an engine that computes the query: nothing to compute
         return BlendPrefill(logits=torch.empty(0), selected=chunk_pos[:0], rows_per_layer=[0] * len(model.layers))
     cos_all, sin_all = model.rope(all_rows)  # [T, D] each

@@ -184,6 +184,53 @@ def test_kv_only_blends_the_same_chunk_kv_without_the_query(name, ratio):
     assert (logits - ref.logits).abs().max() <= TOL
 
 
+
+def test_glue_layout_is_never_cached():
+    layout = BlendLayout.from_lengths(3, [4, 2], 2, glue=[2, 0])
+    assert [(s.kind, s.start, s.end) for s in layout.segments] == [
+        ("prefix", 0, 3), ("glue", 3, 5), ("chunk", 5, 9), ("chunk", 9, 11), ("query", 11, 13)]
+    assert [s.kind for s in layout.cached] == ["prefix", "chunk", "chunk"]
+    assert layout.glue_positions.tolist() == [3, 4] and layout.chunk_positions.tolist() == [5, 6, 7, 8, 9, 10]
+    with pytest.raises(ValueError, match="glue must give a count"):
+        BlendLayout.from_lengths(3, [4, 2], 2, glue=[1])
+    with pytest.raises(ValueError, match="glue must give a count"):
+        BlendLayout.from_lengths(3, [4, 2], 2, glue=[1, -1])
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("kv_only", [False, True])
+def test_glue_is_computed_on_every_layer(name, kv_only):
+    # Separator tokens between chunks (glue) have no cached KV: at ratio 1 the blend is still the
+    # full prefill, and at any ratio the glue rows are computed on every layer (their KV is the one
+    # a prefill over the blended cache before them gives).
+    model = tiny_model(layers=5)
+    prefix, chunks, query = tiny_prompt(prefix=4, chunks=(19, 7, 26), query=9)
+    g = torch.Generator().manual_seed(7)
+    glue = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 1, 4)]
+    ids = prefix + [t for gl, c in zip(glue, chunks) for t in gl + c] + query
+    layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query), [len(x) for x in glue])
+    expected, exact_kv = full_logits(model, ids)
+    end = layout.query.start
+    kv = assembled(model, layout, [prefix] + chunks)
+    out = blend_prefill(model, kv, layout, torch.tensor(ids), get_selector(name), 1.0, kv_only=kv_only)
+    assert (kv.export(0, end) - exact_kv.export(0, end)).abs().max() <= TOL
+    if not kv_only:
+        assert (out.logits - expected).abs().max() <= TOL
+    for ratio in (0.0, 0.2):
+        kv = assembled(model, layout, [prefix] + chunks)
+        out = blend_prefill(model, kv, layout, torch.tensor(ids), get_selector(name), ratio, kv_only=kv_only)
+        glue_rows = layout.glue_positions.numel()
+        past = out.rows_per_layer[:-1] if kv_only else out.rows_per_layer  # kv_only: the last layer only writes
+        assert all(n >= glue_rows for n in past), out.rows_per_layer
+        # each layer's glue KV was computed over that layer's final cache: recomputing the glue
+        # rows alone over the blended cache gives it again
+        blended = kv.export(0, end).clone()
+        kv.length = 0
+        blend_prefill(model, kv, layout, torch.tensor(ids), FixedSelector([], None), 0.5, kv_only=kv_only)
+        rows = layout.glue_positions.tolist()
+        assert (kv.export(0, end)[:, :, :, rows] - blended[:, :, :, rows]).abs().max() <= TOL
+
+
 def test_blending_moves_toward_the_full_prefill_as_ratio_grows():
     model = tiny_model(layers=6)
     prefix, chunks, query = tiny_prompt(chunks=(40, 40, 40))
