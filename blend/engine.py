@@ -18,6 +18,7 @@ call to it goes through the engines' shared guard (engine_adapter/prefix_cache.p
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,21 +45,38 @@ DEFAULT_RATIO = 0.15
 
 @dataclass(frozen=True)
 class BlendPrompt:
-    """A prompt cut into its reusable parts (token ids)."""
+    """A prompt cut into its reusable parts (token ids). ``glue[i]``: tokens just before chunk i
+    that belong to no part (a separator tokenized inside the whole prompt); empty when each part
+    was tokenized alone."""
 
     prefix: list[int]
     chunks: list[list[int]]
     query: list[int]
+    glue: list[list[int]] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[int]:
+        """The prompt's token ids, in order."""
+        glue = self.glue or [[] for _ in self.chunks]
+        return self.prefix + [t for g, c in zip(glue, self.chunks) for t in g + c] + self.query
 
 
-def split_prompt(tokenizer: Tokenizer, text: str, separator: str = DEFAULT_SEPARATOR) -> BlendPrompt:
+def split_prompt(tokenizer: Tokenizer, text: str, separator: str = DEFAULT_SEPARATOR, whole: bool = False) -> BlendPrompt:
     """Cut a plain prompt at ``separator``: the first part is the prefix, the last the query, the
     ones between are chunks (empty ones dropped). Each part is tokenized on its own, so a chunk's
     tokens (and key) are the same in every prompt that contains it::
 
         "You answer questions.<|chunk|>Doc A<|chunk|>Doc B<|chunk|>Q: who?"
          '------ prefix ------'         '-chunk-'      '-chunk-'      '-query-'
+
+    ``whole``: tokenize the text whole, separators included, and cut it as :func:`split_tokens`
+    does, as an engine that tokenizes the whole prompt (vLLM) sees it.
     """
+    if whole:
+        prompt = split_tokens(tokenizer, tokenizer.encode(text), separator)
+        if prompt is None:
+            raise ValueError(f"no {separator!r} in the prompt: mark where the prefix, chunks and query split")
+        return prompt
     parts = text.split(separator)
     if len(parts) < 2:
         raise ValueError(f"no {separator!r} in the prompt: mark where the prefix, chunks and query split")
@@ -68,6 +86,44 @@ def split_prompt(tokenizer: Tokenizer, text: str, separator: str = DEFAULT_SEPAR
     prefix = tokenizer.encode(parts[0]) if parts[0] else []
     chunks = [tokenizer.encode(part) for part in parts[1:-1] if part]
     return BlendPrompt(prefix, [c for c in chunks if c], query)
+
+
+def split_tokens(tokenizer: Tokenizer, ids: Sequence[int], separator: str) -> BlendPrompt | None:
+    """Cut a prompt tokenized whole (``prefix<sep>chunk<sep>...<sep>query``) at its separators, or
+    None where its text holds none. The tokens whose text overlaps a separator are glue, computed
+    on every layer; the last separator's go with the query. A chunk is its tokens in place: where a
+    separator sits at a token boundary on both sides, that is the chunk's own tokenization (its key
+    is the same as :func:`split_prompt`'s), elsewhere it depends only on the separators beside it,
+    so the same chunk still has one key in every prompt. Raises ValueError (one line) for ids that
+    are not their text's tokenization (the separators cannot be placed) or an empty query.
+    """
+    backend = tokenizer.backend
+    ids = list(ids)
+    text = backend.decode(ids, skip_special_tokens=False)
+    if separator not in text:
+        return None
+    encoding = backend.encode(text, add_special_tokens=False)
+    if encoding.ids != ids:
+        raise ValueError(f"the prompt holds {separator!r} but its token ids are not its text's tokenization, "
+                         f"so the separators cannot be placed; tokenize each part alone (split_prompt)")
+    spans, at = [], text.find(separator)
+    while at >= 0:
+        spans.append((at, at + len(separator)))
+        at = text.find(separator, at + len(separator))
+    is_glue, span = [], 0  # per token: does its text overlap a separator (offsets never decrease)
+    for start, end in encoding.offsets:
+        end = max(end, start + 1)  # a token of no width (a byte of a longer character) still has a place
+        while span < len(spans) and spans[span][1] <= start:
+            span += 1
+        is_glue.append(span < len(spans) and spans[span][0] < end)
+    runs = [(glue, len(list(group))) for glue, group in itertools.groupby(is_glue)]
+    if runs[0][0]:
+        runs.insert(0, (False, 0))  # the prompt starts with a separator: no prefix
+    if runs[-1][0]:
+        raise ValueError(f"the prompt ends with {separator!r}: the query after the last one is empty")
+    bounds = list(itertools.accumulate(n for _, n in runs))  # prefix, glue, chunk, ..., glue, query
+    cut = [ids[a:b] for a, b in zip([0, *bounds], bounds)]
+    return BlendPrompt(cut[0], cut[2:-2:2], cut[-2] + cut[-1], cut[1:-2:2])
 
 
 @dataclass
@@ -257,13 +313,14 @@ class BlendEngine:
     def generate(self, prefix: Sequence[int], chunks: Sequence[Sequence[int]], query: Sequence[int],
                  max_new_tokens: int = 32, ratio: float | None = None, selector: str | TokenSelector | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
-                 use_cache: bool = True, store: bool = True) -> BlendResult:
+                 use_cache: bool = True, store: bool = True,
+                 glue: Sequence[Sequence[int]] | None = None) -> BlendResult:
         """Generate after ``prefix + chunks + query`` (token ids), reusing each chunk's stored KV
         (:meth:`prefill`), then store the segments that were missing, in the background.
 
         ``ratio`` None: the engine's default, or the controller's choice when it has one.
         """
-        blended = self.prefill(prefix, chunks, query, ratio, selector, use_cache, room=max_new_tokens)
+        blended = self.prefill(prefix, chunks, query, ratio, selector, use_cache, room=max_new_tokens, glue=glue)
         result = blended.result
         first = sample_next(result.first_logits, temperature, top_p, generator)
         result.ttft_s = time.perf_counter() - blended.started

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from blend.assemble import BlendLayout, chunk_block, place_block
 from blend.controller import ControllerConfig, LoadingController
-from blend.engine import BlendEngine, split_prompt
+from blend.engine import BlendEngine, BlendPrompt, split_prompt
 from blend.recompute import blend_prefill, row_causal_mask
 from blend.select import DEFAULT_SELECTOR, SELECTORS, TokenSelector, get_selector, top_positions
 from engine_adapter.client import KVStoreClient
@@ -371,6 +371,25 @@ def test_engine_stores_missing_chunks_then_reuses_them(daemon):
         exact = engine.generate(prefix, chunks, query, max_new_tokens=1, ratio=1.0)
         assert (exact.first_logits - expected).abs().max() <= TOL
         assert engine.ingest(chunks + [[5, 6, 7]]) == (1, 3)
+
+
+
+def test_engine_with_glue_looks_up_only_the_chunks(daemon):
+    # A prompt tokenized whole (split_prompt(whole=True)): separator tokens between the chunks are
+    # glue, never stored or looked up; the chunks are the same keys in another order.
+    model = tiny_model()
+    prefix, chunks, query = tiny_prompt()
+    glue = [[90, 91], [90, 91, 92], [93]]
+    ids = BlendPrompt(prefix, chunks, query, glue).ids
+    expected, _ = full_logits(model, ids)
+    with KVStoreClient(daemon.address) as client:
+        engine = BlendEngine(model, tiny_tokenizer(), client, ratio=0.3, tenant="glue")  # no other test's blocks
+        cold = engine.generate(prefix, chunks, query, max_new_tokens=2, glue=glue)
+        assert cold.computed_segments == 4 and cold.prompt_tokens == len(ids) and cold.store_done.wait(30)
+        warm = engine.generate(prefix, chunks[::-1], query, max_new_tokens=2, glue=glue[::-1])
+        assert warm.computed_segments == 0 and warm.loaded_tokens == len(prefix) + sum(map(len, chunks))
+        exact = engine.generate(prefix, chunks, query, max_new_tokens=1, ratio=1.0, glue=glue)
+        assert (exact.first_logits - expected).abs().max() <= TOL and engine.errors == 0
 
 
 def test_engine_without_a_daemon_computes_everything():

@@ -1,13 +1,19 @@
 """Blend requests for vLLM (engine_adapter/vllm/blend.py): parameters validated, prompts built as
-``BlendEngine`` splits them. Pure Python: runs in the main suite, no vLLM needed."""
+``BlendEngine`` splits them, passages found from separators in a prompt tokenized whole. Pure
+Python: runs in the main suite, no vLLM needed."""
 
 from __future__ import annotations
 
+import json
+import random
+import sys
+from pathlib import Path
+
 import pytest
 
-from blend.engine import DEFAULT_SEPARATOR, split_prompt
+from blend.engine import DEFAULT_SEPARATOR, BlendPrompt, split_prompt
 from engine_adapter.loader import find_smollm2_gguf, gguf_config
-from engine_adapter.vllm.blend import BLEND_PARAM, BlendSpec, blend_request, blend_spec
+from engine_adapter.vllm.blend import BLEND_PARAM, BlendSpec, blend_request, blend_spec, separated_spec
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +50,7 @@ def test_malformed_blend_parameters_are_refused_in_one_line(spec, match):
 def test_blend_spec_cuts_the_prompt_into_its_parts():
     spec = blend_spec({BLEND_PARAM: {"lengths": [2, 3, 1], "ratio": 0.3, "selector": "sinks"}}, 9)
     assert spec == BlendSpec((2, 3, 1), 0.3, "sinks") and spec.cached_tokens == 6
-    assert spec.parts(range(9)) == ([0, 1], [[2, 3, 4], [5]], [6, 7, 8])
+    assert spec.parts(range(9)) == ([0, 1], [[2, 3, 4], [5]], [6, 7, 8], [[], []])
     assert blend_spec({BLEND_PARAM: {"lengths": [0, 4], "ratio": "auto"}}, 5).ratio == "auto"
 
 
@@ -54,7 +60,105 @@ def test_blend_request_tokenizes_each_part_as_blend_engine_does(tokenizer):
     ids, params = blend_request(tokenizer, text, ratio=0.15)
     split = split_prompt(tokenizer, text)
     spec = blend_spec(params, len(ids))
-    assert spec.parts(ids) == (split.prefix, split.chunks, split.query)
+    assert spec.parts(ids) == (split.prefix, split.chunks, split.query, [[] for _ in split.chunks])
     assert spec.ratio == 0.15 and spec.selector is None
     with pytest.raises(ValueError, match="no .* in the prompt"):
         blend_request(tokenizer, "no marker at all")
+
+
+# -- passages marked in a prompt's text, tokenized whole (as vLLM does) --------------------------
+
+SEP = DEFAULT_SEPARATOR
+
+
+def test_a_prompt_without_two_markers_is_no_blend(tokenizer):
+    assert separated_spec(tokenizer, tokenizer.encode("no marker at all"), SEP) is None
+    assert separated_spec(tokenizer, tokenizer.encode(f"system{SEP}question?"), SEP) is None  # prefix + query
+
+
+@pytest.mark.parametrize("text, match", [
+    (f"system{SEP}passage{SEP}", "query after the last one is empty"),
+])
+def test_a_marked_prompt_without_a_query_is_refused_in_one_line(tokenizer, text, match):
+    with pytest.raises(ValueError, match=match) as info:
+        separated_spec(tokenizer, tokenizer.encode(text), SEP)
+    assert "\n" not in str(info.value)
+
+
+def test_ids_that_are_not_the_texts_tokenization_are_refused(tokenizer):
+    parts = [tokenizer.encode(t) for t in ("You answer.", SEP, "Doc A.", SEP, "question?")]
+    ids = [t for p in parts for t in p]  # each part alone: "." and "<", where the whole text has ".<"
+    assert tokenizer.backend.encode(tokenizer.decode(ids), add_special_tokens=False).ids != ids
+    with pytest.raises(ValueError, match="not its text's tokenization"):
+        separated_spec(tokenizer, ids, SEP)
+
+
+def test_separator_tokens_are_glue_and_the_last_goes_with_the_query(tokenizer):
+    text = f"You answer.{SEP}Doc A is here.{SEP}\nDoc B\n{SEP}\nQ: who?"
+    ids = tokenizer.encode(text)
+    spec = separated_spec(tokenizer, ids, SEP)
+    prefix, passages, query, glue = spec.parts(ids)
+    assert prefix + [t for g, p in zip(glue, passages) for t in g + p] + query == ids
+    decode = tokenizer.decode
+    # ".<" straddles the first two separators: glue, so the texts lose their full stops
+    assert [decode(p) for p in passages] == ["Doc A is here", "\nDoc B\n"] and decode(prefix) == "You answer"
+    assert [decode(g) for g in glue] == [f".{SEP}", f".{SEP}"] and decode(query) == f"{SEP}\nQ: who?"
+    assert spec.cached_tokens == len(ids) - len(query) and spec.ratio is None and spec.selector is None
+    # a passage at token boundaries is its own tokenization: the chunk key BlendEngine uses
+    assert passages[1] == tokenizer.encode("\nDoc B\n")
+
+
+def test_markers_at_the_start_and_side_by_side(tokenizer):
+    text = f"{SEP}A\n{SEP}{SEP}\nB\n{SEP}\nQ"
+    ids = tokenizer.encode(text)
+    prefix, passages, query, glue = separated_spec(tokenizer, ids, SEP).parts(ids)
+    assert prefix == [] and [tokenizer.decode(p) for p in passages] == ["A\n", "\nB\n"]
+    assert [tokenizer.decode(g) for g in glue] == [SEP, SEP + SEP]  # an empty passage is dropped
+
+
+def test_a_passage_has_the_same_tokens_in_every_prompt(tokenizer):
+    # The bench's prompts (chat template, passages between invisible-separator markers), whole as
+    # vLLM tokenizes them, with the passages in other orders and combinations: each passage has the
+    # same tokens (so one chunk key) wherever it appears, and they are the ones BlendEngine cuts
+    # with split_prompt(whole=True).
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from reuse_vs_rag import INSTRUCTION, MUSIQUE_DEV, QUESTION, SEP as BENCH_SEP
+
+    if not MUSIQUE_DEV.is_file():
+        pytest.skip(f"MuSiQue data not found at {MUSIQUE_DEV}")
+    rng = random.Random(3)
+    for item in json.loads(MUSIQUE_DEV.read_text())[:6]:
+        texts = [p["text"].strip() + "\n\n" for p in item["ctxs"]]
+        seen: dict[int, list[int]] = {}
+        for _ in range(3):
+            chosen = rng.sample(range(len(texts)), rng.randint(2, 5))
+            content = INSTRUCTION + BENCH_SEP + BENCH_SEP.join(texts[i] for i in chosen) + BENCH_SEP + \
+                QUESTION.format(question=item["question"])
+            text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+            ids = tokenizer.encode(text)
+            prefix, found, query, glue = separated_spec(tokenizer, ids, BENCH_SEP).parts(ids)
+            assert split_prompt(tokenizer, text, BENCH_SEP, whole=True) == BlendPrompt(prefix, found, query, glue)
+            assert all(tokenizer.decode(g) == BENCH_SEP for g in glue) and len(found) == len(chosen)
+            for i, tokens in zip(chosen, found):
+                assert seen.setdefault(i, tokens) == tokens
+
+
+def test_random_marked_texts_are_cut_without_losing_a_token(tokenizer):
+    # Markers anywhere (inside words, beside digits, punctuation, non-ASCII): the parts always
+    # cover the prompt in order, no passage token overlaps a marker, every glue run does.
+    rng = random.Random(5)
+    words = ["alpha", "Beta", "12", "3.5", "naïve", "東京", "x", ".", ",", "!", "(", ")", "\n", " ", "  ", "<", "|"]
+    for _ in range(200):
+        pieces = [rng.choice(words) + ("" if rng.random() < 0.5 else " ") for _ in range(rng.randint(1, 30))]
+        for _ in range(rng.randint(2, 5)):
+            pieces.insert(rng.randint(0, len(pieces)), SEP)
+        text = "".join(pieces) + rng.choice(words) + "?"
+        ids = tokenizer.encode(text)
+        spec = separated_spec(tokenizer, ids, SEP)
+        if spec is None:
+            continue
+        prefix, passages, query, glue = spec.parts(ids)
+        assert prefix + [t for g, p in zip(glue, passages) for t in g + p] + query == ids
+        assert all(passages) and all(glue)
+        assert all(SEP not in tokenizer.decode(p) for p in [prefix, *passages])
+        assert all(any(c in SEP for c in tokenizer.decode(g)) for g in glue)

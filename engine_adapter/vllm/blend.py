@@ -12,6 +12,12 @@ token) is what follows the lengths. :func:`blend_request` builds both from text 
 separator of ``blend.engine.split_prompt``, each part tokenized on its own, so a passage's tokens,
 and its chunk key, are the same in every prompt and in ``BlendEngine``.
 
+Or a text prompt carries the markers itself (``prefix<sep>passage<sep>...<sep>query``, the
+connector's ``blend_separator``) and vLLM tokenizes it whole: :func:`separated_spec` cuts it with
+``blend.engine.split_tokens``. The separators' tokens are glue, computed on every layer
+(`blend.assemble`); each passage is its tokens in place, the same in every prompt, and the same
+blocks ``BlendEngine`` uses for ``split_prompt(..., whole=True)``.
+
 Through the connector (``connector.py``)::
 
     scheduler  get_num_new_matched_tokens  a blend request reports prefix + passages as external hits
@@ -36,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from blend.engine import DEFAULT_RATIO, DEFAULT_SEPARATOR, BlendEngine, split_prompt
+from blend.engine import DEFAULT_RATIO, DEFAULT_SEPARATOR, BlendEngine, split_prompt, split_tokens
 from blend.select import DEFAULT_SELECTOR, SELECTORS
 from engine_adapter.vllm.layout import PagedSpan
 
@@ -60,21 +66,24 @@ class BlendSpec:
     lengths: tuple[int, ...]
     ratio: float | str | None = None
     selector: str | None = None
+    glue: tuple[int, ...] = ()  # separator tokens just before each passage (text markers); () for none
 
     @property
     def cached_tokens(self) -> int:
         """Tokens before the query: what the blend writes and vLLM need not compute."""
-        return sum(self.lengths)
+        return sum(self.lengths) + sum(self.glue)
 
-    def parts(self, prompt: Sequence[int]) -> tuple[list[int], list[list[int]], list[int]]:
-        """(prefix, passages, query) of ``prompt``."""
+    def parts(self, prompt: Sequence[int]) -> tuple[list[int], list[list[int]], list[int], list[list[int]]]:
+        """(prefix, passages, query, glue before each passage) of ``prompt``."""
         prompt = list(prompt)
-        bounds = [0]
-        for n in self.lengths:
-            bounds.append(bounds[-1] + n)
-        prefix = prompt[: bounds[1]]
-        passages = [prompt[a:b] for a, b in zip(bounds[1:-1], bounds[2:])]
-        return prefix, passages, prompt[bounds[-1]:]
+        glue = self.glue or (0,) * (len(self.lengths) - 1)
+        prefix, at = prompt[: self.lengths[0]], self.lengths[0]
+        passages, glues = [], []
+        for g, n in zip(glue, self.lengths[1:]):
+            glues.append(prompt[at: at + g])
+            passages.append(prompt[at + g: at + g + n])
+            at += g + n
+        return prefix, passages, prompt[at:], glues
 
 
 def blend_spec(params: dict[str, Any] | None, prompt_tokens: int) -> BlendSpec | None:
@@ -125,6 +134,17 @@ def blend_request(tokenizer: "Tokenizer", text: str, separator: str = DEFAULT_SE
     if selector is not None:
         spec["selector"] = selector
     return ids, {BLEND_PARAM: spec}
+
+
+def separated_spec(tokenizer: "Tokenizer", prompt: Sequence[int], separator: str) -> BlendSpec | None:
+    """The blend a tokenized text prompt marks with ``separator``, cut by
+    ``blend.engine.split_tokens`` (separator tokens are glue; the last one's go with the query,
+    which vLLM computes), or None: no separator, or one only (no passage: a plain prompt). Raises
+    ValueError (one line) for ids that are not their text's tokenization or an empty query."""
+    cut = split_tokens(tokenizer, prompt, separator)
+    if cut is None or not cut.chunks:
+        return None
+    return BlendSpec((len(cut.prefix), *(len(c) for c in cut.chunks)), glue=tuple(len(g) for g in cut.glue))
 
 
 @dataclass(frozen=True)
@@ -182,11 +202,12 @@ class VllmBlender:
     def run(self, load: BlendLoad, paged: "PagedKV") -> "BlendedPrompt":
         """Blend ``load`` and write tokens ``load.start ..`` of the blended KV into vLLM's pages."""
         engine = self.engine()
-        prefix, passages, query = load.spec.parts(load.token_ids)
+        prefix, passages, query, glue = load.spec.parts(load.token_ids)
         # no ratio, or "auto": the controller's choice where the deployment runs one, else its ratio
         ratio = None if load.spec.ratio == "auto" else load.spec.ratio
         # vLLM computes the query itself: only the passages' KV is blended here
-        blended = engine.prefill(prefix, passages, query, ratio=ratio, selector=load.spec.selector, kv_only=True)
+        blended = engine.prefill(prefix, passages, query, ratio=ratio, selector=load.spec.selector, kv_only=True,
+                                 glue=glue)
         end = load.spec.cached_tokens
         if load.start < end:
             paged.scatter(blended.kv.export(load.start, end), load.span)

