@@ -78,10 +78,14 @@ class Prompt:
         return self.prefix + [t for i in chosen for t in self.chunks[i]] + self.query
 
 
-def build_prompt(tokenizer, passages: list[str], question: str) -> Prompt:
+def prompt_text(tokenizer, passages: list[str], question: str) -> str:
+    """The chat prompt's text, passages marked with SEP (``prefix SEP passage SEP ... SEP query``)."""
     content = INSTRUCTION + SEP + SEP.join(p.strip() + "\n\n" for p in passages) + SEP + QUESTION.format(question=question)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    split = split_prompt(tokenizer, text, SEP)
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+
+def build_prompt(tokenizer, passages: list[str], question: str) -> Prompt:
+    split = split_prompt(tokenizer, prompt_text(tokenizer, passages, question), SEP)
     return Prompt(split.prefix, split.chunks, split.query)
 
 

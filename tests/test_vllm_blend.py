@@ -9,6 +9,7 @@ the passages vLLM computed alone and stored must be hits for ``BlendEngine``, wi
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import sys
 import tempfile
@@ -21,7 +22,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed here; CI runs this module from .venv-vllm (see .ci/run)",
                 allow_module_level=True)
 
-from blend.engine import BlendEngine  # noqa: E402
+from blend.engine import BlendEngine, split_prompt  # noqa: E402
 from engine_adapter.client import KVStoreClient  # noqa: E402
 from engine_adapter.vllm.blend import BLEND_PARAM  # noqa: E402
 from engine_adapter.vllm.hf_folder import write_hf_folder  # noqa: E402
@@ -31,10 +32,11 @@ from tests.test_vllm import run_vllm  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from codec_quality import blend_parts  # noqa: E402
-from reuse_vs_rag import MUSIQUE_DEV  # noqa: E402
+from reuse_vs_rag import MUSIQUE_DEV, SEP, prompt_text  # noqa: E402
 from vllm_rag import kl  # noqa: E402
 
-MODES = ("full", "ratio 1 (passages computed alone)", "ratio 0.15", "naive (ratio 0)", "bad parameters")
+MODES = ("full", "ratio 1 (passages computed alone)", "ratio 0.15", "naive (ratio 0)", "bad parameters",
+         "marked text", "marked text, ratio 1", "no passage")
 
 
 @pytest.fixture(scope="module")
@@ -55,19 +57,32 @@ def blend_case():
         return {"prompt_token_ids": ids, "kv_transfer_params": {BLEND_PARAM: {"lengths": lengths, "ratio": ratio}}}
 
     bad = {"prompt_token_ids": ids, "kv_transfer_params": {BLEND_PARAM: {"lengths": [len(ids)]}}}
+    # the same question as text, passages marked with the bench's separator, tokenized by vLLM (a
+    # passage not seen before: the other passages of the question)
+    item = json.loads(data.read_text())[1]
+    text = prompt_text(tokenizer, [item["ctxs"][i]["text"] for i in (3, 4, 5)], item["question"])
+    marked = {"prompt": text}
+    one = {"prompt": prompt_text(tokenizer, [], item["question"])}  # markers side by side, no passage between
+    extra = ("--kv-extra", json.dumps({"blend_separator": SEP}))
     work = Path(tempfile.mkdtemp(prefix="kvs-vllm-blend-"))
     daemon = DaemonProcess.in_folder(work / "d", cpu_capacity="512MiB", disk_path="")
     try:
-        run = run_vllm(folder, work, "blend", [ids, blend(1.0), blend(0.15), blend(0.0), bad], daemon.address,
-                       new_tokens=4, args=("--no-prefix-caching", "--logprobs"))
-        down = run_vllm(folder, work, "down", [blend(0.15)], f"unix:{work / 'none.sock'}", new_tokens=4,
-                        args=("--no-prefix-caching",))
+        run = run_vllm(folder, work, "blend", [ids, blend(1.0), blend(0.15), blend(0.0), bad, marked,
+                                               {**marked, "kv_transfer_params": {BLEND_PARAM: {"ratio": 1.0}}}, one],
+                       daemon.address, new_tokens=4, args=("--no-prefix-caching", "--logprobs", *extra))
+        # no daemon: every request is vLLM's own full prefill (the reference for the marked text)
+        down = run_vllm(folder, work, "down", [blend(0.15), marked], f"unix:{work / 'none.sock'}", new_tokens=4,
+                        args=("--no-prefix-caching", "--logprobs", *extra))
         with KVStoreClient(daemon.address) as client:
             engine = BlendEngine(model, tokenizer, client)
             reference = engine.generate(prompt.prefix, [prompt.chunks[i] for i in chosen], prompt.query,
                                         max_new_tokens=1, ratio=0.15, store=False)
+            whole = split_prompt(tokenizer, text, SEP, whole=True)
+            reference_marked = engine.generate(whole.prefix, whole.chunks, whole.query, max_new_tokens=1,
+                                               ratio=0.15, store=False, glue=whole.glue)
         yield {"outputs": dict(zip(MODES, run["outputs"])), "log": run["log"], "down": down,
-               "reference": reference, "cached": sum(lengths)}
+               "reference": reference, "cached": sum(lengths), "whole": whole,
+               "reference_marked": reference_marked}
     finally:
         daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -84,7 +99,7 @@ def test_blend_reports_every_token_before_the_query_as_cached(blend_case):
     out = blend_case["outputs"]
     for mode in MODES[1:4]:
         assert out[mode]["num_cached_tokens"] == blend_case["cached"], mode
-    assert "blended 3 requests" in blend_case["log"]
+    assert "blended 5 requests" in blend_case["log"]
 
 
 def test_blend_at_0_15_is_closer_to_full_prefill_than_naive_reuse(blend_case):
@@ -103,4 +118,29 @@ def test_bad_parameters_and_a_down_daemon_still_answer(blend_case):
     out = blend_case["outputs"]
     assert out["bad parameters"]["token_ids"][0] == out["full"]["token_ids"][0]
     assert "served without blending" in blend_case["log"]
-    assert blend_case["down"]["outputs"][0]["token_ids"][0] == out["full"]["token_ids"][0]
+    down = blend_case["down"]
+    assert down["outputs"][0]["token_ids"][0] == out["full"]["token_ids"][0]
+    # served as plain prompts, not blended with every passage computed alone
+    assert [o["num_cached_tokens"] for o in down["outputs"]] == [0, 0] and "blended 0 requests" in down["log"]
+
+
+def test_passages_marked_in_the_text_are_blended(blend_case):
+    # vLLM tokenized the text; the connector found the separators (glue), blended the passages and
+    # reported every token before the query's as cached: at ratio 1 that is vLLM's full prefill of
+    # the same text, at the default ratio the reference engine's blend of the same cut.
+    out, whole = blend_case["outputs"], blend_case["whole"]
+    full = blend_case["down"]["outputs"][1]
+    marked, exact = out["marked text"], out["marked text, ratio 1"]
+    assert marked["prompt_token_ids"] == whole.ids == full["prompt_token_ids"]
+    assert marked["num_cached_tokens"] == len(whole.ids) - len(whole.query) == exact["num_cached_tokens"]
+    assert exact["token_ids"][0] == full["token_ids"][0]
+    assert kl(full["first_logprobs"], exact["first_logprobs"]) < 0.02  # bf16 tolerance
+    assert kl(full["first_logprobs"], marked["first_logprobs"]) < 0.5
+    reference = blend_case["reference_marked"]
+    assert reference.computed_segments == 0  # vLLM stored the passages under the keys BlendEngine cuts
+    assert reference.tokens[0] == marked["token_ids"][0]
+
+
+def test_markers_without_a_passage_are_a_plain_prompt(blend_case):
+    one = blend_case["outputs"]["no passage"]
+    assert one["num_cached_tokens"] == 0 and one["token_ids"]

@@ -52,6 +52,8 @@ def test_blend_spec_cuts_the_prompt_into_its_parts():
     assert spec == BlendSpec((2, 3, 1), 0.3, "sinks") and spec.cached_tokens == 6
     assert spec.parts(range(9)) == ([0, 1], [[2, 3, 4], [5]], [6, 7, 8], [[], []])
     assert blend_spec({BLEND_PARAM: {"lengths": [0, 4], "ratio": "auto"}}, 5).ratio == "auto"
+    # no lengths: the text's separators mark the passages; ratio and selector still apply
+    assert blend_spec({BLEND_PARAM: {"ratio": 0.3, "selector": "sinks"}}, 5) == BlendSpec((), 0.3, "sinks")
 
 
 def test_blend_request_tokenizes_each_part_as_blend_engine_does(tokenizer):
@@ -122,19 +124,17 @@ def test_a_passage_has_the_same_tokens_in_every_prompt(tokenizer):
     # same tokens (so one chunk key) wherever it appears, and they are the ones BlendEngine cuts
     # with split_prompt(whole=True).
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    from reuse_vs_rag import INSTRUCTION, MUSIQUE_DEV, QUESTION, SEP as BENCH_SEP
+    from reuse_vs_rag import MUSIQUE_DEV, SEP as BENCH_SEP, prompt_text
 
     if not MUSIQUE_DEV.is_file():
         pytest.skip(f"MuSiQue data not found at {MUSIQUE_DEV}")
     rng = random.Random(3)
     for item in json.loads(MUSIQUE_DEV.read_text())[:6]:
-        texts = [p["text"].strip() + "\n\n" for p in item["ctxs"]]
+        texts = [p["text"] for p in item["ctxs"]]
         seen: dict[int, list[int]] = {}
         for _ in range(3):
             chosen = rng.sample(range(len(texts)), rng.randint(2, 5))
-            content = INSTRUCTION + BENCH_SEP + BENCH_SEP.join(texts[i] for i in chosen) + BENCH_SEP + \
-                QUESTION.format(question=item["question"])
-            text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+            text = prompt_text(tokenizer, [texts[i] for i in chosen], item["question"])
             ids = tokenizer.encode(text)
             prefix, found, query, glue = separated_spec(tokenizer, ids, BENCH_SEP).parts(ids)
             assert split_prompt(tokenizer, text, BENCH_SEP, whole=True) == BlendPrompt(prefix, found, query, glue)

@@ -3,7 +3,8 @@
 A request asks for blending with ``kv_transfer_params`` (vLLM passes them through
 ``SamplingParams.extra_args``, and its OpenAI server through the request body)::
 
-    {"kvstore_blend": {"lengths": [prefix, passage 1, ..., passage n],   # token counts, in order
+    {"kvstore_blend": {"lengths": [prefix, passage 1, ..., passage n],   # token counts, in order; none:
+                                                                       # the text's separators mark them
                        "ratio": 0.15,                                  # optional: float in [0, 1] or "auto"
                        "selector": "lead_attn_deviation"}}             # optional: blend.select name
 
@@ -98,12 +99,14 @@ def blend_spec(params: dict[str, Any] | None, prompt_tokens: int) -> BlendSpec |
     if unknown:
         raise ValueError(f"kv_transfer_params[{BLEND_PARAM!r}] has unknown keys {unknown}; known: lengths, ratio, selector")
     lengths = spec.get("lengths")
-    if not isinstance(lengths, (list, tuple)) or not lengths or \
+    if lengths is None:
+        lengths = ()  # the prompt's text marks the passages (blend_separator); ratio and selector apply
+    elif not isinstance(lengths, (list, tuple)) or not lengths or \
             not all(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
         raise ValueError(f"{BLEND_PARAM}.lengths must be a list of token counts [prefix, passage, ...], got {lengths!r}")
-    if lengths[0] < 0 or any(n <= 0 for n in lengths[1:]):
+    if lengths and (lengths[0] < 0 or any(n <= 0 for n in lengths[1:])):
         raise ValueError(f"{BLEND_PARAM}.lengths: the prefix must be >= 0 tokens and every passage > 0, got {list(lengths)}")
-    if sum(lengths) >= prompt_tokens:
+    if lengths and sum(lengths) >= prompt_tokens:
         raise ValueError(f"{BLEND_PARAM}.lengths cover {sum(lengths)} of the prompt's {prompt_tokens} tokens; "
                          f"the query needs at least one")
     ratio = spec.get("ratio")

@@ -51,7 +51,7 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,7 +67,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from engine_adapter.client import KVStoreClient
 from engine_adapter.loader import hf_rope
 from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
-from engine_adapter.vllm.blend import BLEND_PARAM, BlendLoad, BlendSpec, VllmBlender, blend_spec, separated_spec
+from engine_adapter.vllm.blend import BlendLoad, BlendSpec, VllmBlender, blend_spec, separated_spec
 from engine_adapter.vllm.layout import PagedKV, PagedSpan, PageLayout, measure_page_layout, split_cache_write
 from engine_adapter.vllm.plan import ChunkLoad, Planner, StepPlan
 from blend.engine import DEFAULT_RATIO, DEFAULT_SEPARATOR
@@ -75,7 +75,7 @@ from blend.select import DEFAULT_SELECTOR, SELECTORS
 from kernels.page_copy import PageWriter
 from kvstore.config import default_listen
 from kvstore.dtypes import TORCH_DTYPE_NAMES, TORCH_DTYPES
-from kvstore.keys import KVLayout, Namespace
+from kvstore.keys import KVLayout, Namespace, chunk_key
 
 if TYPE_CHECKING:
     from vllm.attention.backends.abstract import AttentionMetadata
@@ -421,16 +421,21 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self.settings.blend == "off":
             return None
         params = getattr(request, "kv_transfer_params", None)
-        if params and BLEND_PARAM in params:
-            try:
-                spec = blend_spec(params, len(request.prompt_token_ids))
-            except ValueError as exc:
-                if request.request_id not in self._requests:  # once per request, not per scheduling attempt
-                    log.warning("KVStoreConnector: request %s is served without blending: %s", request.request_id, exc)
-                return None
-        else:
-            spec = self._marked_spec(request)
-        if spec is None or spec.cached_tokens == 0 or self.cache.client() is None:
+        try:
+            spec = blend_spec(params, len(request.prompt_token_ids))
+        except ValueError as exc:
+            if request.request_id not in self._requests:  # once per request, not per scheduling attempt
+                log.warning("KVStoreConnector: request %s is served without blending: %s", request.request_id, exc)
+            return None
+        if spec is None or not spec.lengths:  # the text's markers, with the request's ratio and selector if any
+            marked = self._marked_spec(request)
+            spec = marked if spec is None or marked is None else replace(marked, ratio=spec.ratio, selector=spec.selector)
+        if spec is None or spec.cached_tokens == 0:
+            return None
+        # the daemon must answer (a client is made before any call, so a down daemon shows only in
+        # a call): one Lookup of the passages' keys, from the local key index on a unix socket
+        prefix, passages, _, _ = spec.parts(request.prompt_token_ids)
+        if self.cache.lookup([chunk_key(self.namespace, p) for p in ([prefix] if prefix else []) + passages]) is None:
             return None
         return spec
 
