@@ -91,11 +91,12 @@ def split_prompt(tokenizer: Tokenizer, text: str, separator: str = DEFAULT_SEPAR
 def split_tokens(tokenizer: Tokenizer, ids: Sequence[int], separator: str) -> BlendPrompt | None:
     """Cut a prompt tokenized whole (``prefix<sep>chunk<sep>...<sep>query``) at its separators, or
     None where its text holds none. The tokens whose text overlaps a separator are glue, computed
-    on every layer; the last separator's go with the query. A chunk is its tokens in place: where a
-    separator sits at a token boundary on both sides, that is the chunk's own tokenization (its key
-    is the same as :func:`split_prompt`'s), elsewhere it depends only on the separators beside it,
-    so the same chunk still has one key in every prompt. Raises ValueError (one line) for ids that
-    are not their text's tokenization (the separators cannot be placed) or an empty query.
+    on every layer; the last separator's go with the query. A chunk is its tokens in place, which
+    depend only on the chunk and the separators beside it, so the same chunk has one key in every
+    prompt. Often they are also the chunk tokenized alone (then the key is :func:`split_prompt`'s),
+    but not where the tokenizer splits differently at the edge (a chunk ending in "\n\n" before a
+    separator: two "\n" tokens in place, one "\n\n" alone). Raises ValueError (one line) for ids
+    that are not their text's tokenization (the separators cannot be placed) or an empty query.
     """
     backend = tokenizer.backend
     ids = list(ids)

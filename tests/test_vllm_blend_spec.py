@@ -162,3 +162,13 @@ def test_random_marked_texts_are_cut_without_losing_a_token(tokenizer):
         assert all(passages) and all(glue)
         assert all(SEP not in tokenizer.decode(p) for p in [prefix, *passages])
         assert all(any(c in SEP for c in tokenizer.decode(g)) for g in glue)
+
+
+def test_hostile_ids_are_no_blend_or_a_one_line_refusal(tokenizer):
+    # ids past the vocabulary, all special tokens, separator pieces glued to other tokens: never a
+    # crash in the scheduler, at most a refusal it logs (the request is then a plain prompt)
+    marked = tokenizer.encode(f"a{SEP}b{SEP}c")
+    assert separated_spec(tokenizer, [tokenizer.vocab_size + 5, 1, 2], SEP) is None
+    assert separated_spec(tokenizer, [0] * 50, SEP) is None
+    with pytest.raises(ValueError, match="not its text's tokenization"):
+        separated_spec(tokenizer, marked[:1] + marked[1:2] * 3 + marked, SEP)  # "<" "<" "<": not how the text tokenizes

@@ -415,9 +415,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self.planner.record_hit(request_id, hits, num_computed_tokens, tiers), False
 
     def _blend_spec(self, request: "Request") -> BlendSpec | None:
-        """The blend a request asks for, or None: it asks for none, blend is off, its parameters
-        are malformed (logged, served as a plain prompt), or the daemon is down (then blending
-        would compute every passage alone: vLLM's own prefill is faster)."""
+        """The blend a request asks for (``kv_transfer_params``, or ``blend_separator`` in its
+        text), or None: it asks for none, blend is off, its parameters are malformed (logged,
+        served as a plain prompt), or the daemon is down (then blending would compute every passage
+        alone: vLLM's own prefill is faster)."""
         if self.settings.blend == "off":
             return None
         params = getattr(request, "kv_transfer_params", None)
@@ -449,7 +450,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if tokenizer:
             try:
                 spec = separated_spec(tokenizer, request.prompt_token_ids, self.settings.blend_separator)
-            except ValueError as exc:
+            except Exception as exc:  # noqa: BLE001 - no prompt may break the scheduler: a plain prompt
                 log.warning("KVStoreConnector: request %s is served without blending: %s", request_id, exc)
         self._marked[request_id] = spec
         return spec
@@ -466,7 +467,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 folder = model_config.tokenizer or model_config.model
                 try:
                     self._tokenizer = Tokenizer.from_folder(folder)
-                except (OSError, ValueError) as exc:
+                except Exception as exc:  # noqa: BLE001 - without a tokenizer, markers are not read
                     log.warning("KVStoreConnector: passage markers (%r) are not read: the tokenizer in %s "
                                 "cannot be loaded (%s); kv_transfer_params still mark blends",
                                 self.settings.blend_separator, folder, exc)
