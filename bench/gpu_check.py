@@ -336,7 +336,8 @@ def section_gpu_tier(copy_gbps: float | None, blocks: int = 32) -> dict:
 
 def section_blend(device: str = "cuda") -> dict:
     """CacheBlend on the device against the same blend on the CPU: a tiny random Llama (fp32),
-    three chunks computed alone and placed (keys re-rotated on the device), every selector at
+    three chunks computed alone and placed (keys re-rotated on the device), glue (separator tokens)
+    before two of them, every selector at
     r = 0.15; the selections must match and the logits agree to fp32 tolerance."""
     from blend.assemble import BlendLayout, chunk_block, place_block
     from blend.recompute import blend_prefill
@@ -354,9 +355,10 @@ def section_blend(device: str = "cuda") -> dict:
     dev_model.to(device)
     g = torch.Generator().manual_seed(1)
     parts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (5, 37, 11, 29)]  # prefix, 3 chunks
+    glue = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 0, 2)]  # separator tokens before each
     query = torch.randint(1, 97, (6,), generator=g).tolist()
-    layout = BlendLayout.from_lengths(len(parts[0]), [len(c) for c in parts[1:]], len(query))
-    ids = torch.tensor([t for part in parts for t in part] + query)
+    layout = BlendLayout.from_lengths(len(parts[0]), [len(c) for c in parts[1:]], len(query), [len(x) for x in glue])
+    ids = torch.tensor(parts[0] + [t for gl, c in zip(glue, parts[1:]) for t in gl + c] + query)
 
     def run(model, name):
         kv = model.new_cache(layout.total)
