@@ -224,15 +224,14 @@ def greedy_from(model: LlamaModel, kv: KVCache, context_len: int, question_ids: 
 
 def parse_kvtc(text: str) -> dict:
     """One --kvtc setting -> calibration options. ``KEY:VALUE[:DROP]`` (relative steps, post-RoPE keys, as
-    before) or ``key=0.2,value=0.2[,drop=0.5][,sinks=4][,rope=1][,sens=1][,limit=4][,centroid=1]`` (``rope=1``:
-    keys coded before RoPE; ``sens``: strength of the per-layer steps from measured sensitivity, clipped to
-    [1/limit, limit]; ``centroid=0``: codes read at their bins' midpoints, as before 2026-12-03)."""
+    before) or ``key=0.2,value=0.2[,drop=0.5][,sinks=4][,rope=1][,sens=1][,limit=4]`` (``rope=1``: keys coded
+    before RoPE; ``sens``: strength of the per-layer steps from measured sensitivity, clipped to
+    [1/limit, limit])."""
     if "=" not in text:
         parts = [float(v) for v in text.split(":")]
         return {"key": parts[0], "value": parts[1], "drop": parts[2] if len(parts) > 2 else 0.5, "sinks": 0, "rope": 0,
-                "sens": 0, "limit": SENSITIVITY_LIMIT, "centroid": 1}
-    out = {"key": None, "value": None, "drop": 0.5, "sinks": 0, "rope": 0, "sens": 0, "limit": SENSITIVITY_LIMIT,
-           "centroid": 1}
+                "sens": 0, "limit": SENSITIVITY_LIMIT}
+    out = {"key": None, "value": None, "drop": 0.5, "sinks": 0, "rope": 0, "sens": 0, "limit": SENSITIVITY_LIMIT}
     for item in text.split(","):
         name, _, value = item.partition("=")
         if name not in out:
@@ -330,12 +329,7 @@ def kvtc_codecs(model: LlamaModel, tokenizer, args, evaluated: set[int], log) ->
         calibration_store.register(calibration)
         spec = f"kvtc@{calibration.id[:12]}"
         log(f"{spec}: {text}, {int(calibration.kept.sum())}/{calibration.kept.numel()} components kept")
-        if setting["centroid"]:
-            out[spec] = get_codec(spec)
-        else:  # the same bytes, read at the bins' midpoints
-            from compression.transform import TransformCodec
-
-            out[spec + " midpoint"] = TransformCodec(calibration, centroid=False)
+        out[spec] = get_codec(spec)
     return out
 
 
@@ -550,7 +544,7 @@ def main() -> int:
     questions = load_questions(args.data, tokenizer, args.limit, args.seed)
     if args.kvtc:
         codecs.update(kvtc_codecs(model, tokenizer, args, {q.index for q in questions}, log))
-    scores = {spec: CodecScore(spec) for spec in codecs}  # (a spec is its codec's name, or that and " midpoint")
+    scores = {spec: CodecScore(codecs[spec].name) for spec in codecs}
     reference = CodecScore("fp16 (reference)")
     prefill_s, started = [], time.perf_counter()
     first_margins: list[float] = []

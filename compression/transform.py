@@ -25,14 +25,9 @@ whatever the estimate, and a wrong estimate only costs size and error within the
 Tokens at positions below ``allocation.sink_tokens`` (attention sinks, in the block at s = 0)
 are stored raw in the block dtype, before the stream.
 
-Decode reads each kept row's nonzero codes at their bins' centroids under a Laplace fit to the
-row's mean |code| (`compression.entropy.centroid_shift`: a shift toward zero of up to half a
-step), not at the bins' midpoints: 13% less squared error at no cost in bytes. Blocks say so in
-their params (``recon: centroid``); a block without it (written before) decodes at midpoints.
-
 Error bound per token vector (basis orthonormal): the error is basis @ (y' - y), so every element
-is at most its L2 norm, sqrt(sum over kept of ((1/2 + |shift|) step)^2 + sum over dropped of y^2),
-plus float32 rounding of the two matmuls and the cast to the block dtype (`error_bound`).
+is at most its L2 norm, sqrt(sum over kept of (step/2)^2 + sum over dropped of y^2), plus float32
+rounding of the two matmuls and the cast to the block dtype (`error_bound`).
 """
 
 from __future__ import annotations
@@ -47,9 +42,7 @@ from compression.base import (DTYPE_EPS, Codec, EncodedBlock, check_block, regis
                               tensor_bytes)
 from compression.calibration import Calibration, turn_keys
 from compression.calibration_store import resolve
-import numpy as np
-
-from compression.entropy import ENTROPY_CODERS, centroid_shift, decode_rows, encode_rows
+from compression.entropy import ENTROPY_CODERS, decode_rows, encode_rows
 from kernels import transform_ref
 
 SPEC_PREFIX = "kvtc"
@@ -96,16 +89,13 @@ def estimate_start(keys: torch.Tensor, calibration: Calibration) -> int:
 class TransformCodec(Codec):
     """Calibrated PCA transform + uniform quantization + entropy coding; lossy (see `error_bound`)."""
 
-    def __init__(self, calibration: str | Calibration, entropy: str = "rans", kernels_choice: str | None = None,
-                 centroid: bool = True):
-        """``centroid``: blocks it writes are read at their bins' centroids (False: midpoints, to compare)."""
+    def __init__(self, calibration: str | Calibration, entropy: str = "rans", kernels_choice: str | None = None):
         if entropy not in ENTROPY_CODERS:
             raise ValueError(f"entropy coder must be one of {ENTROPY_CODERS}, got {entropy!r}")
         self._calibration = calibration if isinstance(calibration, Calibration) else None
         self._calibration_ref = calibration.id if isinstance(calibration, Calibration) else calibration
         self.entropy = entropy
         self.kernels_choice = kernels_choice
-        self.centroid = centroid
         head = SPEC_PREFIX if entropy == "rans" else f"{SPEC_PREFIX}-{entropy}"
         self.name = f"{head}@{self._calibration_ref[:ID_DIGITS]}"
 
@@ -151,8 +141,6 @@ class TransformCodec(Codec):
             sections.append(["stream", len(stream), 1])
             parts.append(stream)
         params = {"calibration": cal.id, "entropy": self.entropy, "sections": sections}
-        if self.centroid:
-            params["recon"] = "centroid"
         if cal.rope_inv_freq is not None:
             params.update(start=start, sink_tokens=n_raw)
         return EncodedBlock(b"".join(parts), params, self.name)
@@ -181,18 +169,10 @@ class TransformCodec(Codec):
             codes = torch.zeros(cal.rows, cal.channels, coded, dtype=torch.int32)  # [B, C, T']
             codes[kept_mask] = torch.from_numpy(kept)
             codes = codes.to(device).transpose(1, 2)  # [B, T', C] (a view)
-            shift = None
-            recon = params.get("recon", "midpoint")
-            if recon == "centroid":
-                shift = torch.zeros(cal.rows, cal.channels, dtype=torch.float32)  # [B, K]
-                shift[kept_mask] = torch.from_numpy(centroid_shift(np.abs(kept).mean(axis=1))).float()
-                shift = shift.to(device)
-            elif recon != "midpoint":
-                raise ValueError(f"block params name reconstruction {recon!r}; known: centroid, midpoint")
             op = kernels.transform_ops(codes, self.kernels_choice)
             out_dtype = torch.float32 if rope else dtype
             rows = op.dequantize_backproject(codes, cal.step.to(device), cal.synthesis.to(device), cal.mean.to(device),
-                                             out_dtype, shift=shift)
+                                             out_dtype)
             body = cal.rows_block(rows)  # [L, 2, H, T', D]
             if not rope:
                 return body
@@ -210,11 +190,7 @@ class TransformCodec(Codec):
         if rows.shape[1] == 0:
             return 0.0  # every token raw
         y = torch.bmm(rows - cal.mean[:, None, :], cal.analysis)  # [B, T, C]
-        half = 0.5
-        if self.centroid:  # a nonzero code is read up to |shift| steps nearer zero than its midpoint
-            codes = torch.floor(y * cal.inv_step[:, None, :] + 0.5).clamp(-transform_ref.CODE_MAX, transform_ref.CODE_MAX)
-            half = 0.5 - torch.from_numpy(centroid_shift(codes.abs().mean(1).numpy())).float()[:, None, :]  # [B, 1, C]
-        half = (half * cal.step[:, None, :]).expand_as(y)  # [B, T, C]
+        half = (cal.step / 2)[:, None, :].expand_as(y)  # [B, T, C]
         clipped = y.abs() * cal.inv_step[:, None, :] > transform_ref.CODE_MAX
         per = torch.where(cal.kept[:, None, :] & ~clipped, half, y.abs())  # |y' - y| per component, at most
         # |x' - x|_c = |sum_k (y' - y)_k synthesis[k, c]| <= |y' - y|_2 * |synthesis[:, c]|_2 (Cauchy-Schwarz)

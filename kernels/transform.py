@@ -1,7 +1,7 @@
 """Triton kernels for the transform codec, each beside its torch reference in `kernels/transform_ref.py`.
 
     project_quantize        codes = clamp(floor(((x - mean) @ analysis) * inv_step + 1/2))   [B, T, K] int32
-    dequantize_backproject  x' = ((codes + sign(codes) * shift) * step) @ synthesis + mean    [B, T, C] dtype
+    dequantize_backproject  x' = (codes * step) @ synthesis + mean                            [B, T, C] dtype
 
 One program computes a [BLOCK_T, BLOCK_N] tile of one row b's output, looping over the inner
 dimension in BLOCK_I slices (tl.dot in IEEE fp32, no TF32, so codes stay those of the reference
@@ -58,11 +58,10 @@ def _project_quantize_kernel(
 
 @triton.jit
 def _dequantize_backproject_kernel(
-    p_codes, p_step, p_shift, p_s, p_mean, p_out,
+    p_codes, p_step, p_s, p_mean, p_out,
     n_tokens, n_comp, n_chan,
     s_qb, s_qt, s_qk,
-    OUT_DTYPE: tl.constexpr, HAS_SHIFT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_I: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
     i_b, i_t, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT] tokens
@@ -75,10 +74,6 @@ def _dequantize_backproject_kernel(
         p_qt = p_codes + i_b * s_qb + o_t[:, None] * s_qt + o_k[None, :] * s_qk
         b_q = tl.load(p_qt, mask=m_t[:, None] & m_k[None, :], other=0).to(tl.float32)  # [BT, BI]
         b_step = tl.load(p_step + i_b * n_comp + o_k, mask=m_k, other=0.0)  # [BI]
-        if HAS_SHIFT:  # nonzero codes toward zero by shift (<= 0): the bin's centroid
-            b_shift = tl.load(p_shift + i_b * n_comp + o_k, mask=m_k, other=0.0)  # [BI]
-            b_sign = tl.where(b_q > 0, 1.0, tl.where(b_q < 0, -1.0, 0.0))
-            b_q = b_q + b_sign * b_shift[None, :]
         b_y = b_q * b_step[None, :]
         p_st = p_s + i_b * n_comp * n_chan + o_k[:, None] * n_chan + o_c[None, :]
         b_s = tl.load(p_st, mask=m_k[:, None] & m_c[None, :], other=0.0)  # [BI, BN]
@@ -114,12 +109,11 @@ def project_quantize(x: torch.Tensor, mean: torch.Tensor, analysis: torch.Tensor
 
 
 def dequantize_backproject(codes: torch.Tensor, step: torch.Tensor, synthesis: torch.Tensor, mean: torch.Tensor,
-                           dtype: torch.dtype, shift: torch.Tensor | None = None) -> torch.Tensor:
+                           dtype: torch.dtype) -> torch.Tensor:
     """Triton twin of `transform_ref.dequantize_backproject`: x' [B, T, C] in dtype (codes may be strided)."""
-    check_backproject_args(codes, step, synthesis, mean, dtype, shift)
-    _check_same_device(codes, step, synthesis, mean, *(() if shift is None else (shift,)))
+    check_backproject_args(codes, step, synthesis, mean, dtype)
+    _check_same_device(codes, step, synthesis, mean)
     step, synthesis, mean = step.contiguous(), synthesis.contiguous(), mean.contiguous()
-    shift_arg = step if shift is None else shift.contiguous()  # not read without HAS_SHIFT
     n_rows, n_tokens, n_comp = codes.shape
     n_chan = synthesis.shape[2]
     out = torch.empty(n_rows, n_tokens, n_chan, dtype=dtype, device=codes.device)
@@ -127,7 +121,7 @@ def dequantize_backproject(codes: torch.Tensor, step: torch.Tensor, synthesis: t
         return out
     grid = (n_rows, triton.cdiv(n_tokens, BLOCK_T), triton.cdiv(n_chan, BLOCK_N))
     _dequantize_backproject_kernel[grid](
-        codes, step, shift_arg, synthesis, mean, out, n_tokens, n_comp, n_chan, *codes.stride(),
-        OUT_DTYPE=_OUT_DTYPES[dtype], HAS_SHIFT=shift is not None, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I,
+        codes, step, synthesis, mean, out, n_tokens, n_comp, n_chan, *codes.stride(),
+        OUT_DTYPE=_OUT_DTYPES[dtype], BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I,
     )
     return out

@@ -8,10 +8,7 @@ component [K] (0 = the component is dropped: 0 bits, code 0)::
 
     encode   y = (x - mean) @ analysis          [T, C] @ [C, K] -> [T, K]
              code = clamp(floor(y * inv_step + 1/2), -CODE_MAX, CODE_MAX)     int32
-    decode   x' = ((code + sign(code) * shift) * step) @ synthesis + mean   [T, K] @ [K, C] -> [T, C]
-
-``shift`` [K] (optional, in steps, in [-1/2, 0]) moves each nonzero code's value toward zero: a
-bin read at its centroid rather than its midpoint (`compression.entropy.centroid_shift`).
+    decode   x' = (code * step) @ synthesis + mean                          [T, K] @ [K, C] -> [T, C]
 
 Rounding is floor(v + 1/2) in float32, the same in both implementations; a kernel's matmul sums
 in another order, so a code may differ from the reference's by one where y * inv_step lies within
@@ -50,11 +47,8 @@ def project_quantize(x: torch.Tensor, mean: torch.Tensor, analysis: torch.Tensor
 
 
 def check_backproject_args(codes: torch.Tensor, step: torch.Tensor, synthesis: torch.Tensor, mean: torch.Tensor,
-                           dtype: torch.dtype, shift: torch.Tensor | None = None) -> None:
-    """ValueError unless codes [B, T, K] int, step [B, K], synthesis [B, K, C], mean [B, C] (float32)
-    and shift (None, or [B, K] float32) agree."""
-    if shift is not None and (shift.shape != step.shape or shift.dtype != torch.float32):
-        raise ValueError(f"shift must be float32 {tuple(step.shape)} like step, got {shift.dtype} {tuple(shift.shape)}")
+                           dtype: torch.dtype) -> None:
+    """ValueError unless codes [B, T, K] int, step [B, K], synthesis [B, K, C], mean [B, C] (float32) agree."""
     if codes.dim() != 3 or synthesis.dim() != 3 or codes.shape[0] != synthesis.shape[0] or codes.shape[2] != synthesis.shape[1]:
         raise ValueError(f"codes {tuple(codes.shape)} do not match synthesis {tuple(synthesis.shape)} ([B, T, K], [B, K, C])")
     if step.shape != codes.shape[::2] or mean.shape != (synthesis.shape[0], synthesis.shape[2]):
@@ -69,13 +63,9 @@ def check_backproject_args(codes: torch.Tensor, step: torch.Tensor, synthesis: t
 
 
 def dequantize_backproject(codes: torch.Tensor, step: torch.Tensor, synthesis: torch.Tensor, mean: torch.Tensor,
-                           dtype: torch.dtype, shift: torch.Tensor | None = None) -> torch.Tensor:
-    """x' [B, T, C] in dtype from codes [B, T, K] (any int dtype), step [B, K], synthesis [B, K, C], mean [B, C];
-    ``shift`` [B, K]: each nonzero code read at code + sign(code) * shift (None: at the code)."""
-    check_backproject_args(codes, step, synthesis, mean, dtype, shift)
-    y = codes.float()
-    if shift is not None:
-        y = y + torch.sign(y) * shift[:, None, :]
-    y = y * step[:, None, :]  # [B, T, K]
+                           dtype: torch.dtype) -> torch.Tensor:
+    """x' [B, T, C] in dtype from codes [B, T, K] (any int dtype), step [B, K], synthesis [B, K, C], mean [B, C]."""
+    check_backproject_args(codes, step, synthesis, mean, dtype)
+    y = codes.float() * step[:, None, :]  # [B, T, K]
     x = torch.bmm(y, synthesis)  # [B, T, K] @ [B, K, C] -> [B, T, C]
     return (x + mean[:, None, :]).to(dtype)

@@ -101,47 +101,6 @@ def test_codec_error_shrinks_with_the_step(calibration):
     assert errors[0] > errors[1] > errors[2]
 
 
-
-def test_centroid_shift_is_the_laplace_bin_centroid():
-    # against numerical integration of a Laplace density over the bins of a unit-step quantizer
-    from compression.entropy import centroid_shift
-
-    for beta in (0.08, 0.3, 1.0, 4.0, 30.0):
-        x = np.linspace(0.5, 0.5 + 60 * beta + 60, 400001)
-        pdf = np.exp(-x / beta)
-        k = np.floor(x + 0.5)
-        mean_abs = (k * pdf).sum() / pdf.sum()  # E|round X| (both signs alike; zeros count 0)
-        mean_abs *= pdf.sum() * (x[1] - x[0]) / beta  # times P(|X| >= 1/2) = e^{-1/(2 beta)}
-        in_bin = x < 1.5  # the bin of code 1: its centroid, relative to 1
-        centroid = (x[in_bin] * pdf[in_bin]).sum() / pdf[in_bin].sum() - 1.0
-        assert abs(centroid_shift(np.array([mean_abs]))[0] - centroid) < 2e-3 * max(1.0, 1 / beta), beta
-    shifts = centroid_shift(np.array([0.0, 1e-3, 0.1, 1.0, 10.0, 1e5]))
-    assert shifts[0] == 0 and (shifts <= 0).all() and (shifts >= -0.5).all()
-    assert (np.diff(shifts[1:]) > 0).all()  # coarser rows (small mean |code|) shift more
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_centroid_reading_lowers_the_error_and_old_blocks_decode_as_before(calibration, dtype):
-    coarse = calibration.with_allocation(Allocation(0.6, 0.6))  # coarse steps: many codes of +-1
-    calibration_store.register(coarse)
-    block = kv_block(256, seed=11, dtype=dtype)
-    new, old = TransformCodec(coarse), TransformCodec(coarse, centroid=False)
-    enc_new, enc_old = new.encode(block), old.encode(block)
-    assert enc_new.payload == enc_old.payload  # the same bytes: only the reading differs
-    assert enc_new.params["recon"] == "centroid" and "recon" not in enc_old.params
-    dec_new = decode_block(enc_new, tuple(block.shape), dtype)
-    dec_old = decode_block(enc_old, tuple(block.shape), dtype)
-    mse = lambda d: float((d.double() - block.double()).pow(2).mean())  # noqa: E731
-    assert mse(dec_new) < mse(dec_old)  # 2% here (Gaussian data, dropped components included); 13% on real KV
-    assert (dec_new.double() - block.double()).abs().max() <= new.error_bound(block)
-    # a block written before (no "recon") is read at the midpoints, as it was
-    midpoint = old.decode(enc_old.payload, enc_old.params, block.shape, dtype)
-    by_new_codec = new.decode(enc_old.payload, enc_old.params, block.shape, dtype)
-    assert torch.equal(midpoint, by_new_codec)
-    with pytest.raises(ValueError, match="reconstruction 'median'"):
-        new.decode(enc_new.payload, {**enc_new.params, "recon": "median"}, block.shape, dtype)
-
-
 def test_spec_errors_name_the_fix(calibration):
     with pytest.raises(ValueError, match="kvtc@<calibration id>"):
         get_codec("kvtc-lz9@0123456789ab")
