@@ -13,7 +13,8 @@ import pytest
 
 from blend.engine import DEFAULT_SEPARATOR, BlendPrompt, split_prompt
 from engine_adapter.loader import find_smollm2_gguf, gguf_config
-from engine_adapter.vllm.blend import BLEND_PARAM, BlendSpec, blend_request, blend_spec, separated_spec
+from engine_adapter.vllm.blend import (BLEND_PARAM, BlendSpec, blend_request, blend_spec, check_blend_cost,
+                                       separated_spec)
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +173,19 @@ def test_hostile_ids_are_no_blend_or_a_one_line_refusal(tokenizer):
     assert separated_spec(tokenizer, [0] * 50, SEP) is None
     with pytest.raises(ValueError, match="not its text's tokenization"):
         separated_spec(tokenizer, marked[:1] + marked[1:2] * 3 + marked, SEP)  # "<" "<" "<": not how the text tokenizes
+
+
+def test_blends_that_would_cost_more_than_they_save_are_refused(tokenizer):
+    # a hostile client: thousands of 1-token passages, or a prompt that is mostly separators
+    many = blend_spec({BLEND_PARAM: {"lengths": [0] + [1] * 300}}, 400)
+    with pytest.raises(ValueError, match="300 passages marked; at most 128"):
+        check_blend_cost(many, 128)
+    check_blend_cost(blend_spec({BLEND_PARAM: {"lengths": [0] + [1] * 128}}, 400), 128)
+    text = "q" + f"{SEP}a" * 40 + f"{SEP}question?"
+    ids = tokenizer.encode(text)
+    with pytest.raises(ValueError, match="separators are .* at most 25%"):
+        check_blend_cost(separated_spec(tokenizer, ids, SEP), 128)
+    ordinary = tokenizer.encode(f"You answer.\n{SEP}\n" + "A long passage about towns. " * 20 + f"\n{SEP}\nQ?")
+    spec = separated_spec(tokenizer, ordinary, SEP)
+    assert spec is not None and len(spec.lengths) == 2
+    check_blend_cost(spec, 128)  # an ordinary marked prompt passes

@@ -139,6 +139,23 @@ def blend_request(tokenizer: "Tokenizer", text: str, separator: str = DEFAULT_SE
     return ids, {BLEND_PARAM: spec}
 
 
+MAX_GLUE_SHARE = 0.25  # of the tokens before the query: beyond it, markers cost more than they save
+
+
+def check_blend_cost(spec: BlendSpec, max_passages: int) -> None:
+    """ValueError (one line) for a blend that would cost the engine more than vLLM's own prefill
+    saves: more than ``max_passages`` passages (each a lookup, a load and, when missing, a prefill
+    of its own), or separators (glue, computed on every layer) over a quarter of the tokens before
+    the query. A client may send either on purpose; such a request is served as a plain prompt."""
+    passages = len(spec.lengths) - 1
+    if passages > max_passages:
+        raise ValueError(f"{passages} passages marked; at most {max_passages} are blended (blend_max_passages)")
+    glue = sum(spec.glue)
+    if glue > MAX_GLUE_SHARE * spec.cached_tokens:
+        raise ValueError(f"separators are {glue} of the {spec.cached_tokens} tokens before the query; "
+                         f"at most {MAX_GLUE_SHARE:.0%} may be")
+
+
 def separated_spec(tokenizer: "Tokenizer", prompt: Sequence[int], separator: str) -> BlendSpec | None:
     """The blend a tokenized text prompt marks with ``separator``, cut by
     ``blend.engine.split_tokens`` (separator tokens are glue; the last one's go with the query,

@@ -67,7 +67,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from engine_adapter.client import KVStoreClient
 from engine_adapter.loader import hf_rope
 from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
-from engine_adapter.vllm.blend import BlendLoad, BlendSpec, VllmBlender, blend_spec, separated_spec
+from engine_adapter.vllm.blend import (BlendLoad, BlendSpec, VllmBlender, blend_spec, check_blend_cost,
+                                       separated_spec)
 from engine_adapter.vllm.layout import PagedKV, PagedSpan, PageLayout, measure_page_layout, split_cache_write
 from engine_adapter.vllm.plan import ChunkLoad, Planner, StepPlan
 from blend.engine import DEFAULT_RATIO, DEFAULT_SEPARATOR
@@ -129,6 +130,7 @@ class ConnectorSettings:
                                     # for requests that give none (or "auto"); blend_ratio is its floor
     blend_separator: str = DEFAULT_SEPARATOR  # a prompt whose text holds it is a blend of the passages it
                                     # marks (prefix<sep>passage<sep>...<sep>query); "" reads no markers
+    blend_max_passages: int = 128   # a request marking more is served as a plain prompt
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":
@@ -148,7 +150,7 @@ class ConnectorSettings:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be a {kind.__name__}, "
                                  f"got {value!r}") from None
         settings = cls(**values)
-        for name in ("chunk_tokens", "arena_bytes", "save_queue_chunks"):
+        for name in ("chunk_tokens", "arena_bytes", "save_queue_chunks", "blend_max_passages"):
             if getattr(settings, name) <= 0:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be positive, got {getattr(settings, name)}")
         if settings.save_mode not in SAVE_MODES:
@@ -432,6 +434,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             marked = self._marked_spec(request)
             spec = marked if spec is None or marked is None else replace(marked, ratio=spec.ratio, selector=spec.selector)
         if spec is None or spec.cached_tokens == 0:
+            return None
+        try:
+            check_blend_cost(spec, self.settings.blend_max_passages)
+        except ValueError as exc:
+            if request.request_id not in self._requests:
+                log.warning("KVStoreConnector: request %s is served without blending: %s", request.request_id, exc)
             return None
         # the daemon must answer (a client is made before any call, so a down daemon shows only in
         # a call): one Lookup of the passages' keys, from the local key index on a unix socket
