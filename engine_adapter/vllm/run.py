@@ -67,7 +67,9 @@ def token_ids(prompt: list[int] | dict) -> list[int]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="Hugging Face folder (see engine_adapter.vllm.hf_folder)")
-    parser.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists")
+    parser.add_argument("--prompts", required=True,
+                        help="JSON file: a list of prompts, each a token-id list, {\"prompt_token_ids\": [...], "
+                             "\"kv_transfer_params\": {...}} or {\"prompt\": \"text\", ...}")
     parser.add_argument("--out", required=True, help="where to write the result JSON")
     parser.add_argument("--kvstore", default=None, help="daemon address; without it vLLM runs alone")
     parser.add_argument("--max-tokens", type=int, default=16)
