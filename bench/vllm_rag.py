@@ -6,6 +6,9 @@ Per MuSiQue question (the CacheBlend paper's prompt, top-k BM25 passages, k = --
     resident   the same prompt again: vLLM's own prefix cache
     naive      a kvstore blend request at ratio 0: passages' KV reused as stored, only the query computed
     blend r    a kvstore blend request at ratio r (--ratios), default selector
+    marked r   (--markers) the prompt as text with the passages marked (blend_separator), which vLLM
+               tokenizes whole, blended at the first ratio; its KL and speed-up are against vLLM's full
+               prefill of that text (its tokens differ a little from the parts tokenized alone)
 
 Passages are stored first by the reference engine (``BlendEngine.ingest``), so every blend request
 finds them: vLLM reuses blocks another engine stored. vLLM's prefix cache is off for the kvstore
@@ -16,7 +19,7 @@ reference engine's own blend KL (``BlendEngine`` at the first ratio against its 
 is printed beside vLLM's.
 
     .venv-vllm/bin/python bench/vllm_rag.py --questions 20 [--top-k 3] [--ratios 0.15 0.3]
-        [--json out.json] [--plot bench/vllm_rag.png]
+        [--markers] [--json out.json] [--plot bench/vllm_rag.png]
 """
 
 from __future__ import annotations
@@ -35,13 +38,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from blend.engine import BlendEngine  # noqa: E402
+from blend.engine import BlendEngine, split_prompt  # noqa: E402
 from engine_adapter.client import KVStoreClient  # noqa: E402
 from engine_adapter.loader import load_hf_folder  # noqa: E402
 from engine_adapter.vllm.blend import BLEND_PARAM  # noqa: E402
 from engine_adapter.vllm.hf_folder import write_hf_folder  # noqa: E402
 from kvstore.spawn import DaemonProcess  # noqa: E402
-from reuse_vs_rag import MUSIQUE_DEV, bm25_top_k, build_prompt, f1_score  # noqa: E402
+from reuse_vs_rag import MUSIQUE_DEV, SEP, bm25_top_k, build_prompt, f1_score, prompt_text  # noqa: E402
 
 
 def kl(ref: list[float] | torch.Tensor, other: list[float] | torch.Tensor) -> float:
@@ -89,6 +92,8 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=MUSIQUE_DEV)
     parser.add_argument("--json", type=Path, default=None, help="per-question records")
     parser.add_argument("--plot", type=Path, default=None, help="PNG: TTFT and KL per mode")
+    parser.add_argument("--markers", action="store_true",
+                        help="also the marked-text mode: passages marked in the prompt's text, not in kv_transfer_params")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="kvs-vllm-rag-"))
@@ -101,9 +106,12 @@ def main() -> None:
         prompt = build_prompt(tokenizer, passages, item["question"])
         chosen = bm25_top_k(item["question"], passages, args.top_k) if args.top_k else list(range(len(passages)))
         lengths = [len(prompt.prefix), *(len(prompt.chunks[i]) for i in chosen)]
+        text = prompt_text(tokenizer, [passages[i] for i in chosen], item["question"])
         cases.append({"prompt": prompt, "chosen": chosen, "ids": prompt.ids(chosen), "lengths": lengths,
+                      "text": text, "whole": split_prompt(tokenizer, text, SEP, whole=True),
                       "answers": item.get("answers") or [item.get("answer", "")]})
     modes = ["full", "resident", "naive"] + [f"blend r={r}" for r in args.ratios]
+    marked_mode = f"marked r={args.ratios[0]}"
     # the CPU tier holds every passage of the run (all 10 passages of 20 questions are ~2.8 GB in
     # bf16): an evicted passage would be computed alone again and its request timed as a miss
     cfg = model.config
@@ -119,6 +127,8 @@ def main() -> None:
                 progress(f"reference engine: question {number}/{len(cases)} (passages stored, full and blended prefill)")
                 p = case["prompt"]
                 engine.ingest([p.prefix] + [p.chunks[i] for i in case["chosen"]])
+                if args.markers:  # the passages as the whole text's cut has them (docs/vllm.md)
+                    engine.ingest([case["whole"].prefix] + case["whole"].chunks)
                 with torch.inference_mode():
                     full = model(torch.tensor(case["ids"]), model.new_cache(len(case["ids"]) + 1), 0, last_only=True)[-1]
                 blended = engine.generate(p.prefix, [p.chunks[i] for i in case["chosen"]], p.query, max_new_tokens=1,
@@ -132,24 +142,37 @@ def main() -> None:
                 "kv_transfer_params": {BLEND_PARAM: {"lengths": [len(head), len(passage)], "ratio": args.ratios[0]}}}
         plain = run_vllm(folder, work, "plain", [warm["prompt_token_ids"]] + [c["ids"] for c in cases for _ in range(2)],
                          None, [], args.max_new_tokens, args.max_model_len)[1:]
-        blends = [{"prompt_token_ids": c["ids"], "kv_transfer_params": {BLEND_PARAM: {"lengths": c["lengths"], "ratio": r}}}
-                  for c in cases for r in [0.0, *args.ratios]]
-        blended_out = run_vllm(folder, work, "blend", [warm] + blends, daemon.address, ["--no-prefix-caching"],
+        # the marked texts' own full prefills, in a run of their own without a prefix cache (the
+        # text shares its head with the prompt above)
+        marked_full = run_vllm(folder, work, "marked-full", [warm["prompt_token_ids"]] + [{"prompt": c["text"]} for c in cases],
+                               None, ["--no-prefix-caching"], args.max_new_tokens, args.max_model_len)[1:] \
+            if args.markers else []
+        blends = []
+        for c in cases:
+            blends += [{"prompt_token_ids": c["ids"], "kv_transfer_params": {BLEND_PARAM: {"lengths": c["lengths"], "ratio": r}}}
+                       for r in [0.0, *args.ratios]]
+            if args.markers:  # no lengths: the connector finds the passages from the separators in the text
+                blends.append({"prompt": c["text"], "kv_transfer_params": {BLEND_PARAM: {"ratio": args.ratios[0]}}})
+        blended_out = run_vllm(folder, work, "blend", [warm] + blends, daemon.address,
+                               ["--no-prefix-caching", "--kv-extra", json.dumps({"blend_separator": SEP})],
                                args.max_new_tokens, args.max_model_len)[1:]
     finally:
         daemon.stop()
-    per_mode = len(args.ratios) + 1
+    per_mode = len(args.ratios) + 1 + args.markers
+    if args.markers:
+        modes.append(marked_mode)
     records = []
     for i, case in enumerate(cases):
         outs = [plain[2 * i], plain[2 * i + 1], *blended_out[per_mode * i : per_mode * (i + 1)]]
-        ref = outs[0]["first_logprobs"]
         record = {"question": args.skip + i, "prompt_tokens": len(case["ids"]), "cached_tokens": sum(case["lengths"]),
                   "reference_blend_kl": reference_kl[i], "modes": {}}
         for mode, out in zip(modes, outs):
-            record["modes"][mode] = {"ttft_s": ttft(out), "kl": kl(ref, out["first_logprobs"]),
-                                     "agree": out["token_ids"][0] == outs[0]["token_ids"][0],
+            full = marked_full[i] if mode == marked_mode else outs[0]  # the marked text's own reference
+            record["modes"][mode] = {"ttft_s": ttft(out), "kl": kl(full["first_logprobs"], out["first_logprobs"]),
+                                     "agree": out["token_ids"][0] == full["token_ids"][0],
                                      "f1": f1_score(out["text"], case["answers"]),
-                                     "cached": out["num_cached_tokens"], "text": out["text"]}
+                                     "cached": out["num_cached_tokens"], "text": out["text"],
+                                     "full_ttft_s": ttft(full)}
         records.append(record)
 
     print(f"{len(records)} questions, top-{args.top_k or 'all'} passages, "
@@ -159,7 +182,7 @@ def main() -> None:
     for mode in modes:
         rows = [r["modes"][mode] for r in records]
         ttfts = [row["ttft_s"] for row in rows]
-        speedup = statistics.median(r["modes"]["full"]["ttft_s"] / r["modes"][mode]["ttft_s"] for r in records)
+        speedup = statistics.median(r["modes"][mode]["full_ttft_s"] / r["modes"][mode]["ttft_s"] for r in records)
         worse = sum(r["modes"][mode]["kl"] > r["modes"]["naive"]["kl"] for r in records)
         summary[mode] = {"ttft_p50_s": statistics.median(ttfts), "speedup_vs_full": speedup,
                          "kl_mean": statistics.mean(row["kl"] for row in rows),
