@@ -71,7 +71,7 @@ from engine_adapter.vllm.blend import (BlendLoad, BlendSpec, VllmBlender, blend_
                                        separated_spec)
 from engine_adapter.vllm.layout import PagedKV, PagedSpan, PageLayout, measure_page_layout, split_cache_write
 from engine_adapter.vllm.plan import ChunkLoad, Planner, StepPlan
-from blend.engine import DEFAULT_RATIO, DEFAULT_SEPARATOR
+from blend.engine import DEFAULT_RATIO
 from blend.select import DEFAULT_SELECTOR, SELECTORS
 from kernels.page_copy import PageWriter
 from kvstore.config import default_listen
@@ -128,8 +128,9 @@ class ConnectorSettings:
     blend_selector: str = DEFAULT_SELECTOR  # blend.select name, unless a request says
     blend_controller: bool = False  # the ratio from measured load and compute speed (blend/controller.py)
                                     # for requests that give none (or "auto"); blend_ratio is its floor
-    blend_separator: str = DEFAULT_SEPARATOR  # a prompt whose text holds it is a blend of the passages it
-                                    # marks (prefix<sep>passage<sep>...<sep>query); "" reads no markers
+    blend_separator: str = ""       # a prompt whose text holds it is a blend of the passages it marks
+                                    # (prefix<sep>passage<sep>...<sep>query, e.g. "<|chunk|>"); "": off
+                                    # (opt in: quality is below kv_transfer_params', docs/vllm.md)
     blend_max_passages: int = 128   # a request marking more is served as a plain prompt
 
     @classmethod
