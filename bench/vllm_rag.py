@@ -106,10 +106,12 @@ def main() -> None:
         prompt = build_prompt(tokenizer, passages, item["question"])
         chosen = bm25_top_k(item["question"], passages, args.top_k) if args.top_k else list(range(len(passages)))
         lengths = [len(prompt.prefix), *(len(prompt.chunks[i]) for i in chosen)]
-        text = prompt_text(tokenizer, [passages[i] for i in chosen], item["question"])
-        cases.append({"prompt": prompt, "chosen": chosen, "ids": prompt.ids(chosen), "lengths": lengths,
-                      "text": text, "whole": split_prompt(tokenizer, text, SEP, whole=True),
-                      "answers": item.get("answers") or [item.get("answer", "")]})
+        case = {"prompt": prompt, "chosen": chosen, "ids": prompt.ids(chosen), "lengths": lengths,
+                "answers": item.get("answers") or [item.get("answer", "")]}
+        if args.markers:  # the same prompt as marked text, and its cut as vLLM's tokens give it
+            case["text"] = prompt_text(tokenizer, [passages[i] for i in chosen], item["question"])
+            case["whole"] = split_prompt(tokenizer, case["text"], SEP, whole=True)
+        cases.append(case)
     modes = ["full", "resident", "naive"] + [f"blend r={r}" for r in args.ratios]
     marked_mode = f"marked r={args.ratios[0]}"
     # the CPU tier holds every passage of the run (all 10 passages of 20 questions are ~2.8 GB in
@@ -142,11 +144,11 @@ def main() -> None:
                 "kv_transfer_params": {BLEND_PARAM: {"lengths": [len(head), len(passage)], "ratio": args.ratios[0]}}}
         plain = run_vllm(folder, work, "plain", [warm["prompt_token_ids"]] + [c["ids"] for c in cases for _ in range(2)],
                          None, [], args.max_new_tokens, args.max_model_len)[1:]
-        # the marked texts' own full prefills, in a run of their own without a prefix cache (the
-        # text shares its head with the prompt above)
-        marked_full = run_vllm(folder, work, "marked-full", [warm["prompt_token_ids"]] + [{"prompt": c["text"]} for c in cases],
-                               None, ["--no-prefix-caching"], args.max_new_tokens, args.max_model_len)[1:] \
-            if args.markers else []
+        marked_full = []
+        if args.markers:  # the marked texts' own full prefills, in a run of their own without a prefix
+            # cache (a text shares its head with the prompt above)
+            marked_full = run_vllm(folder, work, "marked-full", [warm["prompt_token_ids"]] + [{"prompt": c["text"]} for c in cases],
+                                   None, ["--no-prefix-caching"], args.max_new_tokens, args.max_model_len)[1:]
         blends = []
         for c in cases:
             blends += [{"prompt_token_ids": c["ids"], "kv_transfer_params": {BLEND_PARAM: {"lengths": c["lengths"], "ratio": r}}}

@@ -189,3 +189,30 @@ def test_blends_that_would_cost_more_than_they_save_are_refused(tokenizer):
     spec = separated_spec(tokenizer, ordinary, SEP)
     assert spec is not None and len(spec.lengths) == 2
     check_blend_cost(spec, 128)  # an ordinary marked prompt passes
+
+
+def test_blend_requests_are_read_once_and_failures_are_plain_prompts(tokenizer, tmp_path, caplog):
+    # the scheduler's reader: parameters or markers, each request read once (it is asked at every
+    # scheduling attempt), a refusal logged once, no tokenizer means no markers
+    from engine_adapter.vllm.blend import BlendRequests
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    reader = BlendRequests(SEP, folder, max_passages=2)
+    a, b = "Alpha is a town in Mercia, on a river. " * 4, "Beta was founded in 1200 by monks. " * 4
+    marked = tokenizer.encode(f"sys\n{SEP}\n{a}\n{SEP}\n{b}\n{SEP}\nQ?")  # separators well under a quarter
+    spec = reader.spec("r1", marked, None)
+    assert spec is not None and len(spec.lengths) == 3 and spec.glue
+    assert reader.spec("r1", marked, None) is spec
+    assert reader.spec("r2", marked, {BLEND_PARAM: {"ratio": 0.3}}).ratio == 0.3  # markers + the request's ratio
+    too_many = tokenizer.encode(f"sys\n{SEP}\n{a}\n{SEP}\n{b}\n{SEP}\n{a}\n{SEP}\nQ?")
+    with caplog.at_level("WARNING", logger="vllm.kvstore_connector"):
+        assert reader.spec("r3", too_many, None) is None and reader.spec("r3", too_many, None) is None
+    assert sum("3 passages marked" in r.message for r in caplog.records) == 1
+    reader.forget("r3")
+    assert reader.spec("plain", tokenizer.encode("no markers"), None) is None
+    blind = BlendRequests(SEP, tmp_path / "none", max_passages=2)  # no tokenizer there: markers unread
+    assert blind.spec("r1", marked, None) is None
+    assert blind.spec("r4", [1, 2, 3, 4], {BLEND_PARAM: {"lengths": [1, 2]}}) == BlendSpec((1, 2))

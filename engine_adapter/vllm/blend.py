@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -165,6 +165,60 @@ def separated_spec(tokenizer: "Tokenizer", prompt: Sequence[int], separator: str
     if cut is None or not cut.chunks:
         return None
     return BlendSpec((len(cut.prefix), *(len(c) for c in cut.chunks)), glue=tuple(len(g) for g in cut.glue))
+
+
+class BlendRequests:
+    """The scheduler's reading of blend requests: each request's ``kv_transfer_params`` and, with a
+    ``separator``, the markers in its text, checked against the cost limits, once per request (a
+    request is asked about at every scheduling attempt). A request that cannot be blended is logged
+    once and answered None: it is served as a plain prompt."""
+
+    def __init__(self, separator: str, tokenizer_folder: str | Path, max_passages: int, logger=log) -> None:
+        self.separator = separator
+        self.tokenizer_folder = tokenizer_folder
+        self.max_passages = max_passages
+        self._log = logger
+        self._specs: dict[str, BlendSpec | None] = {}
+        self._tokenizer: "Tokenizer | None | bool" = None  # loaded on the first marked read; False: none
+
+    def spec(self, request_id: str, prompt: Sequence[int], params: dict[str, Any] | None) -> BlendSpec | None:
+        if request_id not in self._specs:
+            try:
+                self._specs[request_id] = self._read(prompt, params)
+            except Exception as exc:  # noqa: BLE001 - no request may break the scheduler: a plain prompt
+                self._log.warning("KVStoreConnector: request %s is served without blending: %s", request_id, exc)
+                self._specs[request_id] = None
+        return self._specs[request_id]
+
+    def forget(self, request_id: str) -> None:
+        self._specs.pop(request_id, None)
+
+    def _read(self, prompt: Sequence[int], params: dict[str, Any] | None) -> BlendSpec | None:
+        spec = blend_spec(params, len(prompt))
+        if spec is None or not spec.lengths:  # the text's markers, with the request's ratio and selector if any
+            tokenizer = self._marker_tokenizer()
+            marked = separated_spec(tokenizer, prompt, self.separator) if tokenizer else None
+            spec = marked if spec is None or marked is None else replace(marked, ratio=spec.ratio, selector=spec.selector)
+        if spec is None or spec.cached_tokens == 0:
+            return None
+        check_blend_cost(spec, self.max_passages)
+        return spec
+
+    def _marker_tokenizer(self) -> "Tokenizer | None":
+        """The model's tokenizer, to find the separator in prompts (loaded once); None when markers
+        are off or it cannot be read (logged once)."""
+        if self._tokenizer is None:
+            self._tokenizer = False
+            if self.separator:
+                from engine_adapter.tokenizer import Tokenizer
+
+                try:
+                    self._tokenizer = Tokenizer.from_folder(self.tokenizer_folder)
+                except Exception as exc:  # noqa: BLE001 - without a tokenizer, markers are not read
+                    self._log.warning("KVStoreConnector: passage markers (%r) are not read: the tokenizer in %s "
+                                      "cannot be loaded (%s); kv_transfer_params still mark blends",
+                                      self.separator, self.tokenizer_folder, exc)
+        return self._tokenizer or None
 
 
 @dataclass(frozen=True)

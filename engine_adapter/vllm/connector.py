@@ -51,7 +51,7 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,8 +67,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from engine_adapter.client import KVStoreClient
 from engine_adapter.loader import hf_rope
 from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
-from engine_adapter.vllm.blend import (BlendLoad, BlendSpec, VllmBlender, blend_spec, check_blend_cost,
-                                       separated_spec)
+from engine_adapter.vllm.blend import BlendLoad, BlendRequests, BlendSpec, VllmBlender
 from engine_adapter.vllm.layout import PagedKV, PagedSpan, PageLayout, measure_page_layout, split_cache_write
 from engine_adapter.vllm.plan import ChunkLoad, Planner, StepPlan
 from blend.engine import DEFAULT_RATIO
@@ -87,8 +86,6 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-    from engine_adapter.tokenizer import Tokenizer
 
 # A child of vLLM's logger: the connector's lines go wherever vLLM's go, at vLLM's level.
 log = logging.getLogger("vllm.kvstore_connector")
@@ -356,9 +353,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             # blend requests: request -> (spec, vLLM's own hit), then the loads planned for the next step
             self._blends: dict[str, tuple[BlendSpec, int]] = {}
             self._blend_loads: list[BlendLoad] = []
-            # the passages each request's text marks (None: none), read once per request
-            self._marked: dict[str, BlendSpec | None] = {}
-            self._tokenizer: "Tokenizer | None | bool" = None  # loaded on the first request; False: none
+            model_config = vllm_config.model_config
+            self._blend_requests = BlendRequests(self.settings.blend_separator,
+                                                 model_config.tokenizer or model_config.model,
+                                                 self.settings.blend_max_passages, log)
         else:
             self.paged: PagedKV | None = None
             self.loaded_chunks = 0
@@ -419,68 +417,21 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def _blend_spec(self, request: "Request") -> BlendSpec | None:
         """The blend a request asks for (``kv_transfer_params``, or ``blend_separator`` in its
-        text), or None: it asks for none, blend is off, its parameters are malformed (logged,
-        served as a plain prompt), or the daemon is down (then blending would compute every passage
-        alone: vLLM's own prefill is faster)."""
+        text; ``BlendRequests``), or None: it asks for none, blend is off, it cannot be blended
+        (logged once, served as a plain prompt), or the daemon is down (then blending would compute
+        every passage alone: vLLM's own prefill is faster)."""
         if self.settings.blend == "off":
             return None
-        params = getattr(request, "kv_transfer_params", None)
-        try:
-            spec = blend_spec(params, len(request.prompt_token_ids))
-        except ValueError as exc:
-            if request.request_id not in self._requests:  # once per request, not per scheduling attempt
-                log.warning("KVStoreConnector: request %s is served without blending: %s", request.request_id, exc)
-            return None
-        if spec is None or not spec.lengths:  # the text's markers, with the request's ratio and selector if any
-            marked = self._marked_spec(request)
-            spec = marked if spec is None or marked is None else replace(marked, ratio=spec.ratio, selector=spec.selector)
-        if spec is None or spec.cached_tokens == 0:
-            return None
-        try:
-            check_blend_cost(spec, self.settings.blend_max_passages)
-        except ValueError as exc:
-            if request.request_id not in self._requests:
-                log.warning("KVStoreConnector: request %s is served without blending: %s", request.request_id, exc)
+        prompt = request.prompt_token_ids
+        spec = self._blend_requests.spec(request.request_id, prompt, getattr(request, "kv_transfer_params", None))
+        if spec is None:
             return None
         # the daemon must answer (a client is made before any call, so a down daemon shows only in
         # a call): one Lookup of the passages' keys, from the local key index on a unix socket
-        prefix, passages, _, _ = spec.parts(request.prompt_token_ids)
+        prefix, passages, _, _ = spec.parts(prompt)
         if self.cache.lookup([chunk_key(self.namespace, p) for p in ([prefix] if prefix else []) + passages]) is None:
             return None
         return spec
-
-    def _marked_spec(self, request: "Request") -> BlendSpec | None:
-        """The passages ``blend_separator`` marks in the request's text (``separated_spec``), read
-        once per request; None for none, for a malformed prompt (logged) and without a tokenizer."""
-        request_id = request.request_id
-        if request_id in self._marked:
-            return self._marked[request_id]
-        spec, tokenizer = None, self._separator_tokenizer()
-        if tokenizer:
-            try:
-                spec = separated_spec(tokenizer, request.prompt_token_ids, self.settings.blend_separator)
-            except Exception as exc:  # noqa: BLE001 - no prompt may break the scheduler: a plain prompt
-                log.warning("KVStoreConnector: request %s is served without blending: %s", request_id, exc)
-        self._marked[request_id] = spec
-        return spec
-
-    def _separator_tokenizer(self) -> "Tokenizer | None":
-        """The model's tokenizer, to find ``blend_separator`` in prompts (loaded once); None when
-        markers are off or the tokenizer cannot be read (logged once)."""
-        if self._tokenizer is None:
-            self._tokenizer = False
-            if self.settings.blend_separator:
-                from engine_adapter.tokenizer import Tokenizer
-
-                model_config = self._vllm_config.model_config
-                folder = model_config.tokenizer or model_config.model
-                try:
-                    self._tokenizer = Tokenizer.from_folder(folder)
-                except Exception as exc:  # noqa: BLE001 - without a tokenizer, markers are not read
-                    log.warning("KVStoreConnector: passage markers (%r) are not read: the tokenizer in %s "
-                                "cannot be loaded (%s); kv_transfer_params still mark blends",
-                                self.settings.blend_separator, folder, exc)
-        return self._tokenizer or None
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
         sources: dict[CacheHitSource, int] = {}
@@ -566,7 +517,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._requests.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
         self._blends.pop(request.request_id, None)
-        self._marked.pop(request.request_id, None)
+        self._blend_requests.forget(request.request_id)
         return False, None  # saves copy their pages within the step: vLLM may free them now
 
     # ==== worker side =========================================================================
