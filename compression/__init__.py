@@ -7,6 +7,7 @@
 Importing this package needs torch, numpy, lz4 and zstandard, not triton.
 """
 
+import kvstore.kernels_path  # noqa: F401  (`import kernels` is kvstore's, not Hugging Face's: see there)
 from compression import codecs, transform  # noqa: F401  (register the codecs)
 from compression.base import (
     QUANTIZERS,
