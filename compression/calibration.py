@@ -152,6 +152,17 @@ class Calibration:
         return self.step > 0
 
     @cached_property
+    def kept_counts(self) -> torch.Tensor:
+        """[B] int64: kept components per row."""
+        return self.kept.sum(dim=1)
+
+    @cached_property
+    def kept_synthesis(self) -> torch.Tensor:
+        """[R, C]: the synthesis rows of the kept components, row after row, each scaled by its step
+        (the decode's matrix, `kernels.transform_ref.dequantize_backproject_kept`)."""
+        return (self.step[:, :, None] * self.synthesis)[self.kept].contiguous()
+
+    @cached_property
     def to_bytes(self) -> bytes:
         v3 = self.rope_inv_freq is not None or self.allocation.sink_tokens or self.allocation.row_scale
         header = {"format": FORMAT_V3 if v3 else FORMAT, "num_layers": self.num_layers,

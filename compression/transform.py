@@ -11,7 +11,9 @@ component over the block's tokens, entropy-coded (`compression/entropy.py`)::
 
     x [B, T, C] --(x - mean) @ basis, / step, round--> codes [B, T, C] --kept--> [R, T] --rans--> bytes
 
-Spec: ``kvtc[-zstd]@<calibration id>``: ``kvtc`` codes with range-ANS, ``kvtc-zstd`` with zstd.
+Spec: ``kvtc[-rans|-zstd]@<calibration id>``: ``kvtc`` codes with kvstore's own interleaved rANS
+(``ans``, native C), ``kvtc-rans`` with `constriction`'s range-ANS (the coder before; its blocks
+still decode), ``kvtc-zstd`` with zstd.
 
 RoPE-aware calibrations (``calibration.rope_inv_freq``, format v3) code keys before RoPE. The
 codec needs the block's absolute start position s, which a block does not carry (a daemon
@@ -42,7 +44,7 @@ from compression.base import (DTYPE_EPS, Codec, EncodedBlock, check_block, regis
                               tensor_bytes)
 from compression.calibration import Calibration, turn_keys
 from compression.calibration_store import resolve
-from compression.entropy import ENTROPY_CODERS, decode_rows, encode_rows
+from compression.entropy import DEFAULT_CODER, ENTROPY_CODERS, decode_rows, encode_rows
 from kernels import transform_ref
 
 SPEC_PREFIX = "kvtc"
@@ -89,14 +91,14 @@ def estimate_start(keys: torch.Tensor, calibration: Calibration) -> int:
 class TransformCodec(Codec):
     """Calibrated PCA transform + uniform quantization + entropy coding; lossy (see `error_bound`)."""
 
-    def __init__(self, calibration: str | Calibration, entropy: str = "rans", kernels_choice: str | None = None):
+    def __init__(self, calibration: str | Calibration, entropy: str = DEFAULT_CODER, kernels_choice: str | None = None):
         if entropy not in ENTROPY_CODERS:
             raise ValueError(f"entropy coder must be one of {ENTROPY_CODERS}, got {entropy!r}")
         self._calibration = calibration if isinstance(calibration, Calibration) else None
         self._calibration_ref = calibration.id if isinstance(calibration, Calibration) else calibration
         self.entropy = entropy
         self.kernels_choice = kernels_choice
-        head = SPEC_PREFIX if entropy == "rans" else f"{SPEC_PREFIX}-{entropy}"
+        head = SPEC_PREFIX if entropy == DEFAULT_CODER else f"{SPEC_PREFIX}-{entropy}"
         self.name = f"{head}@{self._calibration_ref[:ID_DIGITS]}"
 
     @property
@@ -166,13 +168,20 @@ class TransformCodec(Codec):
             kept_mask = cal.kept  # [B, C]
             stream = bytes(views["stream"].numpy())
             kept = decode_rows(stream, int(kept_mask.sum()), coded, str(params["entropy"]))  # [R, T']
-            codes = torch.zeros(cal.rows, cal.channels, coded, dtype=torch.int32)  # [B, C, T']
-            codes[kept_mask] = torch.from_numpy(kept)
-            codes = codes.to(device).transpose(1, 2)  # [B, T', C] (a view)
-            op = kernels.transform_ops(codes, self.kernels_choice)
+            kept = torch.from_numpy(kept).to(device)
             out_dtype = torch.float32 if rope else dtype
-            rows = op.dequantize_backproject(codes, cal.step.to(device), cal.synthesis.to(device), cal.mean.to(device),
-                                             out_dtype)
+            if kernels.backend(kept, self.kernels_choice) == "torch":
+                # over the kept components only: 20-40% fewer products at the measured settings
+                rows = transform_ref.dequantize_backproject_kept(kept, cal.kept_counts.to(device),
+                                                                 cal.kept_synthesis.to(device), cal.mean.to(device),
+                                                                 out_dtype)
+            else:
+                codes = torch.zeros(cal.rows, cal.channels, coded, dtype=torch.int32, device=device)  # [B, C, T']
+                codes[kept_mask.to(device)] = kept
+                codes = codes.transpose(1, 2)  # [B, T', C] (a view)
+                op = kernels.transform_ops(codes, self.kernels_choice)
+                rows = op.dequantize_backproject(codes, cal.step.to(device), cal.synthesis.to(device),
+                                                 cal.mean.to(device), out_dtype)
             body = cal.rows_block(rows)  # [L, 2, H, T', D]
             if not rope:
                 return body
@@ -214,9 +223,9 @@ class TransformCodec(Codec):
 def parse_spec(head: str) -> TransformCodec:
     """``kvtc@<id>`` or ``kvtc-<coder>@<id>`` -> the codec; ValueError with the expected form."""
     name, at, ref = head.partition("@")
-    coder = name[len(SPEC_PREFIX) + 1:] if name.startswith(SPEC_PREFIX + "-") else "rans"
+    coder = name[len(SPEC_PREFIX) + 1:] if name.startswith(SPEC_PREFIX + "-") else DEFAULT_CODER
     if not at or not ref or name not in (SPEC_PREFIX, f"{SPEC_PREFIX}-{coder}") or coder not in ENTROPY_CODERS:
-        raise ValueError(f"transform codec spec is kvtc@<calibration id> or kvtc-zstd@<calibration id>, got {head!r}")
+        raise ValueError(f"transform codec spec is kvtc@<calibration id>, kvtc-rans@<id> or kvtc-zstd@<id>, got {head!r}")
     if not all(c in "0123456789abcdef" for c in ref) or len(ref) < 8:
         raise ValueError(f"calibration id in {head!r} must be >= 8 lower-case hex digits (see `kvstore calibrate`)")
     return TransformCodec(ref, coder)

@@ -46,6 +46,49 @@ def project_quantize(x: torch.Tensor, mean: torch.Tensor, analysis: torch.Tensor
     return codes.clamp_(-CODE_MAX, CODE_MAX).to(torch.int32)
 
 
+def check_backproject_kept_args(codes: torch.Tensor, counts: torch.Tensor, synthesis: torch.Tensor,
+                                mean: torch.Tensor, dtype: torch.dtype) -> None:
+    """ValueError unless codes [R, T] int, counts [B] (summing to R), synthesis [R, C], mean [B, C] float32 agree."""
+    if codes.dim() != 2 or counts.dim() != 1 or synthesis.dim() != 2 or mean.dim() != 2:
+        raise ValueError(f"want codes [R, T], counts [B], synthesis [R, C], mean [B, C]; got {tuple(codes.shape)}, "
+                         f"{tuple(counts.shape)}, {tuple(synthesis.shape)}, {tuple(mean.shape)}")
+    if codes.dtype.is_floating_point or codes.dtype == torch.bool:
+        raise ValueError(f"codes must be an integer tensor, got {codes.dtype}")
+    if synthesis.shape[0] != codes.shape[0] or int(counts.sum()) != codes.shape[0] or counts.shape[0] != mean.shape[0] \
+            or synthesis.shape[1] != mean.shape[1] or bool((counts < 0).any()):
+        raise ValueError(f"codes {tuple(codes.shape)}, counts (sum {int(counts.sum())}), synthesis "
+                         f"{tuple(synthesis.shape)} and mean {tuple(mean.shape)} disagree")
+    for name, t in (("synthesis", synthesis), ("mean", mean)):
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {t.dtype}")
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"output dtype must be float16, bfloat16 or float32, got {dtype}")
+
+
+def dequantize_backproject_kept(codes: torch.Tensor, counts: torch.Tensor, synthesis: torch.Tensor,
+                                mean: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x' [B, T, C] from the kept components only: codes [R, T] (row b's K_b = counts[b] kept codes,
+    rows in order), their synthesis rows already scaled by the step, [R, C] (`Calibration.kept_synthesis`).
+
+    The same x' as `dequantize_backproject` up to float32 rounding (step * synthesis is rounded once
+    here, code * step there), in one matrix product per row over its kept components only::
+
+        x'_b = codes_b^T [T, K_b] @ (step * synthesis)_b [K_b, C] + mean_b
+    """
+    check_backproject_kept_args(codes, counts, synthesis, mean, dtype)
+    n_rows, n_chan = mean.shape
+    y = codes.float()  # [R, T]
+    out = torch.empty(n_rows, codes.shape[1], n_chan, dtype=torch.float32, device=codes.device)
+    start = 0
+    for b, k in enumerate(counts.tolist()):
+        if k:
+            torch.addmm(mean[b], y[start:start + k].T, synthesis[start:start + k], out=out[b])
+        else:
+            out[b] = mean[b]
+        start += k
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
 def check_backproject_args(codes: torch.Tensor, step: torch.Tensor, synthesis: torch.Tensor, mean: torch.Tensor,
                            dtype: torch.dtype) -> None:
     """ValueError unless codes [B, T, K] int, step [B, K], synthesis [B, K, C], mean [B, C] (float32) agree."""

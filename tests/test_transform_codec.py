@@ -54,7 +54,10 @@ def test_calibration_bytes_round_trip_and_id(calibration):
     assert (other.step >= calibration.step).all()
 
 
-@pytest.mark.parametrize("coder", ["rans", "zstd"])
+SPEC_HEAD = {"ans": "kvtc", "rans": "kvtc-rans", "zstd": "kvtc-zstd"}
+
+
+@pytest.mark.parametrize("coder", ["ans", "rans", "zstd"])
 def test_entropy_stages_are_exact(coder):
     g = np.random.default_rng(0)
     codes = np.concatenate([
@@ -71,14 +74,16 @@ def test_rans_beats_zstd_on_mixed_scales():
     scales = np.geomspace(0.05, 20, 64)[:, None]
     codes = np.round(g.laplace(0, 1.0, (64, 256)) * scales).astype(np.int32)
     assert len(encode_rows(codes, "rans")) < 0.95 * len(encode_rows(codes, "zstd"))
+    # kvstore's own coder: the same models at 15-bit precision, lane states and escapes: within 1%
+    assert len(encode_rows(codes, "ans")) < 1.01 * len(encode_rows(codes, "rans"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 37, 256])
-@pytest.mark.parametrize("coder", ["rans", "zstd"])
+@pytest.mark.parametrize("coder", ["ans", "rans", "zstd"])
 def test_codec_holds_its_error_bound(calibration, dtype, tokens, coder):
     calibration_store.register(calibration)
-    codec = get_codec(("kvtc" if coder == "rans" else "kvtc-zstd") + "@" + calibration.id[:12])
+    codec = get_codec(SPEC_HEAD[coder] + "@" + calibration.id[:12])
     block = kv_block(tokens, seed=tokens + 7, dtype=dtype)
     encoded = codec.encode(block)
     assert encoded.params["calibration"] == calibration.id and encoded.codec == codec.name

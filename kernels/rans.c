@@ -1,0 +1,122 @@
+/* Interleaved static rANS for the transform codec's integer codes (kernels/rans.py calls it).
+ *
+ * The format and its numpy reference are in kernels/rans_ref.py; this file is that reference's
+ * loop in C, bit for bit. In short: N symbols, symbol i in lane i % W, each lane a 32-bit state
+ * in [2^16, 2^32), frequencies out of 2^13, one 16-bit word read (decode) or written (encode) per
+ * renormalization, all lanes sharing one word stream in decode order.
+ *
+ * Symbols come as rows of T codes. Row r (in coding order) is rows[r] of the caller's [R, T]
+ * array and uses model models[r]. A model m has n[m] symbols: code v in [-E, E] is symbol v + E
+ * (E = (n - 1) / 2, or (n - 2) / 2 with an escape symbol n - 1 for |v| > E, its value then
+ * taken from the escape list), frequencies freq[m][..], cumulative cum[m][..] and a slot ->
+ * symbol table slots[m][2^13] (16 KB: it stays in L1, which a 2^15 table did not; measured
+ * 1.5x faster decode and no larger streams on real kvtc blocks).
+ *
+ * Decode checks every read against the input's length and ends by checking that every lane is
+ * back at its initial state and every word and escape was used: a damaged or hostile stream is
+ * refused (nonzero return), never read or written out of bounds.
+ */
+#include <stdint.h>
+
+#define PROB_BITS 13
+#define PROB_SCALE (1u << PROB_BITS)
+#define STATE_LOW (1u << 16)
+
+static const uint16_t zero_word = 0;
+
+typedef struct {
+    const uint32_t *freq, *cum;
+    const uint16_t *slots;
+    int64_t n, half;
+    int esc;
+} model_t;
+
+/* model m's tables: n[m] symbols, escape flag, and pointers to its frequencies, cumulative
+ * frequencies and slot table (the tables stay where the caller keeps them) */
+static model_t model_of(int64_t m, const int64_t *n, const int32_t *has_esc, const uint32_t *const *freq,
+                        const uint32_t *const *cum, const uint16_t *const *slots) {
+    model_t md;
+    md.freq = freq[m];
+    md.cum = cum[m];
+    md.slots = slots[m];
+    md.n = n[m];
+    md.esc = has_esc[m];
+    md.half = (n[m] - 1 - (has_esc[m] ? 1 : 0)) / 2;
+    return md;
+}
+
+/* codes [*, T] int32 (row stride T) -> words (filled backward from words[cap]), states [W], escapes.
+ * Returns the number of words written, or -1 if cap is too small or an escape list overflows. */
+int64_t kvstore_rans_encode(const int32_t *codes, int64_t n_tokens, int64_t n_rows, const int64_t *rows,
+                            const int64_t *models, const int64_t *n, const int32_t *has_esc,
+                            const uint32_t *const *freq, const uint32_t *const *cum, const uint16_t *const *slots,
+                            int64_t lanes,
+                            uint32_t *states, uint16_t *words, int64_t cap, int16_t *escapes, int64_t n_esc) {
+    for (int64_t l = 0; l < lanes; l++) states[l] = STATE_LOW;
+    int64_t w = cap, e = n_esc;
+    for (int64_t r = n_rows - 1; r >= 0; r--) {
+        model_t md = model_of(models[r], n, has_esc, freq, cum, slots);
+        const int32_t *row = codes + rows[r] * n_tokens;
+        for (int64_t t = n_tokens - 1; t >= 0; t--) {
+            int64_t i = r * n_tokens + t;
+            int32_t v = row[t];
+            int64_t s;
+            if (v < -md.half || v > md.half) {
+                if (!md.esc || e <= 0) return -1;
+                escapes[--e] = (int16_t)v;
+                s = md.n - 1;
+            } else {
+                s = v + md.half;
+            }
+            uint32_t f = md.freq[s], x = states[i % lanes];
+            if ((uint64_t)x >= ((uint64_t)f << (32 - PROB_BITS))) {  /* ((STATE_LOW >> PROB_BITS) << 16) * f; f = 2^13 never emits */
+                if (w <= 0) return -1;
+                words[--w] = (uint16_t)(x & 0xffffu);
+                x >>= 16;
+            }
+            states[i % lanes] = ((x / f) << PROB_BITS) + (x % f) + md.cum[s];
+        }
+    }
+    return e == 0 ? cap - w : -1;
+}
+
+/* words [n_words] in decode order, states [W] -> out[rows[r] * T + t] (int32). 0, or nonzero if
+ * the stream is damaged (1: words run out, 2: escapes run out, 3: not every lane ends at its
+ * initial state or words or escapes are left over). */
+int kvstore_rans_decode(const uint16_t *words, int64_t n_words, const uint32_t *states_in, int64_t lanes,
+                        const int16_t *escapes, int64_t n_esc, int64_t n_tokens, int64_t n_rows,
+                        const int64_t *rows, const int64_t *models, const int64_t *n, const int32_t *has_esc,
+                        const uint32_t *const *freq, const uint32_t *const *cum, const uint16_t *const *slots,
+                        uint32_t *states, int32_t *out) {
+    for (int64_t l = 0; l < lanes; l++) states[l] = states_in[l];
+    if (n_words == 0) words = &zero_word;  /* the branch-free read below reads words[0] at least */
+    int64_t w = 0, e = 0, lane = 0, last = n_words > 0 ? n_words - 1 : 0;
+    for (int64_t r = 0; r < n_rows; r++) {
+        model_t md = model_of(models[r], n, has_esc, freq, cum, slots);
+        int32_t *row = out + rows[r] * n_tokens;
+        int32_t half = (int32_t)md.half, esc = md.esc ? (int32_t)md.n - 1 : -1;
+        for (int64_t t = 0; t < n_tokens; t++) {
+            uint32_t x = states[lane];
+            uint32_t slot = x & (PROB_SCALE - 1);
+            uint32_t s = md.slots[slot];
+            x = md.freq[s] * (x >> PROB_BITS) + slot - md.cum[s];
+            /* renormalize without a branch (taken for about bits/16 of the symbols: unpredictable) */
+            uint32_t need = x < STATE_LOW;
+            uint32_t next = words[w < last ? w : last];
+            x = (x << (need * 16)) | (next & (0u - need));  /* arithmetic, as gcc turns a ?: here into a branch */
+            w += need;
+            states[lane] = x;
+            if ((int32_t)s == esc) {
+                if (e >= n_esc) return 2;
+                row[t] = escapes[e++];
+            } else {
+                row[t] = (int32_t)s - half;
+            }
+            if (++lane == lanes) lane = 0;
+        }
+        if (w > n_words) return 1;
+    }
+    for (int64_t l = 0; l < lanes; l++)
+        if (states[l] != STATE_LOW) return 3;
+    return (w == n_words && e == n_esc) ? 0 : 3;
+}
