@@ -53,6 +53,9 @@ class FetchedBlock:
     codec_params: dict[str, Any]
     tier: str
     payload: memoryview
+    # the payload decoded ahead (`engine_adapter.prefix_cache.fetch_blocks` decodes a batch's
+    # coded blocks on its pool); `fetched_tensor` returns it instead of decoding again
+    decoded: Any = None
 
 
 def payload_view(payload: Any) -> memoryview:

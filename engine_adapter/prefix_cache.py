@@ -13,15 +13,22 @@ again; built with a client, it keeps calling that client.
 
 Stores run in order on one background thread. ``max_queued`` bounds the blocks waiting for it
 (`store_room`); a caller with more than the room drops the rest (the vLLM connector counts them).
+
+Loads decode a Get's coded blocks (any codec but ``raw``) on a pool of `DECODE_THREADS` threads,
+ahead of the caller, which takes them in order (`fetch_blocks`): the codecs' hot loops (native C,
+torch) release the GIL, so a kvtc or int4 load uses the host's cores instead of one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
-from typing import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -32,6 +39,18 @@ from kvstore.transcode import payload_tensor
 log = logging.getLogger(__name__)
 
 STORE_BATCH = 4  # blocks per background Put: one RPC per few blocks, a failure costs few
+DECODE_THREADS = max(1, min(4, os.cpu_count() or 1))  # decoders of a Get's coded blocks (one pool per process)
+
+_decode_pool: ThreadPoolExecutor | None = None
+_decode_pool_lock = threading.Lock()
+
+
+def decode_pool() -> ThreadPoolExecutor:
+    global _decode_pool
+    with _decode_pool_lock:
+        if _decode_pool is None:
+            _decode_pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="kvstore-decode")
+        return _decode_pool
 
 
 def fetched_tensor(block: FetchedBlock) -> torch.Tensor:
@@ -39,7 +58,31 @@ def fetched_tensor(block: FetchedBlock) -> torch.Tensor:
 
     A zero-copy tensor views the client's arena: use it before the ``fetch`` block ends.
     """
+    if block.decoded is not None:
+        return block.decoded
     return payload_tensor(block.payload, block.codec, block.codec_params, block.layout, block.tokens)
+
+
+def decoded_ahead(blocks: Sequence[FetchedBlock | None]) -> Iterator[FetchedBlock | None]:
+    """``blocks`` in order, the coded ones decoded on `decode_pool` (all started at once) when
+    there are two or more. Closing the iterator cancels the decodes not started and waits for
+    the running ones, which read the payloads: close it before the payloads' Get ends."""
+    coded = [b is not None and b.codec != "raw" and b.decoded is None for b in blocks]
+    if sum(coded) < 2 or DECODE_THREADS < 2:
+        yield from blocks
+        return
+    pool = decode_pool()
+    futures: list[Future | None] = [pool.submit(fetched_tensor, b) if c else None for b, c in zip(blocks, coded)]
+    try:
+        for block, future in zip(blocks, futures):
+            yield block if future is None else dataclasses.replace(block, decoded=future.result())
+    finally:
+        for future in futures:
+            if future is not None and not future.cancel():
+                try:
+                    future.result()
+                except Exception:  # noqa: BLE001 - its error, if wanted, was raised above
+                    pass
 
 
 def fetch_slot_bytes(layout: KVLayout, tokens: int) -> int:
@@ -173,10 +216,14 @@ class PrefixCache:
             for first in range(0, len(keys), step):
                 started = time.perf_counter()
                 with client.fetch(keys[first : first + step], slot) as blocks:
-                    for index, block in enumerate(blocks, first):
-                        if not take(index, block):
-                            self.ok()
-                            return
+                    ahead = decoded_ahead(blocks)
+                    try:
+                        for index, block in enumerate(ahead, first):
+                            if not take(index, block):
+                                self.ok()
+                                return
+                    finally:
+                        ahead.close()  # before the Get's arena is released: decodes read it
                 if batch_done is not None:
                     batch_done(time.perf_counter() - started)
         except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss

@@ -96,3 +96,39 @@ def test_a_failed_store_ends_its_job_and_says_how_many_the_daemon_took(daemon):
     assert stored == [4] and cache.errors == 1  # the first Put of four, then the failing one
     assert client.lookup([k for k, _, _ in items]).hits == 4
     client.close()
+
+
+def test_coded_blocks_are_decoded_ahead_in_order_and_waited_for_on_close():
+    """A Get's coded blocks decode on the pool; the caller gets them in order, equal to a decode
+    in place; closing early waits for the running decodes (they read the Get's arena)."""
+    import dataclasses
+
+    import pytest
+
+    from compression import get_codec
+    from engine_adapter.client import FetchedBlock
+    from engine_adapter.prefix_cache import decoded_ahead, fetched_tensor
+
+    _, items = blocks(6, seed=3)
+    codec = get_codec("int4-g32+shuffle+zstd")
+    fetched: list[FetchedBlock | None] = []
+    for i, (key, tokens, payload) in enumerate(items):
+        if i == 2:
+            fetched.append(FetchedBlock(key, LAYOUT, tokens, "raw", {}, "cpu", memoryview(payload.numpy().tobytes())))
+        else:
+            encoded = codec.encode(payload)
+            fetched.append(FetchedBlock(key, LAYOUT, tokens, encoded.codec, encoded.params, "disk",
+                                        memoryview(encoded.payload)))
+    fetched.append(None)  # a miss stays a miss
+    got = list(decoded_ahead(fetched))
+    assert got[-1] is None and got[2] is fetched[2]
+    for before, after in zip(fetched[:-1], got[:-1]):
+        assert after.key == before.key and torch.equal(fetched_tensor(after), fetched_tensor(before))
+    assert all(b.decoded is not None for i, b in enumerate(got[:-1]) if i != 2)
+    ahead = decoded_ahead(fetched)
+    next(ahead)
+    ahead.close()  # returns only when no decode still runs
+
+    broken = dataclasses.replace(fetched[1], payload=memoryview(b"\x00" * 10))
+    with pytest.raises(Exception):
+        list(decoded_ahead([fetched[0], broken, fetched[3]]))
