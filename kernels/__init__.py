@@ -81,3 +81,14 @@ def rope_ops(x: torch.Tensor, choice: str | None = None) -> ModuleType:
     from kernels import rope_ref
 
     return rope_ref
+
+
+# ``kernels`` is also the name of Hugging Face's package (transformers 5 imports it): its submodules
+# and top-level names are served from here too (kvstore/kernels_path.py says why and how).
+from kvstore import kernels_path as _kernels_path  # noqa: E402
+
+_kernels_path.extend_path(__path__)
+
+
+def __getattr__(name: str):
+    return _kernels_path.foreign_attr(name)

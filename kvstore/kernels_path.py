@@ -1,59 +1,113 @@
-"""Binds the module name ``kernels`` to kvstore's own `kernels/` package, whatever sys.path finds first.
+"""kvstore's `kernels/` and Hugging Face's ``kernels`` under one module name, in one process.
 
 kvstore's top-level `kernels/` (the design's layout) shares its name with Hugging Face's
-``kernels`` package, which transformers 5 installs. With kvstore installed editable (the README's
-``pip install -e .``), sys.path lists site-packages before the project, so any process that does
-not start in the project root (the ``kvstore`` console script, ``python bench/x.py``, an engine
-started elsewhere) imported Hugging Face's package under kvstore's name, and the first codec call
-failed with ``module 'kernels' has no attribute 'ops'``.
+``kernels`` package, which transformers 5 requires and imports (``from kernels import
+CUDAProperties, ...`` in ``transformers.integrations.hub_kernels``). Python binds one module to a
+name, so without this module:
 
-The packages that use the kernels (`compression`, `blend`, `engine_adapter`) import this module
-first; it loads kvstore's package from beside this one and registers it as ``kernels``. If another
-``kernels`` was imported before, it is replaced (its importers keep what they already took from it)
-and that is logged once. A plain wheel install of kvstore next to Hugging Face's ``kernels`` cannot
-work (both write site-packages/kernels/); install kvstore editable, as the README does.
+- outside the project root (the ``kvstore`` console script, ``python bench/x.py``, an engine
+  started elsewhere) sys.path lists site-packages first, ``import kernels`` gave Hugging Face's
+  package, and kvstore's first codec call failed (``module 'kernels' has no attribute 'ops'``);
+- in the project root (the tests) it gave kvstore's, and importing transformers 5 failed.
+
+So the name is kvstore's package, which also serves Hugging Face's: `claim` (run on import of
+`compression`, `blend` and `engine_adapter`, which use the kernels) registers kvstore's package
+under ``kernels`` whatever sys.path finds first; kvstore's package appends the other one's folder
+to its ``__path__`` (`extend_path`, so ``kernels._internals`` and the like import from there: the
+two share no submodule name) and hands out the other one's top-level names through its module
+``__getattr__`` (`foreign_attr`). If the other package was imported before kvstore's, that module
+is kept and its names come from it, so its importers and later ones see the same objects.
+
+A plain wheel install of kvstore next to Hugging Face's ``kernels`` cannot work (both write
+site-packages/kernels/); install kvstore editable, as the README does.
 """
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
-import logging
 import sys
+import threading
 from pathlib import Path
+from types import ModuleType
 
-log = logging.getLogger(__name__)
+OWN_DIR = Path(__file__).resolve().parents[1] / "kernels"
+OWN = OWN_DIR / "__init__.py"
 
-OWN = Path(__file__).resolve().parents[1] / "kernels" / "__init__.py"
+_lock = threading.RLock()
+_foreign: ModuleType | None = None  # the other package's top level, once loaded (or as found in sys.modules)
+
+
+def _is_own(module: ModuleType) -> bool:
+    path = getattr(module, "__file__", None)
+    return path is not None and Path(path).resolve() == OWN
+
+
+def foreign_spec() -> importlib.machinery.ModuleSpec | None:
+    """The spec of a ``kernels`` package on sys.path other than kvstore's, or None."""
+    paths = [p for p in sys.path if Path(p or ".").resolve() != OWN_DIR.parent]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", paths)
+    if spec is None or spec.origin is None or Path(spec.origin).resolve() == OWN:
+        return None
+    return spec
+
+
+def extend_path(path: list[str]) -> None:
+    """Append the other package's folders to kvstore's ``kernels.__path__`` (its submodules then import)."""
+    spec = foreign_spec()
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        if folder not in path:
+            path.append(folder)
+
+
+def foreign_attr(name: str):
+    """A top-level name of the other ``kernels`` package (AttributeError if there is none or it lacks it)."""
+    global _foreign
+    if name.startswith("__"):
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    with _lock:
+        if _foreign is None:
+            spec = foreign_spec()
+            if spec is None:
+                raise AttributeError(f"module 'kernels' (kvstore's) has no attribute {name!r}")
+            other = importlib.util.spec_from_file_location("kernels", spec.origin,
+                                                           submodule_search_locations=spec.submodule_search_locations)
+            module = importlib.util.module_from_spec(other)
+            other.loader.exec_module(module)  # its `from kernels.x import y` resolve through our extended __path__
+            _foreign = module
+    try:
+        return getattr(_foreign, name)
+    except AttributeError:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r} (neither kvstore's nor "
+                             f"{getattr(_foreign, '__file__', 'the other')} has it)") from None
 
 
 def claim() -> None:
     """Make ``import kernels`` give kvstore's package in this process (idempotent)."""
-    current = sys.modules.get("kernels")
-    if current is not None and _is_own(current):
-        return
-    spec = importlib.util.find_spec("kernels") if current is None else None
-    if spec is not None and spec.origin and Path(spec.origin).resolve() == OWN:
-        return  # sys.path finds ours: let the normal import do it
-    if not OWN.is_file():
-        raise ImportError(f"kvstore's kernels package is missing: no {OWN} (a broken install?)")
-    if current is not None:
-        log.warning("kvstore: a package named 'kernels' (%s) was imported before kvstore's own; kvstore's "
-                    "replaces it under that name", getattr(current, "__file__", current))
-        for name in [n for n in sys.modules if n.startswith("kernels.")]:
-            del sys.modules[name]
-    own = importlib.util.spec_from_file_location("kernels", OWN, submodule_search_locations=[str(OWN.parent)])
-    module = importlib.util.module_from_spec(own)
-    sys.modules["kernels"] = module
-    try:
-        own.loader.exec_module(module)
-    except BaseException:
-        del sys.modules["kernels"]
-        raise
-
-
-def _is_own(module) -> bool:
-    path = getattr(module, "__file__", None)
-    return path is not None and Path(path).resolve() == OWN
+    global _foreign
+    with _lock:
+        current = sys.modules.get("kernels")
+        if current is not None and _is_own(current):
+            return
+        if current is None:
+            spec = importlib.util.find_spec("kernels")
+            if spec is not None and spec.origin and Path(spec.origin).resolve() == OWN:
+                return  # sys.path finds ours first: the normal import does it
+        if not OWN.is_file():
+            raise ImportError(f"kvstore's kernels package is missing: no {OWN} (a broken install?)")
+        if current is not None:
+            _foreign = current  # imported before ours: keep serving its names from that module
+        own = importlib.util.spec_from_file_location("kernels", OWN, submodule_search_locations=[str(OWN_DIR)])
+        module = importlib.util.module_from_spec(own)
+        sys.modules["kernels"] = module
+        try:
+            own.loader.exec_module(module)
+        except BaseException:
+            if current is not None:
+                sys.modules["kernels"] = current
+            else:
+                del sys.modules["kernels"]
+            raise
 
 
 claim()

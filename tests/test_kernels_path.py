@@ -1,34 +1,55 @@
 """`kvstore.kernels_path`: ``import kernels`` is kvstore's package even where another one of that name
-comes first on sys.path."""
+comes first on sys.path, and that other package (Hugging Face's) still imports through it."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_kernels_is_kvstores_even_when_another_package_shadows_it(tmp_path):
-    """Hugging Face's ``kernels`` (transformers 5 installs it) comes first on sys.path outside the
-    project root; a package of that name put first on PYTHONPATH stands in for it here."""
+SCRIPT = """
+import torch
+{first}
+from compression import get_codec
+import kernels
+from kernels._other_part import PART
+block = torch.randn(2, 2, 3, 16, 64).half()
+encoded = get_codec("int4-g64+shuffle+zstd").encode(block)
+print(kernels.__file__, kernels.SHADOW, PART, encoded.nbytes < block.numel() * 2)
+"""
+
+
+@pytest.mark.parametrize("first", ["", "import kernels as theirs; assert theirs.SHADOW"])
+def test_kernels_is_kvstores_and_serves_the_other_package_too(tmp_path, first):
+    """Hugging Face's ``kernels`` (transformers 5 requires and imports it) comes first on sys.path
+    outside the project root; a package of that name put first on PYTHONPATH stands in for it. kvstore's
+    package gets the name, its codecs work, and the other package's names and submodules still import,
+    whether it was imported before kvstore or not."""
     shadow = tmp_path / "shadow" / "kernels"
     shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("SHADOW = True\n")
-    script = textwrap.dedent("""
-        import torch
-        from compression import get_codec
-        import kernels
-        block = torch.randn(2, 2, 3, 16, 64).half()
-        encoded = get_codec("int4-g64+shuffle+zstd").encode(block)
-        print(kernels.__file__, hasattr(kernels, "SHADOW"), encoded.nbytes < block.numel() * 2)
-    """)
+    (shadow / "__init__.py").write_text("from kernels._other_part import PART\nSHADOW = 'shadow'\n")
+    (shadow / "_other_part.py").write_text("PART = 'part'\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow.parent), str(ROOT)])}
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(first=first)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    path, shadowed, smaller = out.stdout.split()
-    assert Path(path).resolve() == ROOT / "kernels" / "__init__.py" and shadowed == "False" and smaller == "True"
+    path, shadowed, part, smaller = out.stdout.split()
+    assert Path(path).resolve() == ROOT / "kernels" / "__init__.py"
+    assert (shadowed, part, smaller) == ("shadow", "part", "True")
+
+
+def test_transformers_imports_beside_kvstore():
+    """The real case in this environment: transformers' hub-kernels integration imports its names from
+    ``kernels`` after kvstore took the name (the suite runs in the project root, where ours comes first)."""
+    import kernels
+
+    pytest.importorskip("transformers")
+    import transformers.integrations.hub_kernels  # noqa: F401  (imports Hugging Face's names, if installed)
+
+    assert hasattr(kernels, "ops")
