@@ -117,12 +117,11 @@ def laplace_model(code: int, max_abs: int) -> rans_ref.Model:
 def _ans_models(scales: np.ndarray, ranges: np.ndarray, n_cols: int) -> tuple[np.ndarray, np.ndarray, rans_ref.ModelSet]:
     """(rows in coding order, their model indices, the models) for rows with scale bytes ``scales``:
     rows by rising scale byte, all-zero rows (byte 0) left out, as the ``rans`` layout."""
-    used = sorted(set(scales.tolist()) - {0}) if n_cols else []
-    index = {q: i for i, q in enumerate(used)}
-    models = rans_ref.ModelSet(tuple(laplace_model(q, int(ranges[q])) for q in used))
-    rows = np.concatenate([np.flatnonzero(scales == q) for q in used]).astype(np.int64) if used else np.zeros(0, np.int64)
-    model_of = np.array([index[q] for q in scales[rows].tolist()], dtype=np.int64)
-    return rows, model_of, models
+    order = np.argsort(scales, kind="stable") if n_cols else np.zeros(0, np.int64)  # by rising byte, stable
+    rows = order[scales[order] != 0].astype(np.int64)
+    used, model_of = np.unique(scales[rows], return_inverse=True)
+    models = rans_ref.ModelSet(tuple(laplace_model(int(q), int(ranges[q])) for q in used))
+    return rows, model_of.astype(np.int64).reshape(-1), models
 
 
 def _lanes(n_symbols: int) -> int:

@@ -80,6 +80,39 @@ int64_t kvstore_rans_encode(const int32_t *codes, int64_t n_tokens, int64_t n_ro
     return e == 0 ? cap - w : -1;
 }
 
+/* One row of n_tokens symbols. With clamp = 0 the caller has checked that n_tokens words remain
+ * (at most one read per symbol), so the word read needs no bound; inlined with a constant clamp,
+ * each copy has its own loop. Returns 2 if the escapes run out. */
+static inline int decode_row(const model_t *md, const uint16_t *words, int64_t *w_io, int64_t last,
+                             const int16_t *escapes, int64_t *e_io, int64_t n_esc, uint32_t *states,
+                             int64_t lanes, int64_t *lane_io, int64_t n_tokens, int32_t *row, const int clamp) {
+    int64_t w = *w_io, e = *e_io, lane = *lane_io;
+    const uint16_t *slots = md->slots;
+    const uint32_t *freq = md->freq, *cum = md->cum;
+    int32_t half = (int32_t)md->half, esc = md->esc ? (int32_t)md->n - 1 : -1;
+    for (int64_t t = 0; t < n_tokens; t++) {
+        uint32_t x = states[lane];
+        uint32_t slot = x & (PROB_SCALE - 1);
+        uint32_t s = slots[slot];
+        x = freq[s] * (x >> PROB_BITS) + slot - cum[s];
+        /* renormalize without a branch (taken for about bits/16 of the symbols: unpredictable) */
+        uint32_t need = x < STATE_LOW;
+        uint32_t next = words[clamp ? (w < last ? w : last) : w];
+        x = (x << (need * 16)) | (next & (0u - need));  /* arithmetic, as gcc turns a ?: here into a branch */
+        w += need;
+        states[lane] = x;
+        if ((int32_t)s == esc) {
+            if (e >= n_esc) return 2;
+            row[t] = escapes[e++];
+        } else {
+            row[t] = (int32_t)s - half;
+        }
+        if (++lane == lanes) lane = 0;
+    }
+    *w_io = w, *e_io = e, *lane_io = lane;
+    return 0;
+}
+
 /* words [n_words] in decode order, states [W] -> out[rows[r] * T + t] (int32). 0, or nonzero if
  * the stream is damaged (1: words run out, 2: escapes run out, 3: not every lane ends at its
  * initial state or words or escapes are left over). */
@@ -89,31 +122,15 @@ int kvstore_rans_decode(const uint16_t *words, int64_t n_words, const uint32_t *
                         const uint32_t *const *freq, const uint32_t *const *cum, const uint16_t *const *slots,
                         uint32_t *states, int32_t *out) {
     for (int64_t l = 0; l < lanes; l++) states[l] = states_in[l];
-    if (n_words == 0) words = &zero_word;  /* the branch-free read below reads words[0] at least */
+    if (n_words == 0) words = &zero_word;  /* the clamped read below reads words[0] at least */
     int64_t w = 0, e = 0, lane = 0, last = n_words > 0 ? n_words - 1 : 0;
     for (int64_t r = 0; r < n_rows; r++) {
         model_t md = model_of(models[r], n, has_esc, freq, cum, slots);
         int32_t *row = out + rows[r] * n_tokens;
-        int32_t half = (int32_t)md.half, esc = md.esc ? (int32_t)md.n - 1 : -1;
-        for (int64_t t = 0; t < n_tokens; t++) {
-            uint32_t x = states[lane];
-            uint32_t slot = x & (PROB_SCALE - 1);
-            uint32_t s = md.slots[slot];
-            x = md.freq[s] * (x >> PROB_BITS) + slot - md.cum[s];
-            /* renormalize without a branch (taken for about bits/16 of the symbols: unpredictable) */
-            uint32_t need = x < STATE_LOW;
-            uint32_t next = words[w < last ? w : last];
-            x = (x << (need * 16)) | (next & (0u - need));  /* arithmetic, as gcc turns a ?: here into a branch */
-            w += need;
-            states[lane] = x;
-            if ((int32_t)s == esc) {
-                if (e >= n_esc) return 2;
-                row[t] = escapes[e++];
-            } else {
-                row[t] = (int32_t)s - half;
-            }
-            if (++lane == lanes) lane = 0;
-        }
+        int status = n_words - w >= n_tokens
+            ? decode_row(&md, words, &w, last, escapes, &e, n_esc, states, lanes, &lane, n_tokens, row, 0)
+            : decode_row(&md, words, &w, last, escapes, &e, n_esc, states, lanes, &lane, n_tokens, row, 1);
+        if (status) return status;
         if (w > n_words) return 1;
     }
     for (int64_t l = 0; l < lanes; l++)

@@ -43,8 +43,8 @@ def _ptr(a: np.ndarray) -> int:
 def _tables(model_set: ModelSet) -> tuple[np.ndarray, ...]:
     """(n, has_esc, and arrays of pointers to each model's freq, cum and slots): the C functions' model
     arguments; the pointed-to arrays live as long as the models (read-only, in the model cache)."""
-    pointers = tuple(np.array([getattr(m, name).ctypes.data for m in model_set.models], dtype=np.uint64)
-                     for name in ("freq", "cum", "slots"))
+    addresses = np.array([m.addresses for m in model_set.models], dtype=np.uint64).reshape(-1, 3)
+    pointers = tuple(np.ascontiguousarray(addresses[:, i]) for i in range(3))
     return (np.ascontiguousarray(model_set.n), np.ascontiguousarray(model_set.has_esc), *pointers)
 
 

@@ -61,6 +61,11 @@ class Model:
     def n(self) -> int:
         return len(self.freq)
 
+    @functools.cached_property
+    def addresses(self) -> tuple[int, int, int]:
+        """Where freq, cum and slots live (the C coder's model pointers; the arrays are read-only)."""
+        return self.freq.ctypes.data, self.cum.ctypes.data, self.slots.ctypes.data
+
     @property
     def half(self) -> int:
         """E: the model codes v in [-E, E] directly."""
