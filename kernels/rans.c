@@ -45,8 +45,10 @@ static model_t model_of(int64_t m, const int64_t *n, const int32_t *has_esc, con
     return md;
 }
 
-/* codes [*, T] int32 (row stride T) -> words (filled backward from words[cap]), states [W], escapes.
- * Returns the number of words written, or -1 if cap is too small or an escape list overflows. */
+/* codes [*, T] int32 (row stride T) -> words (filled backward from words[cap]), states [W], escapes
+ * (filled backward from escapes[n_esc], so that they end in coding order). Returns the number of
+ * words written plus the number of escapes times 2^32, or -1 if a code lies outside a model without
+ * an escape or a buffer is too small (cap >= rows * T + 1 never is). */
 int64_t kvstore_rans_encode(const int32_t *codes, int64_t n_tokens, int64_t n_rows, const int64_t *rows,
                             const int64_t *models, const int64_t *n, const int32_t *has_esc,
                             const uint32_t *const *freq, const uint32_t *const *cum, const uint16_t *const *slots,
@@ -62,7 +64,7 @@ int64_t kvstore_rans_encode(const int32_t *codes, int64_t n_tokens, int64_t n_ro
             int32_t v = row[t];
             int64_t s;
             if (v < -md.half || v > md.half) {
-                if (!md.esc || e <= 0) return -1;
+                if (!md.esc || e <= 0) return -1;  /* outside a model without an escape */
                 escapes[--e] = (int16_t)v;
                 s = md.n - 1;
             } else {
@@ -77,7 +79,7 @@ int64_t kvstore_rans_encode(const int32_t *codes, int64_t n_tokens, int64_t n_ro
             states[i % lanes] = ((x / f) << PROB_BITS) + (x % f) + md.cum[s];
         }
     }
-    return e == 0 ? cap - w : -1;
+    return (cap - w) | ((n_esc - e) << 32);
 }
 
 /* One row of n_tokens symbols. With clamp = 0 the caller has checked that n_tokens words remain

@@ -60,23 +60,19 @@ def encode(codes: np.ndarray, rows: np.ndarray, models: np.ndarray, model_set: M
     codes = np.ascontiguousarray(codes, dtype=np.int32)
     rows, models = np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(models, dtype=np.int64)
     n_tokens = codes.shape[1]
-    # escapes first, so that the C loop (coding backward) can fill their list from its end
-    half = model_set.half[models][:, None]
-    outside = np.abs(codes[rows]) > half  # [rows, T]
-    n_esc = int(outside.sum())
-    if n_esc and np.any(outside.any(axis=1) & (model_set.has_esc[models] == 0)):
-        raise ValueError("a code lies outside its model's range and the model has no escape symbol")
     tables = _tables(model_set)  # held: the call reads through their pointers
     states = np.empty(lanes, dtype=np.uint32)
     cap = len(rows) * n_tokens + 1
     words = np.empty(cap, dtype=np.uint16)
-    escapes = np.empty(n_esc, dtype=np.int16)
+    escapes = np.empty(cap, dtype=np.int16)  # filled backward from its end, in coding order
     written = library.kvstore_rans_encode(_ptr(codes), n_tokens, len(rows), _ptr(rows), _ptr(models),
                                           *map(_ptr, tables), lanes, _ptr(states), _ptr(words), cap,
-                                          _ptr(escapes), n_esc)
+                                          _ptr(escapes), cap)
     if written < 0:
-        raise RuntimeError("native rANS encode failed (word buffer or escape count): a bug, not bad input")
-    return states, words[cap - written:].copy(), escapes
+        raise ValueError("a code lies outside its model's range and the model has no escape symbol")
+    n_esc = int(written >> 32)
+    written &= 0xFFFFFFFF
+    return states, words[cap - written:].copy(), escapes[cap - n_esc:].copy()
 
 
 def decode(words: np.ndarray, states: np.ndarray, escapes: np.ndarray, n_tokens: int, rows: np.ndarray,
