@@ -157,6 +157,16 @@ class Calibration:
         return self.kept.sum(dim=1)
 
     @cached_property
+    def kept_analysis(self) -> torch.Tensor:
+        """[R, C]: the analysis columns of the kept components, row after row (the encode's matrix,
+        `kernels.transform_ref.project_quantize_kept`), and their 1/step, [R], in `kept_inv_step`."""
+        return self.analysis.transpose(1, 2)[self.kept].contiguous()
+
+    @cached_property
+    def kept_inv_step(self) -> torch.Tensor:
+        return self.inv_step[self.kept].contiguous()
+
+    @cached_property
     def kept_synthesis(self) -> torch.Tensor:
         """[R, C]: the synthesis rows of the kept components, row after row, each scaled by its step
         (the decode's matrix, `kernels.transform_ref.dequantize_backproject_kept`)."""

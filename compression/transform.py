@@ -136,9 +136,14 @@ class TransformCodec(Codec):
             parts.append(raw)
         if rows.shape[1]:
             device = rows.device
-            op = kernels.transform_ops(rows, self.kernels_choice)
-            codes = op.project_quantize(rows, cal.mean.to(device), cal.analysis.to(device), cal.inv_step.to(device))
-            kept = codes.transpose(1, 2)[cal.kept.to(device)]  # [R, T']: one row per kept component
+            if kernels.backend(rows, self.kernels_choice) == "torch":  # onto the kept components only
+                kept = transform_ref.project_quantize_kept(rows, cal.mean.to(device), cal.kept_analysis.to(device),
+                                                           cal.kept_counts.to(device), cal.kept_inv_step.to(device))
+            else:
+                op = kernels.transform_ops(rows, self.kernels_choice)
+                codes = op.project_quantize(rows, cal.mean.to(device), cal.analysis.to(device),
+                                            cal.inv_step.to(device))
+                kept = codes.transpose(1, 2)[cal.kept.to(device)]  # [R, T']: one row per kept component
             stream = encode_rows(kept.cpu().numpy(), self.entropy)
             sections.append(["stream", len(stream), 1])
             parts.append(stream)

@@ -46,6 +46,33 @@ def project_quantize(x: torch.Tensor, mean: torch.Tensor, analysis: torch.Tensor
     return codes.clamp_(-CODE_MAX, CODE_MAX).to(torch.int32)
 
 
+def project_quantize_kept(x: torch.Tensor, mean: torch.Tensor, analysis: torch.Tensor, counts: torch.Tensor,
+                          inv_step: torch.Tensor) -> torch.Tensor:
+    """The kept components' codes only, [R, T] int32 (row b's K_b = counts[b] of them, rows in order):
+    x [B, T, C], mean [B, C], analysis [R, C] (each kept component's analysis column, `Calibration.kept_analysis`),
+    inv_step [R]. The same codes as `project_quantize` at the kept components except where a value lies
+    within float32 rounding of a half-integer (the products sum in another order), in one matrix
+    product per row over the kept components only::
+
+        codes_b = clamp(floor(analysis_b [K_b, C] @ (x_b - mean_b)^T [C, T] * inv_step_b + 1/2))
+    """
+    if x.dim() != 3 or mean.shape != (x.shape[0], x.shape[2]) or analysis.dim() != 2 \
+            or analysis.shape[1] != x.shape[2] or inv_step.shape != (analysis.shape[0],) \
+            or counts.shape != (x.shape[0],) or int(counts.sum()) != analysis.shape[0]:
+        raise ValueError(f"want x [B, T, C], mean [B, C], analysis [R, C], counts [B] summing to R, inv_step [R]; got "
+                         f"{tuple(x.shape)}, {tuple(mean.shape)}, {tuple(analysis.shape)}, {tuple(counts.shape)}, "
+                         f"{tuple(inv_step.shape)}")
+    centred = x.float() - mean[:, None, :]  # [B, T, C]
+    y = torch.empty(analysis.shape[0], x.shape[1], dtype=torch.float32, device=x.device)  # [R, T]
+    start = 0
+    for b, k in enumerate(counts.tolist()):
+        if k:
+            torch.mm(analysis[start:start + k], centred[b].T, out=y[start:start + k])
+        start += k
+    y.mul_(inv_step[:, None]).add_(0.5).floor_()
+    return y.clamp_(-CODE_MAX, CODE_MAX).to(torch.int32)
+
+
 def check_backproject_kept_args(codes: torch.Tensor, counts: torch.Tensor, synthesis: torch.Tensor,
                                 mean: torch.Tensor, dtype: torch.dtype) -> None:
     """ValueError unless codes [R, T] int, counts [B] (summing to R), synthesis [R, C], mean [B, C] float32 agree."""
