@@ -3,16 +3,18 @@
 Three coders behind one pair of functions, measured against each other in docs/compression.md:
 
 - ``ans``: kvstore's own interleaved rANS (`kernels/rans.c`, its numpy reference
-  `kernels/rans_ref.py`), the default. The same Laplace models as ``rans``, built here from the
-  scale byte by arithmetic that is exact on every host (`laplace_model`), so a block coded on one
-  host decodes on any other; codes beyond a model's range (10 scales) escape to a list of int16.
+  `kernels/rans_ref.py`), the default. The layout of ``rans`` (a Laplace scale byte per row, rows
+  of one byte sharing a model) with its own frequency tables (13-bit, `laplace_model`), built from
+  the scale byte by arithmetic that is exact on every host, so a block coded on one host decodes on
+  any other; codes beyond a model's range (10 scales) escape to a list of int16.
 - ``rans``: range-ANS (the `constriction` package). Each row r gets a Laplace scale
   b_r = mean |code| (quantized to a byte, `scale_code`); rows with the same byte share a
   categorical model, the discretized Laplace pmf over [-M, M] with M the largest |code| among them
   (every symbol in the range keeps a nonzero probability). Rows of all zeros cost nothing.
 - ``zstd``: the codes as int8 (int16 when any |code| > 127), row after row, zstd level 3.
 
-All are exact: `decode_rows(encode_rows(codes)) == codes`.
+All are exact for codes in the int16 range (what the transform codec makes; beyond it ``ans`` and
+``zstd`` refuse): `decode_rows(encode_rows(codes)) == codes`.
 
 ``ans`` layout: scale bytes [R] | range table [256] uint16 (as ``rans``) | lanes uint16 | escape
 count uint32 | lane states [lanes] uint32 | escapes int16 | words uint16 (`kernels/rans_ref.py`).
@@ -67,16 +69,22 @@ _SYMBOLS_PER_LANE = 4096  # lanes = the power of two nearest below N / 4096, in 
 @functools.lru_cache(maxsize=None)
 def _exact_scale(code: int) -> tuple[float, int]:
     """(s = e^(-1 / (2 b)), escape range) of scale byte ``code``, correctly rounded (decimal), so the same on every host."""
-    with decimal.localcontext() as ctx:
-        ctx.prec = 40
+    # a context of its own: the caller's rounding mode or traps must not change the models
+    with decimal.localcontext(decimal.Context(prec=40, rounding=decimal.ROUND_HALF_EVEN)):
         b = (decimal.Decimal(2).ln() * (code - _SCALE_ZERO) / _SCALE_LEVELS).exp()
         s = (-1 / (2 * b)).exp()
         cap = int((_ESCAPE_SCALES * b).to_integral_value(rounding=decimal.ROUND_CEILING)) + 2
     return float(s), min(cap, _MAX_HALF)
 
 
-@functools.lru_cache(maxsize=2048)
 def laplace_model(code: int, max_abs: int) -> rans_ref.Model:
+    """The ``ans`` model of scale byte ``code`` for codes up to ``max_abs`` (see `_laplace_model`)."""
+    cap = _exact_scale(code)[1]
+    return _laplace_model(code, min(max_abs, cap), max_abs > cap)
+
+
+@functools.lru_cache(maxsize=2048)
+def _laplace_model(code: int, half: int, escape: bool) -> rans_ref.Model:
     """The ``ans`` model of scale byte ``code`` for codes up to ``max_abs``: integer frequencies of the
     discretized Laplace pmf over [-E, E], E = min(max_abs, escape range), its tails folded into the ends
     or, when max_abs > E, into an escape symbol.
@@ -85,9 +93,7 @@ def laplace_model(code: int, max_abs: int) -> rans_ref.Model:
     same bits on every host: P(0) = 1 - s, P(+-j) = t_(j-1) - t_j with t_j = s^(2 j + 1) / 2 the tail
     beyond j + 1/2. Each symbol gets 1 + floor(P (2^13 - n)) and the remainder goes to the largest
     fractional parts (ties to the lower symbol)."""
-    s, cap = _exact_scale(code)
-    half = min(max_abs, cap)
-    escape = max_abs > half
+    s = _exact_scale(code)[0]
     s2 = s * s
     side = []  # P(j) for j = 1..E
     tail = 0.5 * s
@@ -147,11 +153,15 @@ def encode_rows(codes: np.ndarray, coder: str) -> bytes:
         raise ValueError(f"entropy coder must be one of {ENTROPY_CODERS}, got {coder!r}")
     codes = np.ascontiguousarray(codes, dtype=np.int32)
     if coder == "zstd":
+        if codes.size and (int(codes.min()) < -32768 or int(codes.max()) > 32767):
+            raise ValueError("zstd codes must lie in the int16 range")
         wide = codes.size and int(np.abs(codes).max()) > 127
         body = codes.astype(np.int16 if wide else np.int8).tobytes()
         return bytes([2 if wide else 1]) + zstandard.ZstdCompressor(level=3).compress(body)
     scales, ranges = _row_scales(codes)
     if coder == "ans":
+        if codes.size and (int(codes.min()) < -32768 or int(codes.max()) > 32767):
+            raise ValueError("ans codes must lie in the int16 range (escapes are stored as int16)")
         rows, model_of, models = _ans_models(scales, ranges, codes.shape[1])
         states, words, escapes = rans.encode(codes, rows, model_of, models, _lanes(len(rows) * codes.shape[1]))
         head = np.array([len(states)], "<u2").tobytes() + np.array([len(escapes)], "<u4").tobytes()
@@ -206,7 +216,7 @@ def _decode_ans(raw: bytes, scales: np.ndarray, ranges: np.ndarray, at: int, n_r
     lanes = int(np.frombuffer(raw, "<u2", count=1, offset=at)[0])
     n_esc = int(np.frombuffer(raw, "<u4", count=1, offset=at + 2)[0])
     rows, model_of, models = _ans_models(scales, ranges, n_cols)
-    if lanes != _lanes(len(rows) * n_cols) or n_esc > len(rows) * n_cols:
+    if not 1 <= lanes <= _MAX_LANES or n_esc > len(rows) * n_cols:  # (any lane count decodes: not tied to `_lanes`)
         raise ValueError(f"ans stream header is damaged: {lanes} lanes, {n_esc} escapes for {len(rows) * n_cols} codes")
     at += 6
     words_at = at + 4 * lanes + 2 * n_esc

@@ -15,8 +15,8 @@ Stores run in order on one background thread. ``max_queued`` bounds the blocks w
 (`store_room`); a caller with more than the room drops the rest (the vLLM connector counts them).
 
 Loads decode a Get's coded blocks (any codec but ``raw``) on a pool of `DECODE_THREADS` threads,
-ahead of the caller, which takes them in order (`fetch_blocks`): the codecs' hot loops (native C,
-torch) release the GIL, so a kvtc or int4 load uses the host's cores instead of one.
+a few blocks ahead of the caller, which takes them in order (`fetch_blocks`): the codecs' hot
+loops (native C, torch) release the GIL, so a kvtc or int4 load uses the host's cores, not one.
 """
 
 from __future__ import annotations
@@ -53,6 +53,16 @@ def decode_pool() -> ThreadPoolExecutor:
         return _decode_pool
 
 
+def _forget_decode_pool() -> None:
+    """In a forked child: the parent's pool threads do not exist there; make a new pool on first use."""
+    global _decode_pool, _decode_pool_lock
+    _decode_pool, _decode_pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_decode_pool)
+
+
 def fetched_tensor(block: FetchedBlock) -> torch.Tensor:
     """A fetched block as a tensor: zero-copy for ``raw``, decoded for any other codec.
 
@@ -63,28 +73,41 @@ def fetched_tensor(block: FetchedBlock) -> torch.Tensor:
     return payload_tensor(block.payload, block.codec, block.codec_params, block.layout, block.tokens)
 
 
-def decoded_ahead(blocks: Sequence[FetchedBlock | None]) -> Iterator[FetchedBlock | None]:
-    """``blocks`` in order, the coded ones decoded on `decode_pool` (all started at once) when
-    there are two or more. Closing the iterator cancels the decodes not started and waits for
-    the running ones, which read the payloads: close it before the payloads' Get ends."""
+def _decode_or_none(block: FetchedBlock) -> torch.Tensor | None:
+    try:
+        return fetched_tensor(block)
+    except Exception:  # noqa: BLE001 - the caller decodes it again in place and meets the error there
+        return None
+
+
+def decoded_ahead(blocks: Sequence[FetchedBlock | None], window: int | None = None) -> Iterator[FetchedBlock | None]:
+    """``blocks`` in order, the coded ones decoded on `decode_pool` up to ``window`` blocks ahead (default
+    2 * `DECODE_THREADS`) when there are two or more. A block whose decode failed comes as it was, so
+    that the caller (which may reject it first) meets the error where it would have without this.
+    A decoded tensor is held only until its block is handed out. Closing the iterator cancels the
+    decodes not started and waits for the running ones, which read the payloads: close it before the
+    payloads' Get ends."""
     coded = [b is not None and b.codec != "raw" and b.decoded is None for b in blocks]
     if sum(coded) < 2 or DECODE_THREADS < 2:
         yield from blocks
         return
-    pool = decode_pool()
-    futures: list[Future | None] = [pool.submit(fetched_tensor, b) if c else None for b, c in zip(blocks, coded)]
+    window = window or 2 * DECODE_THREADS
+    futures: dict[int, Future] = {}
+    submitted = 0
     try:
-        for block, future in zip(blocks, futures):
-            yield block if future is None else dataclasses.replace(block, decoded=future.result())
+        pool = decode_pool()
+        for index, block in enumerate(blocks):
+            while submitted < len(blocks) and submitted <= index + window:
+                if coded[submitted]:
+                    futures[submitted] = pool.submit(_decode_or_none, blocks[submitted])
+                submitted += 1
+            future = futures.pop(index, None)
+            decoded = future.result() if future is not None else None
+            yield block if decoded is None else dataclasses.replace(block, decoded=decoded)
     finally:
-        for future in futures:
-            if future is not None and not future.cancel():
-                try:
-                    future.result()
-                except Exception:  # noqa: BLE001 - its error, if wanted, was raised above
-                    pass
-
-
+        for future in futures.values():
+            if not future.cancel():
+                future.result()  # (never raises: _decode_or_none)
 def fetch_slot_bytes(layout: KVLayout, tokens: int) -> int:
     """Arena bytes to reserve per block: the raw size plus room for a lossless stage's overhead."""
     raw = layout.block_bytes(tokens)

@@ -13,8 +13,9 @@
  * 1.5x faster decode and no larger streams on real kvtc blocks).
  *
  * Decode checks every read against the input's length and ends by checking that every lane is
- * back at its initial state and every word and escape was used: a damaged or hostile stream is
- * refused (nonzero return), never read or written out of bounds.
+ * back at its initial state and every word and escape was used: a stream that fails these checks
+ * is refused (nonzero return), and no stream is read or written out of bounds. (Some damage passes
+ * the checks and decodes to other codes; the block's checksum is what catches it.)
  */
 #include <stdint.h>
 
@@ -47,8 +48,9 @@ static model_t model_of(int64_t m, const int64_t *n, const int32_t *has_esc, con
 
 /* codes [*, T] int32 (row stride T) -> words (filled backward from words[cap]), states [W], escapes
  * (filled backward from escapes[n_esc], so that they end in coding order). Returns the number of
- * words written plus the number of escapes times 2^32, or -1 if a code lies outside a model without
- * an escape or a buffer is too small (cap >= rows * T + 1 never is). */
+ * words written plus the number of escapes times 2^32, -1 if a code lies outside a model without
+ * an escape or a buffer is too small (cap >= rows * T + 1 never is), -2 if an escaped code does not
+ * fit int16. */
 int64_t kvstore_rans_encode(const int32_t *codes, int64_t n_tokens, int64_t n_rows, const int64_t *rows,
                             const int64_t *models, const int64_t *n, const int32_t *has_esc,
                             const uint32_t *const *freq, const uint32_t *const *cum, const uint16_t *const *slots,
@@ -65,6 +67,7 @@ int64_t kvstore_rans_encode(const int32_t *codes, int64_t n_tokens, int64_t n_ro
             int64_t s;
             if (v < -md.half || v > md.half) {
                 if (!md.esc || e <= 0) return -1;  /* outside a model without an escape */
+                if (v < -32768 || v > 32767) return -2;  /* escapes are stored as int16 */
                 escapes[--e] = (int16_t)v;
                 s = md.n - 1;
             } else {
@@ -79,7 +82,7 @@ int64_t kvstore_rans_encode(const int32_t *codes, int64_t n_tokens, int64_t n_ro
             states[i % lanes] = ((x / f) << PROB_BITS) + (x % f) + md.cum[s];
         }
     }
-    return (cap - w) | ((n_esc - e) << 32);
+    return (int64_t)((uint64_t)(cap - w) | ((uint64_t)(n_esc - e) << 32));
 }
 
 /* One row of n_tokens symbols. With clamp = 0 the caller has checked that n_tokens words remain

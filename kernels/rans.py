@@ -68,6 +68,8 @@ def encode(codes: np.ndarray, rows: np.ndarray, models: np.ndarray, model_set: M
     written = library.kvstore_rans_encode(_ptr(codes), n_tokens, len(rows), _ptr(rows), _ptr(models),
                                           *map(_ptr, tables), lanes, _ptr(states), _ptr(words), cap,
                                           _ptr(escapes), cap)
+    if written == -2:
+        raise ValueError("an escaped code lies outside the int16 range")
     if written < 0:
         raise ValueError("a code lies outside its model's range and the model has no escape symbol")
     n_esc = int(written >> 32)
@@ -85,9 +87,10 @@ def decode(words: np.ndarray, states: np.ndarray, escapes: np.ndarray, n_tokens:
     lanes = len(states)
     if not 1 <= lanes <= MAX_LANES:
         raise ValueError(f"lanes must be in [1, {MAX_LANES}], got {lanes}")
-    words = np.ascontiguousarray(words, dtype=np.uint16)
-    states = np.ascontiguousarray(states, dtype=np.uint32)
-    escapes = np.ascontiguousarray(escapes, dtype=np.int16)
+    # aligned copies where a payload offset left them unaligned (the C code reads them as typed arrays)
+    words = np.require(words, dtype=np.uint16, requirements=("C", "A"))
+    states = np.require(states, dtype=np.uint32, requirements=("C", "A"))
+    escapes = np.require(escapes, dtype=np.int16, requirements=("C", "A"))
     rows, models = np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(models, dtype=np.int64)
     out = np.zeros((n_rows_total, n_tokens), dtype=np.int32)
     scratch = np.empty(lanes, dtype=np.uint32)

@@ -43,16 +43,26 @@ class Model:
     cum: np.ndarray  # uint32 [n]
     slots: np.ndarray  # uint16 [2^13]
 
+    def __post_init__(self) -> None:
+        """The C coder trusts a model's tables: check them (whoever built the model)."""
+        n = len(self.freq)
+        if (n - int(self.escape)) % 2 != 1 or n > PROB_SCALE:
+            raise ValueError(f"a model has an odd number of code symbols (plus an escape), at most {PROB_SCALE}; got {n}")
+        if self.freq.dtype != np.uint32 or int(self.freq.min()) < 1 or int(self.freq.sum(dtype=np.int64)) != PROB_SCALE:
+            raise ValueError(f"model frequencies must be uint32, >= 1, and sum to {PROB_SCALE}")
+        for name, t, dtype, length in (("freq", self.freq, np.uint32, n), ("cum", self.cum, np.uint32, n),
+                                       ("slots", self.slots, np.uint16, PROB_SCALE)):
+            if t.dtype != dtype or t.shape != (length,) or not t.flags.c_contiguous:
+                raise ValueError(f"model {name} must be contiguous {np.dtype(dtype).name} [{length}]")
+        if int(self.slots.max()) >= n or int(self.cum[0]) != 0 \
+                or not np.array_equal(self.cum[1:], np.cumsum(self.freq, dtype=np.int64)[:-1]):
+            raise ValueError("model cum and slots must be those of its frequencies (use Model.of)")
+
     @classmethod
     def of(cls, freq: np.ndarray, escape: bool) -> "Model":
-        freq = np.ascontiguousarray(freq, dtype=np.uint32)
-        n = len(freq)
-        if (n - int(escape)) % 2 != 1 or n > PROB_SCALE:
-            raise ValueError(f"a model has an odd number of code symbols (plus an escape), at most {PROB_SCALE}; got {n}")
-        if int(freq.min()) < 1 or int(freq.sum(dtype=np.int64)) != PROB_SCALE:
-            raise ValueError(f"model frequencies must be >= 1 and sum to {PROB_SCALE}")
+        freq = np.array(freq, dtype=np.uint32)  # a copy: it is made read-only below
         cum = np.concatenate(([0], np.cumsum(freq, dtype=np.int64)[:-1])).astype(np.uint32)
-        slots = np.repeat(np.arange(n, dtype=np.uint16), freq)
+        slots = np.repeat(np.arange(len(freq), dtype=np.uint16), freq)
         for t in (freq, cum, slots):
             t.flags.writeable = False
         return cls(freq, escape, cum, slots)
@@ -127,7 +137,10 @@ def encode(codes: np.ndarray, rows: np.ndarray, models: np.ndarray, model_set: M
     if np.any(outside & (model_set.has_esc[model] == 0)):
         raise ValueError("a code lies outside its model's range and the model has no escape symbol")
     symbols = np.where(outside, model_set.n[model] - 1, values + half)
-    escapes = values[outside].astype(np.int16)
+    escapes = values[outside]
+    if escapes.size and (escapes.min() < -32768 or escapes.max() > 32767):
+        raise ValueError("an escaped code lies outside the int16 range")
+    escapes = escapes.astype(np.int16)
     freq, cum, _ = model_set.flat
     index = model_set.off[model] + symbols
     f = freq[index].astype(np.uint64)

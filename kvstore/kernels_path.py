@@ -60,10 +60,17 @@ def extend_path(path: list[str]) -> None:
             path.append(folder)
 
 
+#: dunder names the other package may define that its importers read (e.g. ``from kernels import __version__``)
+FOREIGN_DUNDERS = ("__version__", "__all__")
+
+
 def foreign_attr(name: str):
-    """A top-level name of the other ``kernels`` package (AttributeError if there is none or it lacks it)."""
+    """A top-level name of the other ``kernels`` package; AttributeError if there is none, it lacks
+    the name, it fails to import, or ``name`` is one of kvstore's own submodules (so that ``from kernels
+    import rans`` imports ours without loading the other package)."""
     global _foreign
-    if name.startswith("__"):
+    if (name.startswith("__") and name not in FOREIGN_DUNDERS) or (OWN_DIR / f"{name}.py").is_file() \
+            or (OWN_DIR / name / "__init__.py").is_file():
         raise AttributeError(f"module 'kernels' has no attribute {name!r}")
     with _lock:
         if _foreign is None:
@@ -73,7 +80,11 @@ def foreign_attr(name: str):
             other = importlib.util.spec_from_file_location("kernels", spec.origin,
                                                            submodule_search_locations=spec.submodule_search_locations)
             module = importlib.util.module_from_spec(other)
-            other.loader.exec_module(module)  # its `from kernels.x import y` resolve through our extended __path__
+            try:
+                other.loader.exec_module(module)  # its `from kernels.x import y` resolve through our extended __path__
+            except Exception as exc:  # noqa: BLE001 - a broken other package must not break kvstore's
+                raise AttributeError(f"module 'kernels' has no attribute {name!r} (the other 'kernels' package, "
+                                     f"{spec.origin}, failed to import: {exc})") from exc
             _foreign = module
     try:
         return getattr(_foreign, name)

@@ -125,10 +125,13 @@ def test_coded_blocks_are_decoded_ahead_in_order_and_waited_for_on_close():
     for before, after in zip(fetched[:-1], got[:-1]):
         assert after.key == before.key and torch.equal(fetched_tensor(after), fetched_tensor(before))
     assert all(b.decoded is not None for i, b in enumerate(got[:-1]) if i != 2)
-    ahead = decoded_ahead(fetched)
-    next(ahead)
-    ahead.close()  # returns only when no decode still runs
+    ahead = decoded_ahead(fetched, window=1)  # at most two decodes ahead of the caller
+    assert next(ahead).decoded is not None
+    ahead.close()  # cancels what has not started, waits for what runs
 
+    # a block whose decode fails comes as it was: the caller meets the error where it did before
     broken = dataclasses.replace(fetched[1], payload=memoryview(b"\x00" * 10))
+    got = list(decoded_ahead([fetched[0], broken, fetched[3]]))
+    assert got[1] is broken and got[1].decoded is None and got[2].decoded is not None
     with pytest.raises(Exception):
-        list(decoded_ahead([fetched[0], broken, fetched[3]]))
+        fetched_tensor(got[1])
