@@ -21,7 +21,8 @@ import kernels
 from kernels._other_part import PART
 block = torch.randn(2, 2, 3, 16, 64).half()
 encoded = get_codec("int4-g64+shuffle+zstd").encode(block)
-print(kernels.__file__, kernels.SHADOW, PART, encoded.nbytes < block.numel() * 2)
+from kernels import __version__
+print(kernels.__file__, kernels.SHADOW, PART, __version__, encoded.nbytes < block.numel() * 2)
 """
 
 
@@ -33,15 +34,33 @@ def test_kernels_is_kvstores_and_serves_the_other_package_too(tmp_path, first):
     whether it was imported before kvstore or not."""
     shadow = tmp_path / "shadow" / "kernels"
     shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("from kernels._other_part import PART\nSHADOW = 'shadow'\n")
+    (shadow / "__init__.py").write_text("from kernels._other_part import PART\nSHADOW = 'shadow'\n__version__ = '9.9'\n")
     (shadow / "_other_part.py").write_text("PART = 'part'\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow.parent), str(ROOT)])}
     out = subprocess.run([sys.executable, "-c", SCRIPT.format(first=first)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    path, shadowed, part, smaller = out.stdout.split()
+    path, shadowed, part, version, smaller = out.stdout.split()
     assert Path(path).resolve() == ROOT / "kernels" / "__init__.py"
-    assert (shadowed, part, smaller) == ("shadow", "part", "True")
+    assert (shadowed, part, version, smaller) == ("shadow", "part", "9.9", "True")
+
+
+def test_a_broken_other_package_does_not_break_kvstore(tmp_path):
+    """kvstore's own submodules never load the other package; when something does ask it for a name and
+    it fails to import, that is an AttributeError naming it, not kvstore's failure."""
+    shadow = tmp_path / "shadow" / "kernels"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('broken on purpose')\n")
+    script = ("import torch\nfrom compression import get_codec\nimport kernels\n"
+              "from kernels import rans, quant_ref\n"
+              "get_codec('kvtc-zstd@0123456789ab')\n"
+              "print(get_codec('int4-g64+shuffle+zstd').encode(torch.randn(2, 2, 3, 16, 64).half()).nbytes > 0)\n"
+              "try:\n    kernels.LayerRepository\nexcept AttributeError as exc:\n    print('broken on purpose' in str(exc))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow.parent), str(ROOT)])}
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True"]
 
 
 def test_transformers_imports_beside_kvstore():

@@ -195,3 +195,34 @@ def test_kept_projection_matches_the_full_one(dtype, n_tokens):
     assert diff.max() <= 1 and diff.float().mean() < 0.005
     with pytest.raises(ValueError, match="summing to R"):
         transform_ref.project_quantize_kept(x, mean, analysis.transpose(1, 2)[kept], kept.sum(1) + 1, inv_step[kept])
+
+
+def test_models_do_not_depend_on_the_callers_decimal_context():
+    import decimal
+
+    from compression import entropy
+
+    want = [laplace_model(q, 40).freq.copy() for q in (112, 160, 176, 192, 208, 240)]
+    entropy._exact_scale.cache_clear()
+    entropy._laplace_model.cache_clear()
+    with decimal.localcontext(decimal.Context(prec=5, rounding=decimal.ROUND_CEILING, traps=[decimal.Inexact])):
+        got = [laplace_model(q, 40).freq for q in (112, 160, 176, 192, 208, 240)]
+    assert all(np.array_equal(a, b) for a, b in zip(want, got))
+
+
+def test_codes_beyond_int16_are_refused_not_wrapped():
+    codes = np.zeros((2, 10), dtype=np.int32)
+    codes[1, 3] = 40000
+    for coder in ("ans", "zstd"):
+        with pytest.raises(ValueError, match="int16"):
+            encode_rows(codes, coder)
+
+
+def test_a_model_checks_its_tables_however_it_is_built():
+    good = rans_ref.Model.of(np.full(8, rans_ref.PROB_SCALE // 8), escape=True)
+    with pytest.raises(ValueError, match="cum and slots"):
+        rans_ref.Model(good.freq, True, good.cum, np.zeros(rans_ref.PROB_SCALE, dtype=np.uint16) + 9)
+    with pytest.raises(ValueError, match="slots must be contiguous"):
+        rans_ref.Model(good.freq, True, good.cum, good.slots[:100])
+    with pytest.raises(ValueError, match=">= 1"):
+        rans_ref.Model.of(np.array([rans_ref.PROB_SCALE, 0, 0]), escape=False)
