@@ -3,7 +3,8 @@
 Sections (each in its own try/except; each prints its result and lands in the JSON):
 
 1. env        torch / triton versions, device, TRITON_INTERPRET (must be unset on a GPU);
-2. cpu smoke  the codecs' CPU path (torch references) round-trips a small block within its error bound;
+2. cpu smoke  the codecs' CPU path (torch references) round-trips a small block within its error bound,
+              and the kvtc section (9) on the CPU;
    --- without CUDA the script stops here: "no CUDA device: nothing to check", exit 0 ---
 3. copy       device-to-device ``dst.copy_(src)`` bandwidth on the same bytes as each block: the ceiling;
 4. match      Triton vs torch reference (reference run on CPU copies) on one SmolLM2-135M-shaped block
@@ -20,7 +21,12 @@ Sections (each in its own try/except; each prints its result and lands in the JS
 7. gpu tier   the daemon's GPU tier: batched copies, CUDA IPC against a device copy;
 8. blend      CacheBlend on CUDA (tiny random Llama, every selector at r = 0.15) against the same blend
               on the CPU: same selection, logits within fp32 tolerance (every tensor on one device);
-9. pytest     ``python -m pytest -q -m cuda`` when any test is marked cuda.
+9. kvtc       the transform codec on a CUDA block (a RoPE-aware calibration of correlated synthetic
+              blocks shaped like SmolLM2's, sinks raw): Triton projection + quantization against the
+              CPU codes (differ by 1 at most, rarely), decode on the GPU within ``error_bound`` and
+              against the CPU decode, and the time of encode and decode of a block (the entropy
+              stage, `ans`, runs on the CPU either way) with each Triton kernel's own time;
+10. pytest    ``python -m pytest -q -m cuda`` when any test is marked cuda.
 
 Rows are laid out as the codecs lay them out: int8 rows are (layer, k/v, head, token) over head_dim;
 low-bit keys are (layer, head, channel) over tokens (a transposed copy, made before timing), values
@@ -378,6 +384,75 @@ def section_blend(device: str = "cuda") -> dict:
     return {"ok": ok, **result}
 
 
+def kvtc_calibration(shape: tuple[int, ...] = BLOCK_SHAPE):
+    """A RoPE-aware kvtc calibration of two correlated synthetic contexts (a low-rank part per row,
+    an outlier channel, offsets, noise) shaped like SmolLM2's blocks; and a third context to code."""
+    from compression.calibration import Allocation, calibrate, turn_keys
+
+    n_layers, _, n_heads, _, head_dim = shape
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    mix = torch.randn(n_layers, 2, 16, n_heads * head_dim, generator=torch.Generator().manual_seed(7))
+
+    def context(tokens: int, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n_layers, 2, tokens, 16, generator=g) @ mix
+        x = x + 0.1 * torch.randn(n_layers, 2, tokens, n_heads * head_dim, generator=g) + 0.3
+        x[..., 5] *= 6.0
+        block = x.view(n_layers, 2, tokens, n_heads, head_dim).permute(0, 1, 3, 2, 4).contiguous()
+        return turn_keys(block, 0, inv_freq, to_rope=True)  # keys as a model stores them, at 0..tokens-1
+
+    cal = calibrate([context(700, 1), context(500, 2)], Allocation(0.8, 0.55, 0.2, sink_tokens=4),
+                    source="gpu_check synthetic", rope_inv_freq=inv_freq, max_position=4096)
+    return cal, context(shape[3] + 256, 3)[:, :, :, 256:].to(torch.float16).contiguous()  # a block at 256
+
+
+def section_kvtc(device: str = "cuda") -> dict:
+    from compression import calibration_store
+    from compression.transform import TransformCodec
+
+    cal, block_cpu = kvtc_calibration()
+    calibration_store.register(cal)
+    block = block_cpu.to(device)
+    codec = TransformCodec(cal)
+    enc, enc_cpu = codec.encode(block, start=256), TransformCodec(cal, kernels_choice="torch").encode(block_cpu, start=256)
+    decoded = codec.decode(enc.payload, enc.params, tuple(block.shape), block.dtype, device)
+    decoded_cpu = TransformCodec(cal, kernels_choice="torch").decode(enc.payload, enc.params, tuple(block.shape),
+                                                                     block.dtype)
+    bound = codec.error_bound(block_cpu, start=256)
+    err = float((decoded.float().cpu() - block_cpu.float()).abs().max())
+    vs_cpu = float((decoded.float().cpu() - decoded_cpu.float()).abs().max())
+    out = {"device": device, "ratio_vs_fp16": block.numel() * 2 / enc.nbytes,
+           "payload_bytes": enc.nbytes, "cpu_payload_bytes": enc_cpu.nbytes, "max_err": err, "bound": bound,
+           "decode_vs_cpu_max": vs_cpu, "on_device": decoded.device.type == torch.device(device).type}
+    out["ok"] = err <= bound and out["on_device"] and vs_cpu <= 2 * bound
+    if device == "cuda":
+        from kernels import transform as tk
+
+        rows = cal.block_rows(block.float())
+        mean, analysis, inv_step = (t.to(device) for t in (cal.mean, cal.analysis, cal.inv_step))
+        from kernels import transform_ref
+
+        codes = tk.project_quantize(rows, mean, analysis, inv_step)
+        diff = (codes.cpu() - transform_ref.project_quantize(rows.cpu(), cal.mean, cal.analysis, cal.inv_step)).abs()
+        out["codes_max_diff"], out["codes_diff_frac"] = int(diff.max()), float((diff > 0).float().mean())
+        out["ok"] = out["ok"] and out["codes_max_diff"] <= 1 and out["codes_diff_frac"] < 0.005
+        step, synthesis = cal.step.to(device), cal.synthesis.to(device)
+        fp16 = block.numel() * 2
+        timings = {"project_quantize": cuda_time(lambda: tk.project_quantize(rows, mean, analysis, inv_step)),
+                   "dequantize_backproject": cuda_time(lambda: tk.dequantize_backproject(codes, step, synthesis, mean,
+                                                                                         torch.float32)),
+                   "encode (codec)": cuda_time(lambda: codec.encode(block, start=256)),
+                   "decode (codec)": cuda_time(lambda: codec.decode(enc.payload, enc.params, tuple(block.shape),
+                                                                    block.dtype, device))}
+        out["seconds"] = timings
+        out["fp16_gbps"] = {k: fp16 / v / 1e9 for k, v in timings.items()}
+    print(f"  kvtc on {device}: {'ok' if out['ok'] else 'FAIL'} ({out['ratio_vs_fp16']:.2f}x, max err {err:.4g} <= "
+          f"bound {bound:.4g}, vs CPU decode {vs_cpu:.4g}"
+          + (f", codes differ by <= {out['codes_max_diff']} in {100 * out['codes_diff_frac']:.3f}%; fp16 GB/s "
+             + ", ".join(f"{k} {v:.2f}" for k, v in out["fp16_gbps"].items()) if device == "cuda" else "") + ")")
+    return out
+
+
 def section_pytest(timeout_s: int = 90) -> dict:
     """Run the cuda-marked tests, if any; pytest exit 5 means none were collected."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
@@ -430,6 +505,7 @@ def main() -> int:
 
     env = run_section(report, "env", section_env)
     run_section(report, "cpu_smoke", section_cpu_smoke)
+    run_section(report, "kvtc_cpu", lambda: section_kvtc("cpu"))
     if not torch.cuda.is_available():
         print("\nno CUDA device: nothing to check")
         return finish("no CUDA device: nothing to check")
@@ -470,6 +546,7 @@ def main() -> int:
         device_copy = max(measured, key=lambda v: v["bytes"])["traffic_gbps"] / 2
     run_section(report, "gpu_tier", lambda: section_gpu_tier(device_copy))
     run_section(report, "blend", section_blend)
+    run_section(report, "kvtc", section_kvtc)
     run_section(report, "pytest_cuda", section_pytest)
     return finish("GPU checks done")
 
