@@ -85,9 +85,9 @@ def laplace_model(code: int, max_abs: int) -> rans_ref.Model:
 
 @functools.lru_cache(maxsize=2048)
 def _laplace_model(code: int, half: int, escape: bool) -> rans_ref.Model:
-    """The ``ans`` model of scale byte ``code`` for codes up to ``max_abs``: integer frequencies of the
-    discretized Laplace pmf over [-E, E], E = min(max_abs, escape range), its tails folded into the ends
-    or, when max_abs > E, into an escape symbol.
+    """The ``ans`` model of scale byte ``code`` over [-half, half] (`laplace_model`: half = min(max_abs,
+    escape range)): integer frequencies of the discretized Laplace pmf there, its tails folded into
+    the ends or, with ``escape`` (max_abs beyond the range), into an escape symbol.
 
     Only IEEE +, -, *, / on floats from `_exact_scale`, in a fixed order, so the frequencies are the
     same bits on every host: P(0) = 1 - s, P(+-j) = t_(j-1) - t_j with t_j = s^(2 j + 1) / 2 the tail

@@ -108,6 +108,8 @@ def decoded_ahead(blocks: Sequence[FetchedBlock | None], window: int | None = No
         for future in futures.values():
             if not future.cancel():
                 future.result()  # (never raises: _decode_or_none)
+
+
 def fetch_slot_bytes(layout: KVLayout, tokens: int) -> int:
     """Arena bytes to reserve per block: the raw size plus room for a lossless stage's overhead."""
     raw = layout.block_bytes(tokens)
