@@ -162,7 +162,7 @@ class BlendedPrompt:
 class BlendEngine:
     """The reference engine with CacheBlend chunk reuse through the kvstore daemon.
 
-    ``selector`` is a registry name (see `blend.select.SELECTORS`; default ``lead_attn_deviation``)
+    ``selector`` is a registry name (see `blend.select.SELECTORS`; default ``stale_attention``)
     or an instance; ``ratio`` is the default fraction of chunk tokens recomputed; with a
     ``controller`` and ``ratio=None`` in `generate`, the controller picks it from measured load and
     compute speeds.

@@ -10,13 +10,17 @@ Layer by layer (check = the selector's check layer; budget = round(ratio * chunk
                      positions; they attend to the whole cache under a row-exact causal mask
 
 budget 0 skips the check (naive reuse: only the query is computed). A selector without a check
-layer (sinks) chooses before layer 0, and every layer is partial. Glue tokens (a separator between
+layer (sinks, stale_attention) chooses before layer 0, and every layer is partial. A ``query_pass``
+selector (stale_attention) first sees the query computed over the assembled cache as it is
+(`stale_query_attention`: the query and glue rows through every layer, naive reuse's compute) and
+chooses from the attention it paid each chunk token. Glue tokens (a separator between
 chunks, `blend.assemble`) are computed on every layer, like the query, and are no part of the budget.
 
 ``kv_only``: for an engine that computes the query itself (vLLM through the connector), only the
 chunk KV is wanted. Query rows then leave after the check layer (the selector needed their fresh q
 there), the last layer writes K/V without attention or MLP, and no logits are made; budget 0 is
-no compute at all. The chunk rows' KV is the same either way, to float32 rounding: they precede
+no compute at all. After a query pass the query rows' K/V on later layers are the pass's (scratch:
+the engine computes the query itself). The chunk rows' KV is the same either way, to float32 rounding: they precede
 the query, so under the causal mask they never read it (a BLAS may block a product of fewer rows
 differently: on an AVX2 host, 10 against 19 rows differed by 2e-7 relative).
 
@@ -36,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blend.assemble import BlendLayout
-from blend.select import CheckLayerView, TokenSelector, kv_deviation
+from blend.select import CheckLayerView, StaleReadView, TokenSelector, attention_probs, kv_deviation
 from engine_adapter.model import KVCache, LlamaModel
 
 
@@ -59,16 +63,46 @@ class BlendPrefill:
     logits: torch.Tensor                  # [vocab] float32, after the last query token
     selected: torch.Tensor                # chunk positions recomputed on the last layer (sorted)
     rows_per_layer: list[int] = field(default_factory=list)  # tokens computed on each layer
+    query_pass_rows: int = 0              # rows a query pass computed on every layer before that
 
     @property
     def token_layers(self) -> int:
-        """Token-layers computed: sum of rows_per_layer (a full prefill is T * num_layers)."""
-        return sum(self.rows_per_layer)
+        """Token-layers computed: sum of rows_per_layer, plus the query pass's (a full prefill is
+        T * num_layers)."""
+        return sum(self.rows_per_layer) + self.query_pass_rows * len(self.rows_per_layer)
 
 
 def _gather(rows: torch.Tensor, subset: torch.Tensor) -> torch.Tensor:
     """Indices into ``rows`` (sorted) of the positions in ``subset`` (sorted, contained in rows)."""
     return torch.searchsorted(rows, subset)
+
+
+@torch.inference_mode()
+def stale_query_attention(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids: torch.Tensor,
+                          cos_all: torch.Tensor, sin_all: torch.Tensor) -> torch.Tensor:
+    """[L, N] attention mass the query tokens put on each chunk token (N = layout.chunk_positions),
+    per layer, when the query is computed over ``kv`` as assembled: the query and glue rows through
+    every layer (glue has no cached KV), each reading the stale chunk KV. Writes those rows' K/V;
+    the last layer runs no attention output or MLP. ``cos_all``/``sin_all``: RoPE for 0..T-1."""
+    device = model.device
+    total = layout.total
+    rows = torch.cat((layout.glue_positions, layout.query_positions)).sort().values.to(device)
+    query = torch.searchsorted(rows, layout.query_positions.to(device))
+    chunk_pos = layout.chunk_positions.to(device)
+    mask = additive_mask(row_causal_mask(rows, total), model.dtype)
+    h = model.embed(token_ids.to(device)[rows])
+    mass = []
+    for layer in model.layers:
+        i = layer.index
+        q, k, v = layer.qkv(h, cos_all[rows], sin_all[rows])
+        kv.keys[i][:, rows] = k
+        kv.values[i][:, rows] = v
+        keys, values = kv.read(i, total)
+        mass.append(attention_probs(q[:, query], keys, rows[query]).sum((0, 1))[chunk_pos])
+        if i < len(model.layers) - 1:
+            h = h + layer.attend(q, keys, values, mask)
+            h = h + layer.feed_forward(h)
+    return torch.stack(mass)
 
 
 @torch.inference_mode()
@@ -102,13 +136,18 @@ def blend_prefill(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids
         kv.length = total  # naive reuse for an engine that computes the query: nothing to compute
         return BlendPrefill(logits=torch.empty(0), selected=chunk_pos[:0], rows_per_layer=[0] * len(model.layers))
     cos_all, sin_all = model.rope(all_rows)  # [T, D] each
-    if check is None:  # choose before layer 0: sinks, or nothing (naive reuse)
-        selected = selector.select(layout, None, budget).to(device) if budget > 0 else chunk_pos[:0]
+    pass_rows = 0
+    if check is None:  # choose before layer 0: sinks, stale_attention, or nothing (naive reuse)
+        view = None
+        if budget > 0 and selector.query_pass:
+            view = StaleReadView(layout, stale_query_attention(model, kv, layout, token_ids, cos_all, sin_all))
+            pass_rows = glue_pos.numel() + query_pos.numel()
+        selected = selector.select(layout, view, budget).to(device) if budget > 0 else chunk_pos[:0]
         rows = torch.cat((selected, tail)).sort().values
     else:
         selected, rows = chunk_pos, all_rows
     h = model.embed(token_ids.to(device)[rows])  # [R, hidden]
-    out = BlendPrefill(logits=torch.empty(0), selected=selected)
+    out = BlendPrefill(logits=torch.empty(0), selected=selected, query_pass_rows=pass_rows)
     last = len(model.layers) - 1
     mask_rows: torch.Tensor | None = None  # the rows `mask` was built for
 

@@ -4,12 +4,18 @@ A selector sees the prompt's layout and, when it has a check layer, every token'
 that layer beside the cached (re-rotated) k, v. It returns sorted positions of chunk tokens to
 recompute, at most ``budget`` of them (``budget = round(ratio * chunk tokens)``). Query tokens are
 always recomputed and the prefix never is (its cached KV is exact), so neither is the selector's to
-choose.
+choose. A selector with ``query_pass`` sees instead what the query reads when it is computed over
+the assembled cache before anything is recomputed (`StaleReadView`, made by
+`blend.recompute.stale_query_attention`).
 
     name                 check layer  picks
+    stale_attention      none (query  the first 16 tokens of every chunk, then the rest of the budget
+                         pass)        by the attention the query pays each token, summed over layers
+                                      2.., when it reads the assembled cache as it is (default:
+                                      DEFAULT_SELECTOR; a budget too small for 16 per chunk goes to
+                                      leading tokens only, split like sinks)
     lead_attn_deviation  1            the first 16 tokens of every chunk, then the rest of the budget
-                                      by attn_deviation (default: DEFAULT_SELECTOR; a budget too small
-                                      for 16 per chunk goes to leading tokens only, split like sinks)
+                                      by attn_deviation (the default until 2026-12-04)
     attn_deviation       1            top-budget tokens by KV deviation x the attention the query pays
                                       them (a stale token matters only as much as the query reads it)
     kv_deviation         1            top-budget tokens by |K_fresh - K_cached|^2 + |V_fresh - V_cached|^2
@@ -19,7 +25,7 @@ choose.
     query_aware          1            top-budget tokens by the attention the query pays them at the check layer
 
 Pick one with ``get_selector(name)``; unknown names raise ValueError listing the known ones.
-Why the default is lead_attn_deviation, with the probe's numbers: docs/blend.md.
+Why the default is stale_attention, with the probes' numbers: docs/blend.md.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch
 
 from blend.assemble import BlendLayout
 
-DEFAULT_SELECTOR = "lead_attn_deviation"
+DEFAULT_SELECTOR = "stale_attention"
 
 
 class CheckLayerView:
@@ -70,14 +76,31 @@ class CheckLayerView:
         """[N] attention mass the query tokens put on each chunk token (fresh q and k, causal)."""
         device = self.fresh_q.device  # positions come from the layout, on the CPU
         rows = self.layout.query_positions.to(device)
-        q = self.fresh_q[:, rows].float()  # [H, Q, D]
-        k = self.fresh_k.float()  # [KVH, T, D]
-        group = q.shape[0] // k.shape[0]
-        k = k.repeat_interleave(group, dim=0)  # [H, T, D]
-        scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # [H, Q, T]
-        allowed = torch.arange(k.shape[1], device=device)[None, :] <= rows[:, None]  # [Q, T]
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)  # [H, Q, T]
+        probs = attention_probs(self.fresh_q[:, rows], self.fresh_k, rows)  # [H, Q, T]
         return probs.sum((0, 1))[self.layout.chunk_positions.to(device)]  # [N]
+
+
+class StaleReadView:
+    """What a ``query_pass`` selector reads: ``attention`` [L, N], the attention mass the query
+    tokens put on each chunk token on each layer when the query is computed over the assembled
+    cache as it is (stale chunk KV, nothing recomputed: naive reuse's own compute)."""
+
+    def __init__(self, layout: BlendLayout, attention: torch.Tensor) -> None:
+        self.layout, self.attention = layout, attention
+
+    @property
+    def device(self) -> torch.device:
+        return self.attention.device
+
+
+def attention_probs(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[H, R, S] float32 causal attention of queries ``q`` [H, R, D] at positions ``rows`` [R] over
+    ``keys`` [KVH, S, D] (key j visible to row i iff j <= rows[i]; GQA groups repeat the keys)."""
+    q, k = q.float(), keys.float()
+    k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)  # [H, S, D]
+    scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # [H, R, S]
+    allowed = torch.arange(k.shape[1], device=q.device)[None, :] <= rows.to(q.device)[:, None]  # [R, S]
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1)
 
 
 def kv_deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor,
@@ -109,11 +132,12 @@ class TokenSelector(ABC):
 
     name: str = ""
     check_layer: int | None = 1
+    query_pass: bool = False  # True: `select` gets a StaleReadView (check_layer must be None)
 
     @abstractmethod
     def select(self, layout: BlendLayout, view: CheckLayerView | None, budget: int) -> torch.Tensor:
-        """Sorted positions [<= budget] among ``layout.chunk_positions``. ``view`` is None iff
-        ``check_layer`` is None."""
+        """Sorted positions [<= budget] among ``layout.chunk_positions``. ``view``: a CheckLayerView
+        when ``check_layer`` is set, a StaleReadView for a ``query_pass`` selector, else None."""
 
     def refine(self, step: int, kept: torch.Tensor, deviation: torch.Tensor, budget: int) -> torch.Tensor:
         """Positions to keep on the ``step``-th layer after the check layer (step >= 1), given the
@@ -248,23 +272,67 @@ class LeadingAttentionDeviationSelector(TokenSelector):
         self.lead, self.check_layer = lead, check_layer
 
     def select(self, layout, view, budget):
-        chunks = layout.chunks
-        if not chunks or budget <= 0:
-            return torch.zeros(0, dtype=torch.long)
-        leads = [min(self.lead, c.length) for c in chunks]
-        if sum(leads) > budget:
-            return ChunkSinkSelector().select(layout, None, budget).to(view.device)
-        scores = view.attention_deviation.clone()
-        positions = layout.chunk_positions.to(scores.device)
-        forced = torch.cat([torch.arange(c.start, c.start + n, device=scores.device) for c, n in zip(chunks, leads)])
-        scores[torch.isin(positions, forced)] = float("-inf")
-        rest = top_positions(scores, positions, budget - forced.numel())
-        return torch.cat((forced, rest)).sort().values
+        return lead_then_top(layout, lambda: view.attention_deviation, budget, self.lead, view.device)
+
+
+class StaleAttentionSelector(TokenSelector):
+    """The first ``lead`` tokens of every chunk, then the tokens the query reads most in the stale cache.
+
+    Before anything is recomputed, the query is computed over the assembled cache as naive reuse
+    would compute it (`blend.recompute.stale_query_attention`: the query rows only, through every
+    layer), and each chunk token is scored by the attention the query pays it, summed over heads,
+    query tokens and layers ``first_layer``... A stale token hurts the answer as much as the query
+    reads it, on the layers where it is read: the check layer's attention (attn_deviation) sees
+    only layer 1, where chunk KV is still nearly exact. No check layer is needed, so layers 0 and 1
+    run for the selected rows only, like every other layer. The leading-token quota is
+    LeadingAttentionDeviationSelector's (chunks cut mid-text lean on their stale first tokens).
+
+    Probe (SmolLM2-135M, fp32, MuSiQue top-3, first-token KL vs full prefill, r = 0.15; tuned on
+    dev items 20-59, then run once on the bench's items 0-19): KL 0.032 against 0.048 for
+    lead_attn_deviation and 0.086 naive on the tuning items, 0.038 / 0.070 / 0.098 on items 0-19,
+    worse than naive on 3 of 40 and 2 of 20 questions (lead_attn_deviation 6 and 5): docs/blend.md.
+
+        chunk:  |<- lead ->|..............................|
+                 always      top by stale query attention, layers first_layer.. (all chunks)
+    """
+
+    name = "stale_attention"
+    check_layer = None
+    query_pass = True
+
+    def __init__(self, lead: int = 16, first_layer: int = 2) -> None:
+        if lead < 0 or first_layer < 0:
+            raise ValueError(f"need lead >= 0 and first_layer >= 0; got {lead}, {first_layer}")
+        self.lead, self.first_layer = lead, first_layer
+
+    def select(self, layout, view, budget):
+        def scores():
+            attention = view.attention  # [L, N]
+            return attention[min(self.first_layer, attention.shape[0] - 1):].sum(0)
+        return lead_then_top(layout, scores, budget, self.lead, view.device)
+
+
+def lead_then_top(layout: BlendLayout, scores, budget: int, lead: int, device: torch.device) -> torch.Tensor:
+    """The first ``lead`` tokens of every chunk, then the rest of ``budget`` by ``scores()`` ([N]
+    over ``layout.chunk_positions``; called only when the quota fits), sorted, on ``device``. A
+    budget too small for the quota goes to leading tokens only, split by length as `ChunkSinkSelector`."""
+    chunks = layout.chunks
+    if not chunks or budget <= 0:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    leads = [min(lead, c.length) for c in chunks]
+    if sum(leads) > budget:
+        return ChunkSinkSelector().select(layout, None, budget).to(device)
+    scores = scores().clone()
+    positions = layout.chunk_positions.to(scores.device)
+    forced = torch.cat([torch.arange(c.start, c.start + n, device=scores.device) for c, n in zip(chunks, leads)])
+    scores[torch.isin(positions, forced)] = float("-inf")
+    rest = top_positions(scores, positions, budget - forced.numel())
+    return torch.cat((forced, rest)).sort().values
 
 
 SELECTORS: dict[str, type[TokenSelector]] = {
-    cls.name: cls for cls in (LeadingAttentionDeviationSelector, AttentionDeviationSelector, KVDeviationSelector,
-                              GradualFilterSelector, ChunkSinkSelector, QueryAwareSelector)
+    cls.name: cls for cls in (StaleAttentionSelector, LeadingAttentionDeviationSelector, AttentionDeviationSelector,
+                              KVDeviationSelector, GradualFilterSelector, ChunkSinkSelector, QueryAwareSelector)
 }
 
 

@@ -6,7 +6,7 @@ A request asks for blending with ``kv_transfer_params`` (vLLM passes them throug
     {"kvstore_blend": {"lengths": [prefix, passage 1, ..., passage n],   # token counts, in order; none:
                                                                        # the text's separators mark them
                        "ratio": 0.15,                                  # optional: float in [0, 1] or "auto"
-                       "selector": "lead_attn_deviation"}}             # optional: blend.select name
+                       "selector": "stale_attention"}}                 # optional: blend.select name
 
 The prompt's tokens are ``prefix + passage 1 + ... + passage n + query``; the query (at least one
 token) is what follows the lengths. :func:`blend_request` builds both from text marked with the
