@@ -55,12 +55,12 @@ def kl(ref: list[float] | torch.Tensor, other: list[float] | torch.Tensor) -> fl
 
 
 def run_vllm(folder: Path, work: Path, name: str, prompts: list, address: str | None, args: list[str],
-             new_tokens: int, max_model_len: int) -> list[dict]:
+             new_tokens: int, max_model_len: int, dtype: str) -> list[dict]:
     prompts_file, out = work / f"{name}.prompts.json", work / f"{name}.json"
     prompts_file.write_text(json.dumps(prompts))
     progress(f"vLLM run {name!r}: {len(prompts)} requests (log: {work / f'{name}.log'})")
     cmd = [sys.executable, "-m", "engine_adapter.vllm.run", "--model", str(folder), "--prompts", str(prompts_file),
-           "--out", str(out), "--max-tokens", str(new_tokens), "--logprobs", "--max-model-len", str(max_model_len),
+           "--dtype", dtype, "--out", str(out), "--max-tokens", str(new_tokens), "--logprobs", "--max-model-len", str(max_model_len),
            *args]
     if address:
         cmd += ["--kvstore", address]
@@ -89,6 +89,9 @@ def main() -> None:
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.15, 0.3])
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="model and KV dtype of vLLM and the reference engine alike (float32 on a CPU "
+                             "whose bf16 products are emulated, e.g. AVX2 without AVX-512-BF16 or AMX)")
     parser.add_argument("--data", type=Path, default=MUSIQUE_DEV)
     parser.add_argument("--json", type=Path, default=None, help="per-question records")
     parser.add_argument("--plot", type=Path, default=None, help="PNG: TTFT and KL per mode")
@@ -97,8 +100,8 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="kvs-vllm-rag-"))
-    folder = write_hf_folder(Path(tempfile.gettempdir()) / "kvstore-test-hf-v1", dtype="bfloat16")
-    model, tokenizer = load_hf_folder(folder, dtype=torch.bfloat16)
+    folder = write_hf_folder(Path(tempfile.gettempdir()) / ("kvstore-test-hf-v1" if args.dtype == "bfloat16" else f"kvstore-test-hf-v1-{args.dtype}"), dtype=args.dtype)
+    model, tokenizer = load_hf_folder(folder, dtype=getattr(torch, args.dtype))
     items = json.loads(args.data.read_text())[args.skip : args.skip + args.questions]
     cases = []
     for item in items:
@@ -143,12 +146,12 @@ def main() -> None:
         warm = {"prompt_token_ids": head + passage + tail,
                 "kv_transfer_params": {BLEND_PARAM: {"lengths": [len(head), len(passage)], "ratio": args.ratios[0]}}}
         plain = run_vllm(folder, work, "plain", [warm["prompt_token_ids"]] + [c["ids"] for c in cases for _ in range(2)],
-                         None, [], args.max_new_tokens, args.max_model_len)[1:]
+                         None, [], args.max_new_tokens, args.max_model_len, args.dtype)[1:]
         marked_full = []
         if args.markers:  # the marked texts' own full prefills, in a run of their own without a prefix
             # cache (a text shares its head with the prompt above)
             marked_full = run_vllm(folder, work, "marked-full", [warm["prompt_token_ids"]] + [{"prompt": c["text"]} for c in cases],
-                                   None, ["--no-prefix-caching"], args.max_new_tokens, args.max_model_len)[1:]
+                                   None, ["--no-prefix-caching"], args.max_new_tokens, args.max_model_len, args.dtype)[1:]
         blends = []
         for c in cases:
             blends += [{"prompt_token_ids": c["ids"], "kv_transfer_params": {BLEND_PARAM: {"lengths": c["lengths"], "ratio": r}}}
@@ -157,7 +160,7 @@ def main() -> None:
                 blends.append({"prompt": c["text"], "kv_transfer_params": {BLEND_PARAM: {"ratio": args.ratios[0]}}})
         blended_out = run_vllm(folder, work, "blend", [warm] + blends, daemon.address,
                                ["--no-prefix-caching", "--kv-extra", json.dumps({"blend_separator": SEP})],
-                               args.max_new_tokens, args.max_model_len)[1:]
+                               args.max_new_tokens, args.max_model_len, args.dtype)[1:]
     finally:
         daemon.stop()
     per_mode = len(args.ratios) + 1 + args.markers

@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kvstore", default=None, help="daemon address; without it vLLM runs alone")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="vLLM's model and KV dtype (default bfloat16; float32 on a CPU without native bf16)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn off vLLM's own prefix cache")
     parser.add_argument("--together", action="store_true", help="submit every prompt at once (one batch)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.logprobs:
         extra["max_logprobs"] = -1
         extra["disable_log_stats"] = False  # vLLM's own per-request first-token latency, in the output
-    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=args.max_model_len, enforce_eager=True,
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
               enable_prefix_caching=not args.no_prefix_caching, kv_transfer_config=transfer, **extra)
     result: dict = {"startup_s": time.perf_counter() - started, "outputs": []}
     logprobs = {"logprobs": -1, "flat_logprobs": True} if args.logprobs else {}
