@@ -5,7 +5,7 @@ Per MuSiQue question (the CacheBlend paper's prompt, top-k BM25 passages, k = --
     full       vLLM's full prefill of the prompt (the quality reference), prefix cache on, first sight
     resident   the same prompt again: vLLM's own prefix cache
     naive      a kvstore blend request at ratio 0: passages' KV reused as stored, only the query computed
-    blend r    a kvstore blend request at ratio r (--ratios), default selector
+    blend r    a kvstore blend request at ratio r (--ratios), selector --selector (default stale_attention)
     marked r   (--markers) the prompt as text with the passages marked (blend_separator), which vLLM
                tokenizes whole, blended at the first ratio; its KL and speed-up are against vLLM's full
                prefill of that text (its tokens differ a little from the parts tokenized alone)
@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from blend.engine import BlendEngine, split_prompt  # noqa: E402
+from blend.select import DEFAULT_SELECTOR, SELECTORS  # noqa: E402
 from engine_adapter.client import KVStoreClient  # noqa: E402
 from engine_adapter.loader import load_hf_folder  # noqa: E402
 from engine_adapter.vllm.blend import BLEND_PARAM  # noqa: E402
@@ -87,6 +88,8 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=0, help="start at this question (keep a part aside)")
     parser.add_argument("--top-k", type=int, default=3, help="BM25 passages per question; 0: all 10")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.15, 0.3])
+    parser.add_argument("--selector", default=DEFAULT_SELECTOR, choices=sorted(SELECTORS),
+                        help=f"blend selector of every blend request and of the reference engine (default {DEFAULT_SELECTOR})")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
@@ -98,8 +101,18 @@ def main() -> None:
     parser.add_argument("--markers", action="store_true",
                         help="also the marked-text mode: passages marked in the prompt's text, not in kv_transfer_params")
     args = parser.parse_args()
+    if args.plot:  # before a run of minutes, not after it
+        try:
+            import matplotlib
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
 
     work = Path(tempfile.mkdtemp(prefix="kvs-vllm-rag-"))
+
+    def blend_params(**spec) -> dict:
+        """A blend request's kv_transfer_params, with the run's selector."""
+        return {BLEND_PARAM: {**spec, "selector": args.selector}}
+
     folder = write_hf_folder(Path(tempfile.gettempdir()) / ("kvstore-test-hf-v1" if args.dtype == "bfloat16" else f"kvstore-test-hf-v1-{args.dtype}"), dtype=args.dtype)
     model, tokenizer = load_hf_folder(folder, dtype=getattr(torch, args.dtype))
     items = json.loads(args.data.read_text())[args.skip : args.skip + args.questions]
@@ -126,7 +139,7 @@ def main() -> None:
     daemon = DaemonProcess.in_folder(work / "d", cpu_capacity=capacity, disk_path="")
     try:
         with KVStoreClient(daemon.address) as client:
-            engine = BlendEngine(model, tokenizer, client)
+            engine = BlendEngine(model, tokenizer, client, selector=args.selector)
             reference_kl = []
             for number, case in enumerate(cases, 1):
                 progress(f"reference engine: question {number}/{len(cases)} (passages stored, full and blended prefill)")
@@ -144,7 +157,7 @@ def main() -> None:
         head, tail = tokenizer.encode("Warm-up: read this."), tokenizer.encode(" Done?")
         passage = cases[0]["prompt"].chunks[cases[0]["chosen"][0]]
         warm = {"prompt_token_ids": head + passage + tail,
-                "kv_transfer_params": {BLEND_PARAM: {"lengths": [len(head), len(passage)], "ratio": args.ratios[0]}}}
+                "kv_transfer_params": blend_params(lengths=[len(head), len(passage)], ratio=args.ratios[0])}
         plain = run_vllm(folder, work, "plain", [warm["prompt_token_ids"]] + [c["ids"] for c in cases for _ in range(2)],
                          None, [], args.max_new_tokens, args.max_model_len, args.dtype)[1:]
         marked_full = []
@@ -154,10 +167,10 @@ def main() -> None:
                                    None, ["--no-prefix-caching"], args.max_new_tokens, args.max_model_len, args.dtype)[1:]
         blends = []
         for c in cases:
-            blends += [{"prompt_token_ids": c["ids"], "kv_transfer_params": {BLEND_PARAM: {"lengths": c["lengths"], "ratio": r}}}
+            blends += [{"prompt_token_ids": c["ids"], "kv_transfer_params": blend_params(lengths=c["lengths"], ratio=r)}
                        for r in [0.0, *args.ratios]]
             if args.markers:  # no lengths: the connector finds the passages from the separators in the text
-                blends.append({"prompt": c["text"], "kv_transfer_params": {BLEND_PARAM: {"ratio": args.ratios[0]}}})
+                blends.append({"prompt": c["text"], "kv_transfer_params": blend_params(ratio=args.ratios[0])})
         blended_out = run_vllm(folder, work, "blend", [warm] + blends, daemon.address,
                                ["--no-prefix-caching", "--kv-extra", json.dumps({"blend_separator": SEP})],
                                args.max_new_tokens, args.max_model_len, args.dtype)[1:]
@@ -206,13 +219,11 @@ def main() -> None:
     for name, value, met in checks:
         print(f"target {name} at {first}: {value:.2f} {'met' if met else 'MISSED'}")
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "records": records, "reference_blend_kl": reference_kl}))
+        settings = {"dtype": args.dtype, "selector": args.selector, "top_k": args.top_k, "ratios": args.ratios,
+                    "skip": args.skip, "questions": args.questions}
+        args.json.write_text(json.dumps({"settings": settings, "summary": summary, "records": records,
+                                         "reference_blend_kl": reference_kl}))
     if args.plot:
-        try:
-            import matplotlib
-        except ImportError:
-            raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
-
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
@@ -221,7 +232,8 @@ def main() -> None:
         left.set_ylabel("TTFT (ms), vLLM CPU")
         right.boxplot([[r["modes"][m]["kl"] for r in records] for m in modes[2:]], tick_labels=modes[2:])
         right.set_ylabel("first-token KL vs full prefill")
-        fig.suptitle(f"vLLM + kvstore on MuSiQue, {len(records)} questions, top-{args.top_k or 'all'} passages")
+        fig.suptitle(f"vLLM + kvstore on MuSiQue, {len(records)} questions, top-{args.top_k or 'all'} passages, "
+                     f"{args.dtype}, blend selector {args.selector}")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
         print(f"plot: {args.plot}")
