@@ -96,9 +96,9 @@ class StaleReadView:
 def attention_probs(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """[H, R, S] float32 causal attention of queries ``q`` [H, R, D] at positions ``rows`` [R] over
     ``keys`` [KVH, S, D] (key j visible to row i iff j <= rows[i]; GQA groups repeat the keys)."""
-    q, k = q.float(), keys.float()
+    q, k = q.float() / math.sqrt(q.shape[-1]), keys.float()
     k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)  # [H, S, D]
-    scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # [H, R, S]
+    scores = q @ k.transpose(1, 2)  # [H, R, S]
     allowed = torch.arange(k.shape[1], device=q.device)[None, :] <= rows.to(q.device)[:, None]  # [R, S]
     return scores.masked_fill(~allowed, float("-inf")).softmax(-1)
 

@@ -325,8 +325,11 @@ class DecoderLayer(nn.Module):
             q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),  # [1, H, T, D], [1, KVH, S, D]
             attn_mask=mask, is_causal=is_causal, enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [1, H, T, D]
-        out = out[0].transpose(0, 1).reshape(num_queries, self.num_heads * self.head_dim)  # [T, H*D]
-        return self.o_proj(out)
+        return self.output(out[0])
+
+    def output(self, heads: torch.Tensor) -> torch.Tensor:
+        """Per-head attention outputs [H, T, D] as the layer's output [T, hidden] (after o_proj)."""
+        return self.o_proj(heads.transpose(0, 1).reshape(heads.shape[1], self.num_heads * self.head_dim))
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         """SwiGLU MLP output [T, hidden] of the normed residual stream, to add to it."""
