@@ -61,8 +61,8 @@ def run_vllm(folder: Path, work: Path, name: str, prompts: list, address: str | 
     prompts_file.write_text(json.dumps(prompts))
     progress(f"vLLM run {name!r}: {len(prompts)} requests (log: {work / f'{name}.log'})")
     cmd = [sys.executable, "-m", "engine_adapter.vllm.run", "--model", str(folder), "--prompts", str(prompts_file),
-           "--dtype", dtype, "--out", str(out), "--max-tokens", str(new_tokens), "--logprobs", "--max-model-len", str(max_model_len),
-           *args]
+           "--dtype", dtype, "--out", str(out), "--max-tokens", str(new_tokens), "--logprobs",
+           "--max-model-len", str(max_model_len), *args]
     if address:
         cmd += ["--kvstore", address]
     log = work / f"{name}.log"
@@ -89,7 +89,8 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=3, help="BM25 passages per question; 0: all 10")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.15, 0.3])
     parser.add_argument("--selector", default=DEFAULT_SELECTOR, choices=sorted(SELECTORS),
-                        help=f"blend selector of every blend request and of the reference engine (default {DEFAULT_SELECTOR})")
+                        help=f"blend selector of every blend request and of the reference engine "
+                             f"(default {DEFAULT_SELECTOR})")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
@@ -113,7 +114,8 @@ def main() -> None:
         """A blend request's kv_transfer_params, with the run's selector."""
         return {BLEND_PARAM: {**spec, "selector": args.selector}}
 
-    folder = write_hf_folder(Path(tempfile.gettempdir()) / ("kvstore-test-hf-v1" if args.dtype == "bfloat16" else f"kvstore-test-hf-v1-{args.dtype}"), dtype=args.dtype)
+    name = "kvstore-test-hf-v1" + ("" if args.dtype == "bfloat16" else f"-{args.dtype}")  # bf16: the tests' folder
+    folder = write_hf_folder(Path(tempfile.gettempdir()) / name, dtype=args.dtype)
     model, tokenizer = load_hf_folder(folder, dtype=getattr(torch, args.dtype))
     items = json.loads(args.data.read_text())[args.skip : args.skip + args.questions]
     cases = []

@@ -20,9 +20,9 @@ chunks, `blend.assemble`) are computed on every layer, like the query, and are n
 chunk KV is wanted. Query rows then leave after the check layer (the selector needed their fresh q
 there), the last layer writes K/V without attention or MLP, and no logits are made; budget 0 is
 no compute at all. After a query pass the query rows' K/V on later layers are the pass's (scratch:
-the engine computes the query itself). The chunk rows' KV is the same either way, to float32 rounding: they precede
-the query, so under the causal mask they never read it (a BLAS may block a product of fewer rows
-differently: on an AVX2 host, 10 against 19 rows differed by 2e-7 relative).
+the engine computes the query itself). The chunk rows' KV is the same either way, to float32
+rounding: they precede the query, so under the causal mask they never read it (a BLAS may block a
+product of fewer rows differently: on an AVX2 host, 10 against 19 rows differed by 2e-7 relative).
 
 The mask: kept rows are not contiguous, so the usual bottom-right causal mask (row i sees the
 first S-R+i keys) is wrong for them; row i sees keys 0..rows[i] exactly::
