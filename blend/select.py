@@ -76,8 +76,10 @@ class CheckLayerView:
         """[N] attention mass the query tokens put on each chunk token (fresh q and k, causal)."""
         device = self.fresh_q.device  # positions come from the layout, on the CPU
         rows = self.layout.query_positions.to(device)
-        probs = attention_probs(self.fresh_q[:, rows], self.fresh_k, rows)  # [H, Q, T]
-        return probs.sum((0, 1))[self.layout.chunk_positions.to(device)]  # [N]
+        mass = torch.zeros(self.fresh_k.shape[1], dtype=torch.float32, device=device)
+        for block in row_blocks(rows.numel(), self.fresh_q.shape[0], self.fresh_k.shape[1]):
+            mass += attention_probs(self.fresh_q[:, rows[block]], self.fresh_k, rows[block]).sum((0, 1))
+        return mass[self.layout.chunk_positions.to(device)]  # [N]
 
 
 class StaleReadView:
@@ -93,9 +95,23 @@ class StaleReadView:
         return self.attention.device
 
 
+# The float32 probabilities of one block of query rows over every key: a bound on what a selector's
+# attention costs in memory whatever the prompt (a 2,000-token query over 32k keys with 9 heads is
+# 2.3 GB at once; blocks of this size keep it at a few times 32 MiB, with scores, mask and softmax).
+ATTENTION_BLOCK_BYTES = 32 << 20
+
+
+def row_blocks(rows: int, heads: int, keys: int, block_bytes: int | None = None) -> list[slice]:
+    """Slices over ``rows`` query rows such that one block's [heads, rows, keys] float32
+    probabilities take at most ``block_bytes`` (default ATTENTION_BLOCK_BYTES; one row at least)."""
+    step = max(1, (block_bytes or ATTENTION_BLOCK_BYTES) // (4 * heads * max(1, keys)))
+    return [slice(start, min(rows, start + step)) for start in range(0, rows, step)]
+
+
 def attention_probs(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """[H, R, S] float32 causal attention of queries ``q`` [H, R, D] at positions ``rows`` [R] over
-    ``keys`` [KVH, S, D] (key j visible to row i iff j <= rows[i]; GQA groups repeat the keys)."""
+    ``keys`` [KVH, S, D] (key j visible to row i iff j <= rows[i]; GQA groups repeat the keys).
+    Callers bound R with `row_blocks`."""
     q, k = q.float() / math.sqrt(q.shape[-1]), keys.float()
     k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)  # [H, S, D]
     scores = q @ k.transpose(1, 2)  # [H, R, S]

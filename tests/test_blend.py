@@ -324,6 +324,42 @@ def test_stale_query_attention_is_what_naive_reuse_computes():
     assert out.query_pass_rows == len(query) and out.token_layers == sum(out.rows_per_layer) + 4 * len(query)
 
 
+def test_attention_in_row_blocks_is_the_same_as_at_once(monkeypatch):
+    """A long query's attention is formed a block of rows at a time (memory bounded for any
+    prompt): one row per block gives the same mass, KV, selections and logits as all rows at once."""
+    import blend.select
+    from blend.recompute import stale_query_attention
+    from blend.select import CheckLayerView, row_blocks
+
+    assert [(b.start, b.stop) for b in row_blocks(10, 2, 8, block_bytes=4 * 2 * 8 * 3)] == [
+        (0, 3), (3, 6), (6, 9), (9, 10)]
+    assert len(row_blocks(5, 9, 10 ** 9, block_bytes=1)) == 5 and row_blocks(0, 2, 8) == []
+    model = tiny_model()
+    prefix, chunks, query = tiny_prompt(query=11)
+    layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query))
+    ids = torch.tensor(prefix + sum(chunks, []) + query)
+    cos, sin = model.rope(torch.arange(layout.total))
+
+    def run():
+        kv = assembled(model, layout, [prefix] + chunks)
+        with torch.inference_mode():
+            mass = stale_query_attention(model, kv, layout, ids, cos, sin)
+        kv.length = layout.total
+        blended = assembled(model, layout, [prefix] + chunks)
+        out = blend_prefill(model, blended, layout, ids, get_selector("stale_attention"), 0.3)
+        gen = torch.Generator().manual_seed(3)
+        q, k = torch.randn(4, layout.total, 8, generator=gen), torch.randn(2, layout.total, 8, generator=gen)
+        view = CheckLayerView(layout=layout, fresh_q=q, fresh_k=k, fresh_v=k, cached_k=k, cached_v=k)
+        return mass, kv.export(0, layout.total), out, view.query_attention
+
+    mass, kv, out, attention = run()
+    monkeypatch.setattr(blend.select, "ATTENTION_BLOCK_BYTES", 1)  # one row per block
+    mass1, kv1, out1, attention1 = run()
+    assert (mass1 - mass).abs().max() <= 1e-5 and (kv1 - kv).abs().max() <= 1e-5
+    assert (attention1 - attention).abs().max() <= 1e-5 and float(attention.sum()) > 1
+    assert out1.selected.tolist() == out.selected.tolist() and (out1.logits - out.logits).abs().max() <= 1e-4
+
+
 @pytest.mark.parametrize("name", sorted(SELECTORS))
 def test_selectors_keep_the_scores_device(name):
     """On a GPU the check layer's tensors live on the device while layout positions are built on the
