@@ -216,3 +216,26 @@ def test_blend_requests_are_read_once_and_failures_are_plain_prompts(tokenizer, 
     blind = BlendRequests(SEP, tmp_path / "none", max_passages=2)  # no tokenizer there: markers unread
     assert blind.spec("r1", marked, None) is None
     assert blind.spec("r4", [1, 2, 3, 4], {BLEND_PARAM: {"lengths": [1, 2]}}) == BlendSpec((1, 2))
+
+
+def test_the_blend_model_is_loaded_on_the_device_of_vllms_pages(monkeypatch):
+    """On a GPU the connector hands the blender its KV pages' device, and the blend model must load
+    there (a CPU copy would blend on the host and cross to the GPU per request). CI has one device:
+    this checks that the device reaches the loader."""
+    import torch
+
+    import engine_adapter.loader
+    from engine_adapter.vllm.blend import VllmBlender
+
+    seen = {}
+
+    def load(folder, dtype, device="cpu"):
+        seen.update(folder=folder, dtype=dtype, device=device)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(engine_adapter.loader, "load_hf_folder", load)
+    blender = VllmBlender("/models/m", torch.bfloat16, cache=None, namespace=None, device=torch.device("meta"))
+    with pytest.raises(RuntimeError, match="stop here"):
+        blender.engine()
+    assert seen == {"folder": Path("/models/m"), "dtype": torch.bfloat16, "device": torch.device("meta")}
+    assert VllmBlender("/models/m", torch.bfloat16, cache=None, namespace=None).device == torch.device("cpu")

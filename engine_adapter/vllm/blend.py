@@ -237,14 +237,18 @@ class VllmBlender:
     """The worker's blend: ``BlendEngine`` over the model's weights, its KV written into vLLM's pages.
 
     The weights are a second copy loaded from vLLM's model folder (``load_hf_folder``), on the
-    first blend (``blend: lazy``) or at start (``start``); ``BlendEngine`` shares the connector's guarded daemon
-    link and namespace, so passages are the same blocks ``BlendEngine`` stores anywhere.
+    first blend (``blend: lazy``) or at start (``start``), on ``device``: the device of vLLM's KV
+    pages, so that on a GPU the blend runs there and its KV reaches the pages without a host trip.
+    ``BlendEngine`` shares the connector's guarded daemon link and namespace, so passages are the
+    same blocks ``BlendEngine`` stores anywhere.
     """
 
     def __init__(self, folder: str | Path, dtype: torch.dtype, cache: "PrefixCache", namespace: "Namespace",
-                 ratio: float = DEFAULT_RATIO, selector: str = DEFAULT_SELECTOR, controller: bool = False) -> None:
+                 ratio: float = DEFAULT_RATIO, selector: str = DEFAULT_SELECTOR, controller: bool = False,
+                 device: torch.device | str = "cpu") -> None:
         self.folder = Path(folder)
         self.dtype = dtype
+        self.device = torch.device(device)
         self.cache = cache
         self.namespace = namespace
         self.ratio = ratio
@@ -261,7 +265,7 @@ class VllmBlender:
                 from blend.controller import LoadingController
                 from engine_adapter.loader import load_hf_folder
 
-                model, tokenizer = load_hf_folder(self.folder, dtype=self.dtype)
+                model, tokenizer = load_hf_folder(self.folder, dtype=self.dtype, device=self.device)
                 layout = self.namespace.layout
                 if (model.config.num_layers, model.config.num_kv_heads, model.config.head_dim) != \
                         (layout.num_layers, layout.num_kv_heads, layout.head_dim):
@@ -270,7 +274,7 @@ class VllmBlender:
                 self._engine = BlendEngine(model, tokenizer, None, selector=self.selector, ratio=self.ratio,
                                            controller=controller,
                                            cache=self.cache, namespace=self.namespace)
-                log.info("KVStoreConnector: blend model loaded from %s (%s)", self.folder, self.dtype)
+                log.info("KVStoreConnector: blend model loaded from %s (%s, %s)", self.folder, self.dtype, self.device)
             return self._engine
 
     def run(self, load: BlendLoad, paged: "PagedKV") -> "BlendedPrompt":

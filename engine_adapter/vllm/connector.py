@@ -551,7 +551,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             settings = self.settings
             self.blender = VllmBlender(self._vllm_config.model_config.model, self.namespace_dtype, self.cache,
                                        self.namespace, settings.blend_ratio, settings.blend_selector,
-                                       settings.blend_controller)
+                                       settings.blend_controller, device=caches[0].device)
             if settings.blend == "start":
                 self.blender.engine()
 
