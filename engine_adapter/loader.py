@@ -200,6 +200,19 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32,
     """
     from safetensors.torch import load_file
 
+    config, tokenizer, shards = hf_folder_config(path)
+    state = {}
+    for shard in shards:
+        state.update({hf_parameter_name(name): tensor for name, tensor in load_file(str(shard)).items()})
+    return LlamaModel.from_state_dict(config, state, dtype=dtype, device=device), tokenizer
+
+
+def hf_folder_config(path: str | Path) -> tuple[ModelConfig, Tokenizer, list[Path]]:
+    """The model config, tokenizer and weight shards of a Hugging Face folder, the weights unread
+    (their names only: a bias or a separate LM head shows in them). Raises ValueError for a model
+    this engine cannot run."""
+    from safetensors import safe_open
+
     folder = Path(path)
     config_json = json.loads((folder / "config.json").read_text())
     model_type = config_json.get("model_type")
@@ -210,10 +223,11 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32,
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise ValueError(f"{folder} has no *.safetensors weights")
-    state = {}
+    names = set()
     for shard in shards:
-        state.update({hf_parameter_name(name): tensor for name, tensor in load_file(str(shard)).items()})
-    if any(name.endswith("o_proj.bias") for name in state):
+        with safe_open(str(shard), framework="pt") as weights:
+            names.update(hf_parameter_name(name) for name in weights.keys())
+    if any(name.endswith("o_proj.bias") for name in names):
         raise ValueError("an output-projection bias (Llama attention_bias=True) is not supported")
 
     generation_path = folder / "generation_config.json"
@@ -236,11 +250,11 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32,
         rope_theta=theta,
         rope_scaling=rope_scaling,
         rms_norm_eps=float(config_json["rms_norm_eps"]),
-        tie_word_embeddings=config_json.get("tie_word_embeddings", "lm_head.weight" not in state),
-        attention_bias="layers.0.q_proj.bias" in state,
+        tie_word_embeddings=config_json.get("tie_word_embeddings", "lm_head.weight" not in names),
+        attention_bias="layers.0.q_proj.bias" in names,
         max_position_embeddings=config_json["max_position_embeddings"],
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         model_id=folder.name,
     )
-    return LlamaModel.from_state_dict(config, state, dtype=dtype, device=device), tokenizer
+    return config, tokenizer, shards

@@ -95,6 +95,13 @@ def test_ratio_one_is_vllms_full_prefill(blend_case):
     assert kl(full["first_logprobs"], exact["first_logprobs"]) < 0.02  # bf16 tolerance (measured 0.001)
 
 
+def test_the_blend_computes_with_vllms_own_layers(blend_case):
+    # no second copy of the weights: the blends above (ratio 1 = vLLM's full prefill) ran on vLLM's
+    # modules through engine_adapter/vllm/model_view.py
+    assert "blend computes with vLLM's own layers" in blend_case["log"]
+    assert "second copy of the weights" not in blend_case["log"]
+
+
 def test_blend_reports_every_token_before_the_query_as_cached(blend_case):
     out = blend_case["outputs"]
     for mode in MODES[1:4]:

@@ -239,3 +239,53 @@ def test_the_blend_model_is_loaded_on_the_device_of_vllms_pages(monkeypatch):
         blender.engine()
     assert seen == {"folder": Path("/models/m"), "dtype": torch.bfloat16, "device": torch.device("meta")}
     assert VllmBlender("/models/m", torch.bfloat16, cache=None, namespace=None).device == torch.device("cpu")
+
+
+def test_a_vllm_model_the_view_cannot_serve_falls_back_to_a_copy(monkeypatch, caplog):
+    """With ``vllm_model`` the blend computes with vLLM's layers; a model that is not found, or not
+    a Llama-shaped one with this worker's heads, loads the copy instead, saying why in one line."""
+    import torch
+    from torch import nn
+
+    import engine_adapter.loader
+    from engine_adapter.loader import gguf_config, find_smollm2_gguf
+    from engine_adapter.vllm.blend import VllmBlender
+
+    config, tokenizer = gguf_config(find_smollm2_gguf())
+    monkeypatch.setattr(engine_adapter.loader, "hf_folder_config", lambda folder: (config, tokenizer, []))
+    loads = []
+
+    def load(folder, dtype, device="cpu"):
+        loads.append(folder)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(engine_adapter.loader, "load_hf_folder", load)
+    for found, reason in [(None, "not found"), (nn.Linear(2, 2), "has no model.embed_tokens")]:
+        blender = VllmBlender("/models/m", torch.bfloat16, cache=None, namespace=None, vllm_model=lambda: found)
+        with caplog.at_level("WARNING", logger="vllm.kvstore_connector"), pytest.raises(RuntimeError, match="stop"):
+            blender._model()
+        assert reason in caplog.text and "second copy of the weights" in caplog.text
+        caplog.clear()
+    assert len(loads) == 2
+
+
+def test_the_view_refuses_a_worker_with_other_heads_or_layers():
+    """Tensor or pipeline parallel workers hold a part of the model: the view says so, not a wrong blend."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from engine_adapter.loader import find_smollm2_gguf, gguf_config
+    from engine_adapter.vllm.model_view import view_problem
+
+    config = gguf_config(find_smollm2_gguf())[0]
+
+    def model(layers, heads):
+        attn = SimpleNamespace(qkv_proj=nn.Identity(), o_proj=nn.Identity(), num_heads=heads,
+                               num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+        layer = SimpleNamespace(self_attn=attn, input_layernorm=None, post_attention_layernorm=None, mlp=None)
+        return SimpleNamespace(model=SimpleNamespace(embed_tokens=None, norm=None, layers=[layer] * layers))
+
+    assert view_problem(model(config.num_layers, config.num_heads), config) is None
+    assert "tensor parallel" in view_problem(model(config.num_layers, config.num_heads // 3), config)
+    assert "pipeline parallel" in view_problem(model(config.num_layers // 2, config.num_heads), config)

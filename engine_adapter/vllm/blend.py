@@ -39,7 +39,7 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -48,7 +48,10 @@ from blend.select import DEFAULT_SELECTOR, SELECTORS
 from engine_adapter.vllm.layout import PagedSpan
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from blend.engine import BlendedPrompt
+    from engine_adapter.model import LlamaModel
     from engine_adapter.prefix_cache import PrefixCache
     from engine_adapter.tokenizer import Tokenizer
     from engine_adapter.vllm.layout import PagedKV
@@ -236,19 +239,24 @@ class BlendLoad:
 class VllmBlender:
     """The worker's blend: ``BlendEngine`` over the model's weights, its KV written into vLLM's pages.
 
-    The weights are a second copy loaded from vLLM's model folder (``load_hf_folder``), on the
-    first blend (``blend: lazy``) or at start (``start``), on ``device``: the device of vLLM's KV
-    pages, so that on a GPU the blend runs there and its KV reaches the pages without a host trip.
-    ``BlendEngine`` shares the connector's guarded daemon link and namespace, so passages are the
-    same blocks ``BlendEngine`` stores anywhere.
+    The model is set up on the first blend (``blend: lazy``) or at start (``start``). With
+    ``vllm_model`` (a callable that finds vLLM's live model, or None) it is a `VllmModelView`: the
+    blend computes with vLLM's own layers and weights, nothing copied. Without it, or where that
+    model does not fit the view, the weights are a second copy loaded from vLLM's model folder
+    (``load_hf_folder``) on ``device``: the device of vLLM's KV pages, so that on a GPU the blend
+    runs there and its KV reaches the pages without a host trip. ``weights`` says which ("vllm" or
+    "copy"). ``BlendEngine`` shares the connector's guarded daemon link and namespace, so passages
+    are the same blocks ``BlendEngine`` stores anywhere.
     """
 
     def __init__(self, folder: str | Path, dtype: torch.dtype, cache: "PrefixCache", namespace: "Namespace",
                  ratio: float = DEFAULT_RATIO, selector: str = DEFAULT_SELECTOR, controller: bool = False,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", vllm_model: Callable[[], nn.Module | None] | None = None) -> None:
         self.folder = Path(folder)
         self.dtype = dtype
         self.device = torch.device(device)
+        self.vllm_model = vllm_model
+        self.weights = ""  # "vllm" or "copy" once the model is set up
         self.cache = cache
         self.namespace = namespace
         self.ratio = ratio
@@ -263,9 +271,8 @@ class VllmBlender:
         with self._lock:
             if self._engine is None:
                 from blend.controller import LoadingController
-                from engine_adapter.loader import load_hf_folder
 
-                model, tokenizer = load_hf_folder(self.folder, dtype=self.dtype, device=self.device)
+                model, tokenizer = self._model()
                 layout = self.namespace.layout
                 if (model.config.num_layers, model.config.num_kv_heads, model.config.head_dim) != \
                         (layout.num_layers, layout.num_kv_heads, layout.head_dim):
@@ -274,8 +281,28 @@ class VllmBlender:
                 self._engine = BlendEngine(model, tokenizer, None, selector=self.selector, ratio=self.ratio,
                                            controller=controller,
                                            cache=self.cache, namespace=self.namespace)
-                log.info("KVStoreConnector: blend model loaded from %s (%s, %s)", self.folder, self.dtype, self.device)
             return self._engine
+
+    def _model(self) -> tuple[LlamaModel, Tokenizer]:
+        """The blend's model: a view of vLLM's own where it fits, else a copy from the folder."""
+        from engine_adapter import loader
+
+        if self.vllm_model is not None:
+            from engine_adapter.vllm.model_view import VllmModelView, view_problem
+
+            config, tokenizer, _ = loader.hf_folder_config(self.folder)
+            found = self.vllm_model()
+            problem = "vLLM's model was not found" if found is None else view_problem(found, config)
+            if problem is None:
+                self.weights = "vllm"
+                log.info("KVStoreConnector: blend computes with vLLM's own layers (%s, %s)", type(found).__name__,
+                         self.device)
+                return VllmModelView(config, found, self.dtype, self.device), tokenizer
+            log.warning("KVStoreConnector: blend loads a second copy of the weights (%s)", problem)
+        model, tokenizer = loader.load_hf_folder(self.folder, dtype=self.dtype, device=self.device)
+        self.weights = "copy"
+        log.info("KVStoreConnector: blend model loaded from %s (%s, %s)", self.folder, self.dtype, self.device)
+        return model, tokenizer
 
     def run(self, load: BlendLoad, paged: "PagedKV") -> "BlendedPrompt":
         """Blend ``load`` and write tokens ``load.start ..`` of the blended KV into vLLM's pages."""

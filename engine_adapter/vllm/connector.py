@@ -96,6 +96,7 @@ _HIT_SOURCES = {"gpu": CacheHitSource.DEVICE, "cpu": CacheHitSource.HOST, "disk"
 
 SAVE_MODES = ("auto", "async", "sync", "durable")
 BLEND_MODES = ("off", "lazy", "start")
+BLEND_WEIGHTS = ("vllm", "copy")
 
 
 @dataclass(frozen=True)
@@ -118,9 +119,12 @@ class ConnectorSettings:
     event_tier: str = "cpu"      # the daemon tier a Put lands in, named in vLLM's KV events (medium, ownership)
     save_mode: str = "auto"      # async: Put from a thread; sync: Put in the step; durable: sync, and on
                                  # disk or S3 when the step ends; auto: sync for kv_producer, else async
-    blend: str = "lazy"          # CacheBlend for requests that ask (engine_adapter/vllm/blend.py): "lazy" loads
-                                 # the blend's copy of the weights on the first such request, "start" at
-                                 # start, "off" serves them as plain prompts
+    blend: str = "lazy"          # CacheBlend for requests that ask (engine_adapter/vllm/blend.py): "lazy" sets
+                                 # the blend's model up on the first such request, "start" at start, "off"
+                                 # serves them as plain prompts
+    blend_weights: str = "vllm"  # the blend computes with vLLM's own layers (engine_adapter/vllm/model_view.py;
+                                 # a second copy where they do not fit), or "copy": its own copy of the
+                                 # weights from the model folder
     blend_ratio: float = DEFAULT_RATIO  # fraction of passage tokens recomputed, unless a request says
     blend_selector: str = DEFAULT_SELECTOR  # blend.select name, unless a request says
     blend_controller: bool = False  # the ratio from measured load and compute speed (blend/controller.py)
@@ -156,6 +160,9 @@ class ConnectorSettings:
                              f"got {settings.save_mode!r}")
         if settings.blend not in BLEND_MODES:
             raise ValueError(f"kv_connector_extra_config['blend'] must be one of {BLEND_MODES}, got {settings.blend!r}")
+        if settings.blend_weights not in BLEND_WEIGHTS:
+            raise ValueError(f"kv_connector_extra_config['blend_weights'] must be one of {BLEND_WEIGHTS}, "
+                             f"got {settings.blend_weights!r}")
         if not 0.0 <= settings.blend_ratio <= 1.0:
             raise ValueError(f"kv_connector_extra_config['blend_ratio'] must be in [0, 1], got {settings.blend_ratio}")
         if settings.blend_selector not in SELECTORS:
@@ -549,9 +556,18 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layer_index = {name: i for i, name in enumerate(names)}
         if self.settings.blend != "off":
             settings = self.settings
+            vllm_model = None
+            if settings.blend_weights == "vllm":
+                attention = self._vllm_config.compilation_config.static_forward_context.get(names[0])
+
+                def vllm_model():
+                    from engine_adapter.vllm.model_view import find_vllm_model
+
+                    return None if attention is None else find_vllm_model(names[0], attention)
+
             self.blender = VllmBlender(self._vllm_config.model_config.model, self.namespace_dtype, self.cache,
                                        self.namespace, settings.blend_ratio, settings.blend_selector,
-                                       settings.blend_controller, device=caches[0].device)
+                                       settings.blend_controller, device=caches[0].device, vllm_model=vllm_model)
             if settings.blend == "start":
                 self.blender.engine()
 

@@ -1,0 +1,116 @@
+"""The blend's model over vLLM's own layers: `blend/` runs on the weights vLLM already holds.
+
+`blend/` computes with a `LlamaModel`'s pieces (``embed``, each layer's ``qkv`` / ``output`` /
+``feed_forward``, ``final_logits``, ``rope``). `VllmModelView` is a `LlamaModel` whose pieces call
+vLLM's modules instead of weights of its own: the fused ``qkv_proj`` split into q, k, v, ``o_proj``,
+the ``mlp`` and the ``RMSNorm`` layers, the embedding and the LM head, each through vLLM's own
+kernels (on a CPU, weights vLLM may have repacked for oneDNN and dropped from ``.weight``, so a view
+of its parameters would not do). RoPE and attention stay `blend/`'s, so positions, re-rotation and
+the row-exact mask are the ones `BlendEngine` uses everywhere.
+
+The connector is not handed the model (vLLM 0.32), so `find_vllm_model` finds it once, by its
+attention layer: the live module whose submodule of that name is vLLM's registered attention layer.
+A model whose shape does not fit (tensor or pipeline parallel, another architecture) gives None
+and a reason, and the blender falls back to a second copy of the weights from the model folder.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from torch import nn
+
+from engine_adapter.model import DecoderLayer, LlamaModel, ModelConfig, apply_rope, rope_inverse_frequencies
+
+
+def find_vllm_model(layer_name: str, attention: nn.Module) -> nn.Module | None:
+    """The live vLLM model whose submodule ``layer_name`` is ``attention`` (vLLM's registered
+    attention layer of that name), or None. Walks the collector's objects once (well under a
+    second in a vLLM worker)."""
+    for obj in gc.get_objects():
+        if isinstance(obj, nn.Module) and hasattr(obj, "lm_head") and obj is not attention:
+            try:
+                if obj.get_submodule(layer_name) is attention:
+                    return obj
+            except AttributeError:
+                continue
+    return None
+
+
+def view_problem(model: nn.Module, config: ModelConfig) -> str | None:
+    """Why ``model`` (a vLLM model) cannot serve as ``config``'s `VllmModelView`, or None."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or layers is None or not all(hasattr(inner, a) for a in ("embed_tokens", "norm")):
+        return f"{type(model).__name__} has no model.embed_tokens / layers / norm"
+    if len(layers) != config.num_layers:
+        return f"{len(layers)} layers in this worker, the model has {config.num_layers} (pipeline parallel?)"
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        missing = [a for a in ("input_layernorm", "post_attention_layernorm", "mlp") if not hasattr(layer, a)]
+        if attn is None or not hasattr(attn, "qkv_proj") or not hasattr(attn, "o_proj") or missing:
+            return f"layer {type(layer).__name__} is not a Llama decoder layer (qkv_proj, o_proj, norms, mlp)"
+        if (getattr(attn, "num_heads", None), getattr(attn, "num_kv_heads", None), getattr(attn, "head_dim", None)) != \
+                (config.num_heads, config.num_kv_heads, config.head_dim):
+            return (f"this worker holds {getattr(attn, 'num_heads', '?')} heads / {getattr(attn, 'num_kv_heads', '?')} "
+                    f"KV heads, the model {config.num_heads} / {config.num_kv_heads} (tensor parallel?)")
+    return None
+
+
+class _LayerView(DecoderLayer):
+    """A `DecoderLayer` whose projections, norms and MLP are vLLM's layer ``layer``."""
+
+    def __init__(self, config: ModelConfig, index: int, layer: nn.Module) -> None:
+        nn.Module.__init__(self)  # no weights of its own
+        self.index = index
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.__dict__["vllm_layer"] = layer  # not a submodule: .to() or state_dict() never reach vLLM's
+
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        layer = self.vllm_layer
+        tokens, d = h.shape[0], self.head_dim
+        fused, _ = layer.self_attn.qkv_proj(layer.input_layernorm(h))
+        q, k, v = fused.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q = q.reshape(tokens, self.num_heads, d).transpose(0, 1)
+        k = k.reshape(tokens, self.num_kv_heads, d).transpose(0, 1)
+        v = v.reshape(tokens, self.num_kv_heads, d).transpose(0, 1)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, heads: torch.Tensor) -> torch.Tensor:
+        out, _ = self.vllm_layer.self_attn.o_proj(
+            heads.transpose(0, 1).reshape(heads.shape[1], self.num_heads * self.head_dim))
+        return out
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        layer = self.vllm_layer
+        return layer.mlp(layer.post_attention_layernorm(h))
+
+
+class VllmModelView(LlamaModel):
+    """``config``'s `LlamaModel` computed by vLLM's ``model`` (check it with `view_problem`)."""
+
+    def __init__(self, config: ModelConfig, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.__dict__["vllm_model"] = model
+        self.layers = [_LayerView(config, i, layer) for i, layer in enumerate(model.model.layers)]
+        self.inv_freq = rope_inverse_frequencies(config)
+        self._dtype, self._device = dtype, torch.device(device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.vllm_model.model.embed_tokens(input_ids)
+
+    def final_logits(self, h: torch.Tensor) -> torch.Tensor:
+        head = self.vllm_model.lm_head
+        logits = head.quant_method.apply(head, self.vllm_model.model.norm(h))
+        return logits[..., : self.config.vocab_size].float()  # vLLM pads the vocabulary
