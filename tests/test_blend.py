@@ -52,6 +52,16 @@ def full_logits(model, ids) -> tuple[torch.Tensor, object]:
         return model(torch.tensor(ids), kv, 0)[-1], kv
 
 
+def naive_reuse(model, layout, prefix, chunks, query):
+    """Naive reuse: the query computed over the assembled cache as it is; (its KV cache, the
+    last position's logits)."""
+    naive = assembled(model, layout, [prefix] + chunks)
+    naive.length = layout.query.start
+    with torch.inference_mode():
+        logits = model(torch.tensor(query), naive, layout.query.start)[-1]
+    return naive, logits
+
+
 def assembled(model, layout, parts):
     kv = model.new_cache(layout.total)
     for segment, tokens in zip(layout.cached, parts):
@@ -145,10 +155,7 @@ def test_ratio_zero_is_naive_reuse():
     model = tiny_model()
     prefix, chunks, query = tiny_prompt()
     layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query))
-    naive = assembled(model, layout, [prefix] + chunks)
-    naive.length = layout.query.start
-    with torch.inference_mode():
-        expected = model(torch.tensor(query), naive, layout.query.start)[-1]
+    _, expected = naive_reuse(model, layout, prefix, chunks, query)
     kv = assembled(model, layout, [prefix] + chunks)
     out = blend_prefill(model, kv, layout, torch.tensor(prefix + sum(chunks, []) + query),
                         get_selector("kv_deviation"), ratio=0.0)
@@ -305,10 +312,7 @@ def test_stale_query_attention_is_what_naive_reuse_computes():
     model = tiny_model()
     prefix, chunks, query = tiny_prompt()
     layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query))
-    naive = assembled(model, layout, [prefix] + chunks)
-    naive.length = layout.query.start
-    with torch.inference_mode():
-        model(torch.tensor(query), naive, layout.query.start)
+    naive, _ = naive_reuse(model, layout, prefix, chunks, query)
     kv = assembled(model, layout, [prefix] + chunks)
     cos, sin = model.rope(torch.arange(layout.total))
     mass = stale_query_attention(model, kv, layout, torch.tensor(prefix + sum(chunks, []) + query), cos, sin)

@@ -26,8 +26,8 @@ from engine_adapter.model import DecoderLayer, LlamaModel, ModelConfig, apply_ro
 
 def find_vllm_model(layer_name: str, attention: nn.Module) -> nn.Module | None:
     """The live vLLM model whose submodule ``layer_name`` is ``attention`` (vLLM's registered
-    attention layer of that name), or None. Walks the collector's objects once (well under a
-    second in a vLLM worker)."""
+    attention layer of that name), or None. Walks the collector's objects: call it once (the
+    blender does, on its first blend)."""
     for obj in gc.get_objects():
         if isinstance(obj, nn.Module) and hasattr(obj, "lm_head") and obj is not attention:
             try:
