@@ -11,12 +11,42 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
 from pathlib import Path
 
 from tiers.base import TierError
 
 _held: dict[str, list[int]] = {}  # real path -> [fd, holders in this process]
 _guard = threading.Lock()
+
+
+HOLDER_WAIT_S = 2.0  # how long a refused daemon waits for the holder to write its pid
+
+
+def _holder(fd: int) -> str:
+    """The pid in the lock file of a lock someone else holds. Two daemons started at once: the
+    winner takes the lock, then truncates the file and writes its pid, so the loser may read it
+    empty, or a dead former holder's pid, for a moment; it waits for a live pid."""
+    deadline = time.monotonic() + HOLDER_WAIT_S
+    while True:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if text.isdigit() and _alive(int(text)):
+            return text
+        if time.monotonic() > deadline:
+            return text or "unknown"
+        time.sleep(0.01)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # another user's process
+    except (ProcessLookupError, OverflowError):
+        return False
+    return True
 
 
 class InstanceLock:
@@ -33,7 +63,7 @@ class InstanceLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                holder = _holder(fd)
                 os.close(fd)
                 raise TierError(f"{what} is in use by a running daemon (pid {holder})") from None
             os.ftruncate(fd, 0)

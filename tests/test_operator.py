@@ -63,6 +63,28 @@ def one_line_error(result: tuple[int, str, str], *words: str) -> str:
 # -- one daemon per socket and per disk folder ----------------------------------------------------
 
 
+def test_a_refused_daemon_waits_for_the_winners_pid(tmp_path):
+    """The winner of a start-up race takes the flock, then writes its pid: in between, the loser
+    finds the file empty or holding a dead former holder's pid, and must name the winner anyway
+    (seen as "pid unknown" in a suite run on a busy 2-core host)."""
+    from kvstore.instance_lock import InstanceLock
+    from tiers.base import TierError
+
+    lock = tmp_path / "kvstore.lock"
+    lock.write_text("999999999\n")  # beyond any pid_max: a holder long gone
+    winner = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+              "print('locked', flush=True); time.sleep(0.3); os.ftruncate(fd, 0); "
+              "os.pwrite(fd, f'{os.getpid()}\\n'.encode(), 0); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", winner, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        with pytest.raises(TierError, match=f"in use by a running daemon \\(pid {child.pid}\\)"):
+            InstanceLock(lock, "the folder")
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_two_daemons_started_at_once_on_one_socket_one_wins(short_tmp):
     """guarantees: one daemon per socket, even when two start at the same moment (flock, not a
     check-then-bind), and the loser names the winner's pid."""
