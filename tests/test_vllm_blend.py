@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -36,7 +37,8 @@ from reuse_vs_rag import MUSIQUE_DEV, SEP, prompt_text  # noqa: E402
 from vllm_rag import kl  # noqa: E402
 
 MODES = ("full", "ratio 1 (passages computed alone)", "ratio 0.15", "naive (ratio 0)", "bad parameters",
-         "marked text", "marked text, ratio 1", "no passage")
+         "marked text", "marked text, ratio 1", "no passage", "passages BlendEngine stored")
+BLENDED = 6  # requests of MODES that the worker blends (not full, bad parameters, no passage)
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +51,14 @@ def blend_case():
     if data is None:
         pytest.skip(f"MuSiQue data not found at {MUSIQUE_DEV}")
     prompt = blend_parts(tokenizer, data, 1)  # question 1's ten passages, as the codec bench cuts them
-    chosen = [0, 1, 2]
+    chosen, theirs = [0, 1, 2], [6, 7, 8]  # theirs: stored by BlendEngine before vLLM starts
     ids = prompt.ids(chosen)
     lengths = [len(prompt.prefix), *(len(prompt.chunks[i]) for i in chosen)]
 
-    def blend(ratio) -> dict:
-        return {"prompt_token_ids": ids, "kv_transfer_params": {BLEND_PARAM: {"lengths": lengths, "ratio": ratio}}}
+    def blend(ratio, passages=chosen) -> dict:
+        lengths = [len(prompt.prefix), *(len(prompt.chunks[i]) for i in passages)]
+        return {"prompt_token_ids": prompt.ids(passages),
+                "kv_transfer_params": {BLEND_PARAM: {"lengths": lengths, "ratio": ratio}}}
 
     bad = {"prompt_token_ids": ids, "kv_transfer_params": {BLEND_PARAM: {"lengths": [len(ids)]}}}
     # the same question as text, passages marked with the bench's separator, tokenized by vLLM (a
@@ -67,8 +71,13 @@ def blend_case():
     work = Path(tempfile.mkdtemp(prefix="kvs-vllm-blend-"))
     daemon = DaemonProcess.in_folder(work / "d", cpu_capacity="512MiB", disk_path="")
     try:
+        with KVStoreClient(daemon.address) as client:  # the reverse direction: BlendEngine stores first
+            stored = BlendEngine(model, tokenizer, client).generate(
+                prompt.prefix, [prompt.chunks[i] for i in theirs], prompt.query, max_new_tokens=1)
+            assert prompt.prefix and stored.computed_segments == 4 and stored.store_done.wait(60)
         run = run_vllm(folder, work, "blend", [ids, blend(1.0), blend(0.15), blend(0.0), bad, marked,
-                                               {**marked, "kv_transfer_params": {BLEND_PARAM: {"ratio": 1.0}}}, one],
+                                               {**marked, "kv_transfer_params": {BLEND_PARAM: {"ratio": 1.0}}}, one,
+                                               blend(0.15, theirs)],
                        daemon.address, new_tokens=4, args=("--no-prefix-caching", "--logprobs", *extra))
         # no daemon: every request is vLLM's own full prefill (the reference for the marked text)
         down = run_vllm(folder, work, "down", [blend(0.15), marked], f"unix:{work / 'none.sock'}", new_tokens=4,
@@ -77,11 +86,14 @@ def blend_case():
             engine = BlendEngine(model, tokenizer, client)
             reference = engine.generate(prompt.prefix, [prompt.chunks[i] for i in chosen], prompt.query,
                                         max_new_tokens=1, ratio=0.15, store=False)
+            naive = engine.generate(prompt.prefix, [prompt.chunks[i] for i in chosen], prompt.query,
+                                    max_new_tokens=1, ratio=0.0, store=False)
             whole = split_prompt(tokenizer, text, SEP, whole=True)
             reference_marked = engine.generate(whole.prefix, whole.chunks, whole.query, max_new_tokens=1,
                                                ratio=0.15, store=False, glue=whole.glue)
         yield {"outputs": dict(zip(MODES, run["outputs"])), "log": run["log"], "down": down,
-               "reference": reference, "cached": sum(lengths), "whole": whole,
+               "reference": reference, "naive": naive, "cached": sum(lengths), "whole": whole,
+               "stored": stored, "theirs_cached": len(prompt.ids(theirs)) - len(prompt.query),
                "reference_marked": reference_marked}
     finally:
         daemon.stop()
@@ -106,7 +118,7 @@ def test_blend_reports_every_token_before_the_query_as_cached(blend_case):
     out = blend_case["outputs"]
     for mode in MODES[1:4]:
         assert out[mode]["num_cached_tokens"] == blend_case["cached"], mode
-    assert "blended 5 requests" in blend_case["log"]
+    assert f"blended {BLENDED} requests" in blend_case["log"]
 
 
 def test_blend_at_0_15_is_closer_to_full_prefill_than_naive_reuse(blend_case):
@@ -119,6 +131,28 @@ def test_passages_vllm_stored_are_hits_for_blend_engine_with_its_first_token(ble
     reference = blend_case["reference"]
     assert reference.computed_segments == 0  # vLLM computed them alone and stored them
     assert reference.tokens[0] == blend_case["outputs"]["ratio 0.15"]["token_ids"][0]
+
+
+def test_the_same_blend_in_vllm_and_blend_engine_gives_close_logits(blend_case):
+    # the same request, model, dtype, selector and ratio through both engines: the same first token
+    # (above) and the same distribution up to their bf16 kernels' rounding (vLLM's CPU attention and
+    # oneDNN linears against torch's); at ratio 0 both are naive reuse
+    out = blend_case["outputs"]
+    for mode, reference in (("ratio 0.15", "reference"), ("naive (ratio 0)", "naive")):
+        engine = blend_case[reference]
+        assert engine.tokens[0] == out[mode]["token_ids"][0], mode
+        assert kl(engine.first_logits, out[mode]["first_logprobs"]) < 0.05, mode
+
+
+def test_passages_blend_engine_stored_are_hits_for_vllm(blend_case):
+    lines = re.findall(r"blended request \S+: (\d+) of (\d+) segments from the cache", blend_case["log"])
+    assert len(lines) == BLENDED
+    # ratio 1, the first blend: its three passages computed alone, the prefix BlendEngine stored found
+    assert lines[0] == ("1", "4")
+    assert lines[-1] == ("4", "4")  # BlendEngine's prefix and passages, every one found by vLLM's worker
+    out = blend_case["outputs"]["passages BlendEngine stored"]
+    assert out["num_cached_tokens"] == blend_case["theirs_cached"]
+    assert out["token_ids"][0] == blend_case["stored"].tokens[0]
 
 
 def test_bad_parameters_and_a_down_daemon_still_answer(blend_case):

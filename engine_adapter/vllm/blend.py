@@ -316,6 +316,14 @@ class VllmBlender:
         end = load.spec.cached_tokens
         if load.start < end:
             paged.scatter(blended.kv.export(load.start, end), load.span)
+        result = blended.result
         self.blended += 1
-        self.seconds += blended.result.load_s + blended.result.blend_s
+        self.seconds += result.load_s + result.blend_s
+        # one line a blend (a blend costs hundreds of ms, so this is no flood): what an operator asks
+        # first is whether its passages came from the cache or were computed alone
+        segments = len(blended.layout.cached)
+        log.info("KVStoreConnector: blended request %s: %d of %d segments from the cache, %d of %d passage "
+                 "tokens recomputed (ratio %.2f, %s), load %.1f ms, blend %.1f ms", load.request_id,
+                 segments - result.computed_segments, segments, result.recomputed_tokens, result.chunk_tokens,
+                 result.ratio, result.selector, result.load_s * 1e3, result.blend_s * 1e3)
         return blended
