@@ -141,7 +141,8 @@ def test_the_same_blend_in_vllm_and_blend_engine_gives_close_logits(blend_case):
     for mode, reference in (("ratio 0.15", "reference"), ("naive (ratio 0)", "naive")):
         engine = blend_case[reference]
         assert engine.tokens[0] == out[mode]["token_ids"][0], mode
-        assert kl(engine.first_logits, out[mode]["first_logprobs"]) < 0.05, mode
+        # measured 0.0014 (r = 0.15) and 0.0016 (r = 0), against 0.06 and 0.33 from vLLM's full prefill
+        assert kl(engine.first_logits, out[mode]["first_logprobs"]) < 0.01, mode
 
 
 def test_passages_blend_engine_stored_are_hits_for_vllm(blend_case):
