@@ -56,9 +56,9 @@ def blend_case():
     lengths = [len(prompt.prefix), *(len(prompt.chunks[i]) for i in chosen)]
 
     def blend(ratio, passages=chosen) -> dict:
-        lengths = [len(prompt.prefix), *(len(prompt.chunks[i]) for i in passages)]
+        counts = [len(prompt.prefix), *(len(prompt.chunks[i]) for i in passages)]
         return {"prompt_token_ids": prompt.ids(passages),
-                "kv_transfer_params": {BLEND_PARAM: {"lengths": lengths, "ratio": ratio}}}
+                "kv_transfer_params": {BLEND_PARAM: {"lengths": counts, "ratio": ratio}}}
 
     bad = {"prompt_token_ids": ids, "kv_transfer_params": {BLEND_PARAM: {"lengths": [len(ids)]}}}
     # the same question as text, passages marked with the bench's separator, tokenized by vLLM (a
@@ -73,7 +73,7 @@ def blend_case():
     try:
         with KVStoreClient(daemon.address) as client:  # the reverse direction: BlendEngine stores first
             stored = BlendEngine(model, tokenizer, client).generate(
-                prompt.prefix, [prompt.chunks[i] for i in theirs], prompt.query, max_new_tokens=1)
+                prompt.prefix, [prompt.chunks[i] for i in theirs], prompt.query, max_new_tokens=1, ratio=0.15)
             assert prompt.prefix and stored.computed_segments == 4 and stored.store_done.wait(60)
         run = run_vllm(folder, work, "blend", [ids, blend(1.0), blend(0.15), blend(0.0), bad, marked,
                                                {**marked, "kv_transfer_params": {BLEND_PARAM: {"ratio": 1.0}}}, one,
