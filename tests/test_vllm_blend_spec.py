@@ -165,6 +165,27 @@ def test_random_marked_texts_are_cut_without_losing_a_token(tokenizer):
         assert all(any(c in SEP for c in tokenizer.decode(g)) for g in glue)
 
 
+@pytest.mark.parametrize("spec", [
+    {"lengths": list(range(1, 1_000_000)) + ["x"]},     # a million counts, one of them a string
+    {"lengths": [1, 2], "ratio": "auto" * 250_000},     # a megabyte string
+    {"lengths": [1, 2], "selector": "x\nKVStoreConnector: forged line"},
+    {"lengths": [1, 2], **{f"k{i}": i for i in range(100_000)}},
+])
+def test_hostile_values_make_a_short_refusal_and_a_short_log_line(spec, caplog):
+    # a client's values reach the scheduler's log: repr'd (no forged lines) and cut short (a
+    # million-element list is not a megabyte line); so is the request id, which a client may set
+    from engine_adapter.vllm.blend import BlendRequests
+
+    with pytest.raises(ValueError) as info:
+        blend_spec({BLEND_PARAM: spec}, 10)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 1000
+    reader = BlendRequests("", "/nonexistent", max_passages=8)
+    with caplog.at_level("WARNING", logger="vllm.kvstore_connector"):
+        assert reader.spec("id\nKVStoreConnector: forged" + "x" * 100_000, [1] * 20, {BLEND_PARAM: spec}) is None
+    (record,) = caplog.records
+    assert "\n" not in record.getMessage() and len(record.getMessage()) < 1000
+
+
 def test_hostile_ids_are_no_blend_or_a_one_line_refusal(tokenizer):
     # ids past the vocabulary, all special tokens, separator pieces glued to other tokens: never a
     # crash in the scheduler, at most a refusal it logs (the request is then a plain prompt)

@@ -36,6 +36,7 @@ Blended KV is never stored under prefix keys: it is not the exact KV of its toke
 from __future__ import annotations
 
 import logging
+import reprlib
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -58,6 +59,18 @@ if TYPE_CHECKING:
     from kvstore.keys import Namespace
 
 log = logging.getLogger("vllm.kvstore_connector")
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlist = _BRIEF.maxtuple = _BRIEF.maxset = _BRIEF.maxdict = 8
+_BRIEF.maxstring = _BRIEF.maxother = 80
+_BRIEF.maxlevel = 2
+
+
+def brief(value: Any) -> str:
+    """A client's value (a request id, a field of its parameters) as it goes into a log line or an
+    error: repr, so a newline cannot forge another line, and cut short, so a million-element list
+    cannot make a megabyte line."""
+    return _BRIEF.repr(value)
 
 BLEND_PARAM = "kvstore_blend"
 
@@ -100,25 +113,26 @@ def blend_spec(params: dict[str, Any] | None, prompt_tokens: int) -> BlendSpec |
         raise ValueError(f"kv_transfer_params[{BLEND_PARAM!r}] must be an object, got {type(spec).__name__}")
     unknown = sorted(set(spec) - {"lengths", "ratio", "selector"})
     if unknown:
-        raise ValueError(f"kv_transfer_params[{BLEND_PARAM!r}] has unknown keys {unknown}; known: lengths, ratio, selector")
+        raise ValueError(f"kv_transfer_params[{BLEND_PARAM!r}] has unknown keys {brief(unknown)}; known: lengths, ratio, "
+                         f"selector")
     lengths = spec.get("lengths")
     if lengths is None:
         lengths = ()  # the prompt's text marks the passages (blend_separator); ratio and selector apply
     elif not isinstance(lengths, (list, tuple)) or not lengths or \
             not all(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
-        raise ValueError(f"{BLEND_PARAM}.lengths must be a list of token counts [prefix, passage, ...], got {lengths!r}")
+        raise ValueError(f"{BLEND_PARAM}.lengths must be a list of token counts [prefix, passage, ...], got {brief(lengths)}")
     if lengths and (lengths[0] < 0 or any(n <= 0 for n in lengths[1:])):
-        raise ValueError(f"{BLEND_PARAM}.lengths: the prefix must be >= 0 tokens and every passage > 0, got {list(lengths)}")
+        raise ValueError(f"{BLEND_PARAM}.lengths: the prefix must be >= 0 tokens and every passage > 0, got {brief(list(lengths))}")
     if lengths and sum(lengths) >= prompt_tokens:
         raise ValueError(f"{BLEND_PARAM}.lengths cover {sum(lengths)} of the prompt's {prompt_tokens} tokens; "
                          f"the query needs at least one")
     ratio = spec.get("ratio")
     if ratio is not None and ratio != "auto" and (
             isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0):
-        raise ValueError(f"{BLEND_PARAM}.ratio must be a number in [0, 1] or \"auto\", got {ratio!r}")
+        raise ValueError(f"{BLEND_PARAM}.ratio must be a number in [0, 1] or \"auto\", got {brief(ratio)}")
     selector = spec.get("selector")
     if selector is not None and selector not in SELECTORS:
-        raise ValueError(f"{BLEND_PARAM}.selector {selector!r} is unknown; known: {sorted(SELECTORS)}")
+        raise ValueError(f"{BLEND_PARAM}.selector {brief(selector)} is unknown; known: {sorted(SELECTORS)}")
     return BlendSpec(tuple(int(n) for n in lengths), None if ratio is None else (ratio if ratio == "auto" else float(ratio)),
                      selector)
 
@@ -189,7 +203,7 @@ class BlendRequests:
             try:
                 self._specs[request_id] = self._read(prompt, params)
             except Exception as exc:  # noqa: BLE001 - no request may break the scheduler: a plain prompt
-                self._log.warning("KVStoreConnector: request %s is served without blending: %s", request_id, exc)
+                self._log.warning("KVStoreConnector: request %s is served without blending: %s", brief(request_id), exc)
                 self._specs[request_id] = None
         return self._specs[request_id]
 
@@ -323,7 +337,7 @@ class VllmBlender:
         # first is whether its passages came from the cache or were computed alone
         segments = len(blended.layout.cached)
         log.info("KVStoreConnector: blended request %s: %d of %d segments from the cache, %d of %d passage "
-                 "tokens recomputed (ratio %.2f, %s), load %.1f ms, blend %.1f ms", load.request_id,
+                 "tokens recomputed (ratio %.2f, %s), load %.1f ms, blend %.1f ms", brief(load.request_id),
                  segments - result.computed_segments, segments, result.recomputed_tokens, result.chunk_tokens,
                  result.ratio, result.selector, result.load_s * 1e3, result.blend_s * 1e3)
         return blended

@@ -67,7 +67,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from engine_adapter.client import KVStoreClient
 from engine_adapter.loader import hf_rope
 from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
-from engine_adapter.vllm.blend import BlendLoad, BlendRequests, BlendSpec, VllmBlender
+from engine_adapter.vllm.blend import BlendLoad, BlendRequests, BlendSpec, VllmBlender, brief
 from engine_adapter.vllm.layout import PagedKV, PagedSpan, PageLayout, measure_page_layout, split_cache_write
 from engine_adapter.vllm.plan import ChunkLoad, Planner, StepPlan
 from blend.engine import DEFAULT_RATIO
@@ -517,7 +517,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 stats.set(num_prompt_tokens=stats.num_prompt_tokens, num_local_cached_tokens=local,
                           num_external_cached_tokens=max(0, kept - local))
             log.warning("KVStoreConnector: request %s loaded %d of %d hit tokens; vLLM computes the rest",
-                        request_id, max(0, kept - start), end - start)
+                        brief(request_id), max(0, kept - start), end - start)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.planner.forget(request.request_id)
@@ -622,7 +622,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             blended = self.blender.run(load, self.paged)
         except Exception as exc:  # noqa: BLE001 - a blend that fails is a prefill, never a failed request
             log.warning("KVStoreConnector: blend of request %s failed (%s: %s); vLLM prefills it",
-                        load.request_id, type(exc).__name__, exc)
+                        brief(load.request_id), type(exc).__name__, exc)
             self._failed_pages.update(load.span.page_ids)
             return
         self._blend_stores.extend(blended.missing)
