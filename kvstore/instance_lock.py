@@ -30,10 +30,10 @@ def _holder(fd: int) -> str:
     deadline = time.monotonic() + HOLDER_WAIT_S
     while True:
         text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        if text.isdigit() and _alive(int(text)):
+        if text.isascii() and text.isdigit() and _alive(int(text)):
             return text
-        if time.monotonic() > deadline:
-            return text or "unknown"
+        if time.monotonic() > deadline:  # another pid namespace's holder, or a file someone wrote
+            return f"unknown; the lock file says {text!r}" if text else "unknown"
         time.sleep(0.01)
 
 
@@ -63,12 +63,18 @@ class InstanceLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                taken = False
+            else:
+                taken = True
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                _held[self.path] = [fd, 1]
+        if not taken:  # waits for the holder's pid outside the guard: other locks are not held up
+            try:
                 holder = _holder(fd)
+            finally:
                 os.close(fd)
-                raise TierError(f"{what} is in use by a running daemon (pid {holder})") from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            _held[self.path] = [fd, 1]
+            raise TierError(f"{what} is in use by a running daemon (pid {holder})")
 
     def release(self) -> None:
         with _guard:

@@ -83,6 +83,29 @@ def test_a_refused_daemon_waits_for_the_winners_pid(tmp_path):
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()
+
+
+def test_a_lock_file_without_a_live_pid_is_named_as_such(tmp_path, monkeypatch):
+    """A holder that never writes its pid (another pid namespace, or a file someone wrote): after
+    the wait the refusal says what the file holds, and is still the one-line TierError."""
+    from kvstore import instance_lock
+    from tiers.base import TierError
+
+    monkeypatch.setattr(instance_lock, "HOLDER_WAIT_S", 0.2)
+    lock = tmp_path / "kvstore.lock"
+    lock.write_text("\u00b2\n")  # a digit to str.isdigit, not to int()
+    holder = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+              "print('locked', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", holder, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        with pytest.raises(TierError, match="pid unknown; the lock file says '\u00b2'"):
+            instance_lock.InstanceLock(lock, "the folder")
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
 
 
 def test_two_daemons_started_at_once_on_one_socket_one_wins(short_tmp):

@@ -170,6 +170,7 @@ def test_random_marked_texts_are_cut_without_losing_a_token(tokenizer):
     {"lengths": [1, 2], "ratio": "auto" * 250_000},     # a megabyte string
     {"lengths": [1, 2], "selector": "x\nKVStoreConnector: forged line"},
     {"lengths": [1, 2], **{f"k{i}": i for i in range(100_000)}},
+    {"lengths": [1, 10**4000]},                         # a 4,001-digit count (JSON allows up to 4,300)
 ])
 def test_hostile_values_make_a_short_refusal_and_a_short_log_line(spec, caplog):
     # a client's values reach the scheduler's log: repr'd (no forged lines) and cut short (a

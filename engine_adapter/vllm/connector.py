@@ -473,7 +473,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         def page_ids_of(request_id: str) -> list[int]:
             block_ids = block_state.get_block_ids(request_id) if block_state is not None else None
             if block_ids is None:
-                raise RuntimeError(f"vLLM gave no page table for request {request_id}")
+                raise RuntimeError(f"vLLM gave no page table for request {brief(request_id)}")
             return block_ids[0]
 
         if scheduler_output.preempted_req_ids:
