@@ -3,11 +3,13 @@ are one line naming what to fix. Every test runs real ``kvstore`` processes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +65,22 @@ def one_line_error(result: tuple[int, str, str], *words: str) -> str:
 # -- one daemon per socket and per disk folder ----------------------------------------------------
 
 
+@contextlib.contextmanager
+def holding_flock(lock: Path, then: str = "pass"):
+    """Another process that holds the flock on ``lock`` (and then runs ``then``, Python with ``fd``
+    and ``os`` at hand) for the block's duration."""
+    script = (f"import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+              f"print('locked', flush=True); {then}; time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", script, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+
+
 def test_a_refused_daemon_waits_for_the_winners_pid(tmp_path):
     """The winner of a start-up race takes the flock, then writes its pid: in between, the loser
     finds the file empty or holding a dead former holder's pid, and must name the winner anyway
@@ -72,18 +90,10 @@ def test_a_refused_daemon_waits_for_the_winners_pid(tmp_path):
 
     lock = tmp_path / "kvstore.lock"
     lock.write_text("999999999\n")  # beyond any pid_max: a holder long gone
-    winner = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
-              "print('locked', flush=True); time.sleep(0.3); os.ftruncate(fd, 0); "
-              "os.pwrite(fd, f'{os.getpid()}\\n'.encode(), 0); time.sleep(60)")
-    child = subprocess.Popen([sys.executable, "-c", winner, str(lock)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout.readline().strip() == "locked"
-        with pytest.raises(TierError, match=f"in use by a running daemon \\(pid {child.pid}\\)"):
+    then = "time.sleep(0.3); os.ftruncate(fd, 0); os.pwrite(fd, f'{os.getpid()}\\n'.encode(), 0)"
+    with holding_flock(lock, then) as winner:
+        with pytest.raises(TierError, match=f"in use by a running daemon \\(pid {winner.pid}\\)"):
             InstanceLock(lock, "the folder")
-    finally:
-        child.kill()
-        child.wait()
-        child.stdout.close()
 
 
 def test_a_lock_file_without_a_live_pid_is_named_as_such(tmp_path, monkeypatch):
@@ -95,17 +105,9 @@ def test_a_lock_file_without_a_live_pid_is_named_as_such(tmp_path, monkeypatch):
     monkeypatch.setattr(instance_lock, "HOLDER_WAIT_S", 0.2)
     lock = tmp_path / "kvstore.lock"
     lock.write_text("\u00b2\n")  # a digit to str.isdigit, not to int()
-    holder = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
-              "print('locked', flush=True); time.sleep(60)")
-    child = subprocess.Popen([sys.executable, "-c", holder, str(lock)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout.readline().strip() == "locked"
+    with holding_flock(lock):
         with pytest.raises(TierError, match="pid unknown; the lock file says '\u00b2'"):
             instance_lock.InstanceLock(lock, "the folder")
-    finally:
-        child.kill()
-        child.wait()
-        child.stdout.close()
 
 
 def test_two_daemons_started_at_once_on_one_socket_one_wins(short_tmp):

@@ -75,6 +75,7 @@ def brief(value: Any) -> str:
     except Exception:  # noqa: BLE001 - e.g. an int past Python's digit limit: name its type only
         return f"<{type(value).__name__}>"
 
+
 BLEND_PARAM = "kvstore_blend"
 
 
@@ -125,7 +126,7 @@ def blend_spec(params: dict[str, Any] | None, prompt_tokens: int) -> BlendSpec |
             not all(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
         raise ValueError(f"{BLEND_PARAM}.lengths must be a list of token counts [prefix, passage, ...], got {brief(lengths)}")
     if lengths and (lengths[0] < 0 or any(n <= 0 for n in lengths[1:])):
-        raise ValueError(f"{BLEND_PARAM}.lengths: the prefix must be >= 0 tokens and every passage > 0, got {brief(list(lengths))}")
+        raise ValueError(f"{BLEND_PARAM}.lengths: the prefix must be >= 0 tokens and every passage > 0, got {brief(lengths)}")
     if lengths and sum(lengths) >= prompt_tokens:
         raise ValueError(f"{BLEND_PARAM}.lengths cover {brief(sum(lengths))} of the prompt's {prompt_tokens} tokens; "
                          f"the query needs at least one")
