@@ -224,14 +224,17 @@ def greedy_from(model: LlamaModel, kv: KVCache, context_len: int, question_ids: 
 
 def parse_kvtc(text: str) -> dict:
     """One --kvtc setting -> calibration options. ``KEY:VALUE[:DROP]`` (relative steps, post-RoPE keys, as
-    before) or ``key=0.2,value=0.2[,drop=0.5][,sinks=4][,rope=1][,sens=1][,limit=4]`` (``rope=1``: keys coded
-    before RoPE; ``sens``: strength of the per-layer steps from measured sensitivity, clipped to
-    [1/limit, limit])."""
+    before) or ``key=0.2,value=0.2[,drop=0.5][,sinks=4][,rope=1][,sens=1][,limit=4][,metric=0]`` (``rope=1``:
+    keys coded before RoPE; ``sens``: strength of the per-layer steps from measured sensitivity, clipped to
+    [1/limit, limit]; ``metric=0``: plain PCA of the KV, no query / o_proj metric; ``auto=1``: the calibration a
+    daemon makes from a namespace's first blocks, without the model (`compression/blind.py`), from the
+    calibration items' 256-token chunks in order, item after item; only key, value and drop apply)."""
     if "=" not in text:
         parts = [float(v) for v in text.split(":")]
         return {"key": parts[0], "value": parts[1], "drop": parts[2] if len(parts) > 2 else 0.5, "sinks": 0, "rope": 0,
-                "sens": 0, "limit": SENSITIVITY_LIMIT}
-    out = {"key": None, "value": None, "drop": 0.5, "sinks": 0, "rope": 0, "sens": 0, "limit": SENSITIVITY_LIMIT}
+                "sens": 0, "limit": SENSITIVITY_LIMIT, "metric": 1, "auto": 0}
+    out = {"key": None, "value": None, "drop": 0.5, "sinks": 0, "rope": 0, "sens": 0, "limit": SENSITIVITY_LIMIT,
+           "metric": 1, "auto": 0}
     for item in text.split(","):
         name, _, value = item.partition("=")
         if name not in out:
@@ -289,6 +292,22 @@ def cached_sensitivity(model: LlamaModel, texts: list[list[int]], stats, calibra
     return sensitivity
 
 
+def blind_calibration(blocks: list[torch.Tensor], source: str, log):
+    """What a daemon calibrates from these contexts' 256-token chunks stored in order, without the model."""
+    from compression.blind import BlindCalibration
+    from compression.calibration import Allocation
+
+    start = time.perf_counter()
+    n_layers, _, n_heads, _, head_dim = blocks[0].shape
+    blind = BlindCalibration(n_layers, n_heads, head_dim)
+    for block in blocks:
+        for s, e in chunk_bounds(block.shape[3]):
+            blind.add(block[:, :, :, s:e])
+    calibration = blind.calibration(Allocation(0.5, 0.5), source=f"{source}, as {blind.blocks} blocks, no model")
+    log(f"blind calibration in {time.perf_counter() - start:.1f} s: {calibration.source}")
+    return calibration
+
+
 def kvtc_codecs(model: LlamaModel, tokenizer, args, evaluated: set[int], log) -> dict:
     """``{spec: codec}`` for each --kvtc setting, calibrated on --calibration-items (never evaluated ones)."""
     from compression import calibration_store
@@ -311,21 +330,27 @@ def kvtc_codecs(model: LlamaModel, tokenizer, args, evaluated: set[int], log) ->
     out = {}
     for text in args.kvtc:
         setting = parse_kvtc(text)
-        sinks, rope = int(setting["sinks"]), bool(setting["rope"])
-        if (sinks, rope) not in bases:
-            bases[sinks, rope] = calibrate(basis_stats.blocks, Allocation(0.5, 0.5, sink_tokens=sinks),
-                                           metric=basis_stats.metric(1, pre_rope=rope), source=source,
-                                           rope_inv_freq=basis_stats.inv_freq if rope else None,
-                                           max_position=model.config.max_position_embeddings if rope else 0)
+        sinks, rope, metric = int(setting["sinks"]), bool(setting["rope"]), bool(setting["metric"])
+        base = sinks, rope, metric
+        if setting["auto"]:
+            if "auto" not in bases:
+                bases["auto"] = blind_calibration(basis_stats.blocks, source, log)
+            base = "auto"
+            sinks = bases["auto"].allocation.sink_tokens
+        elif base not in bases:
+            bases[base] = calibrate(basis_stats.blocks, Allocation(0.5, 0.5, sink_tokens=sinks),
+                                    metric=basis_stats.metric(1, pre_rope=rope) if metric else None, source=source,
+                                    rope_inv_freq=basis_stats.inv_freq if rope else None,
+                                    max_position=model.config.max_position_embeddings if rope else 0)
         allocation = Allocation(setting["key"], setting["value"], setting["drop"], sink_tokens=sinks)
-        calibration = bases[sinks, rope].with_allocation(allocation)
+        calibration = bases[base].with_allocation(allocation)
         if setting["sens"]:
             # measured once per basis, at one reference allocation: to first order every row's KL grows as
             # step^2 alike, so the relative sensitivities hold at any step
-            reference = bases[sinks, rope].with_allocation(dataclasses.replace(SENSITIVITY_ALLOCATION, sink_tokens=sinks))
+            reference = bases[base].with_allocation(dataclasses.replace(SENSITIVITY_ALLOCATION, sink_tokens=sinks))
             sensitivity = cached_sensitivity(model, texts, stats, reference, args.cache_dir, log)
             scale = sensitivity_scale(sensitivity, groups=1, strength=setting["sens"], limit=setting["limit"])
-            calibration = bases[sinks, rope].with_allocation(dataclasses.replace(allocation, row_scale=scale))
+            calibration = bases[base].with_allocation(dataclasses.replace(allocation, row_scale=scale))
         calibration_store.register(calibration)
         spec = f"kvtc@{calibration.id[:12]}"
         log(f"{spec}: {text}, {int(calibration.kept.sum())}/{calibration.kept.numel()} components kept")

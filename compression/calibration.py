@@ -297,6 +297,83 @@ def turn_keys(block: torch.Tensor, start: int, inv_freq: torch.Tensor, to_rope: 
     return block
 
 
+class CalibrationStats:
+    """Running per-row sums of KV blocks of one namespace, from which `calibration` makes a Calibration.
+
+    What `calibrate` accumulates, kept apart so that a caller that sees blocks one at a time (the
+    daemon calibrating a namespace from its first blocks, `kvstore/autocal.py`) holds
+    B * C * C float64 numbers, not the blocks. With ``rope_inv_freq`` each block's keys are turned
+    back to position 0 from the start `add` is given (see `calibrate`).
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, groups: int = 1,
+                 rope_inv_freq: torch.Tensor | None = None, sink_tokens: int = 0) -> None:
+        if num_kv_heads % groups:
+            raise ValueError(f"groups ({groups}) must divide num_kv_heads ({num_kv_heads})")
+        n_chan = num_kv_heads // groups * head_dim
+        n_rows = num_layers * 2 * groups
+        eye = torch.eye(n_chan).expand(n_rows, n_chan, n_chan)
+        zeros = torch.zeros(n_rows, n_chan)
+        # the layout's rows (block_rows) without a basis yet
+        self._probe = Calibration(num_layers, num_kv_heads, head_dim, groups, zeros, eye, eye, zeros, zeros,
+                                  Allocation(1.0, 1.0, sink_tokens=sink_tokens), rope_inv_freq=rope_inv_freq)
+        self.rope_inv_freq = rope_inv_freq
+        self.sink_tokens = sink_tokens
+        self.total = torch.zeros(n_rows, n_chan, dtype=torch.float64)
+        self.outer = torch.zeros(n_rows, n_chan, n_chan, dtype=torch.float64)
+        self.tokens = 0
+
+    def add(self, block: torch.Tensor, start: int = 0) -> None:
+        """Add a block [L, 2, H, T, D] (any dtype; not changed) whose keys are at positions start..start+T-1."""
+        if self.rope_inv_freq is not None:
+            # a copy: turn_keys turns in place, and a float32 block would otherwise be the caller's
+            block = turn_keys(block.to(torch.float32, copy=True), start, self.rope_inv_freq, to_rope=False,
+                              kernels_choice="torch")
+            block = block[:, :, :, max(0, self.sink_tokens - start):]  # sinks are stored raw, never projected
+        x = self._probe.block_rows(block).double()  # [B, T, C]
+        self.total += x.sum(dim=1)
+        self.outer += torch.bmm(x.transpose(1, 2), x)  # [B, C, T] @ [B, T, C] -> [B, C, C]
+        self.tokens += x.shape[1]
+
+    def key_mean(self) -> torch.Tensor:
+        """[L, H, D] float32: the mean key so far (before RoPE with ``rope_inv_freq``)."""
+        mean = (self.total / max(1, self.tokens)).float()
+        return self._probe.rows_block(mean[:, None, :])[:, 0, :, 0]
+
+    def calibration(self, allocation: Allocation, metric: torch.Tensor | None = None, source: str = "",
+                    max_position: int = 0) -> Calibration:
+        """The calibration of what was added (see `calibrate` for ``metric`` and ``max_position``)."""
+        probe = self._probe
+        n_layers, n_heads, head_dim, groups = probe.num_layers, probe.num_kv_heads, probe.head_dim, probe.groups
+        n_rows, n_chan = probe.rows, probe.channels
+        if allocation.sink_tokens != self.sink_tokens:
+            raise ValueError(f"allocation.sink_tokens ({allocation.sink_tokens}) is not the {self.sink_tokens} "
+                             f"the statistics left out")
+        if self.tokens < 2 * n_chan:
+            raise ValueError(f"calibrate needs at least {2 * n_chan} tokens for {n_chan}-channel rows, got "
+                             f"{self.tokens}; give it more text")
+        mean = self.total / self.tokens  # [B, C]
+        cov = self.outer / self.tokens - mean[:, :, None] * mean[:, None, :]  # [B, C, C]
+        if metric is None:
+            whiten = unwhiten = torch.eye(n_chan, dtype=torch.float64).expand(n_rows, n_chan, n_chan)
+        else:
+            if tuple(metric.shape) != (n_rows, n_chan, n_chan):
+                raise ValueError(f"metric must be [{n_rows}, {n_chan}, {n_chan}], got {tuple(metric.shape)}")
+            m_val, m_vec = torch.linalg.eigh(metric.double())  # M = U diag(m) U^T
+            m_val = m_val.clamp_min(m_val.amax(-1, keepdim=True) * 1e-6)  # keep W invertible
+            whiten = m_vec @ torch.diag_embed(m_val.sqrt()) @ m_vec.transpose(1, 2)  # W = M^(1/2)
+            unwhiten = m_vec @ torch.diag_embed(m_val.rsqrt()) @ m_vec.transpose(1, 2)  # W^-1
+        cov = whiten.transpose(1, 2) @ cov @ whiten  # covariance of x W
+        eigval, eigvec = torch.linalg.eigh(cov)  # ascending
+        eigval, eigvec = eigval.flip(-1).clamp_min(0), eigvec.flip(-1)  # by falling variance
+        std = eigval.sqrt().float()
+        analysis = (whiten @ eigvec).float().contiguous()  # [B, C, C]
+        synthesis = (eigvec.transpose(1, 2) @ unwhiten).float().contiguous()  # [B, C, C]
+        step = _steps(std, _row_rms(std), allocation, groups)
+        return Calibration(n_layers, n_heads, head_dim, groups, mean.float(), analysis, synthesis, std, step,
+                           allocation, source, self.rope_inv_freq, max_position)
+
+
 def calibrate(blocks: list[torch.Tensor], allocation: Allocation, groups: int = 1,
               metric: torch.Tensor | None = None, source: str = "",
               rope_inv_freq: torch.Tensor | None = None, max_position: int = 0) -> Calibration:
@@ -315,45 +392,7 @@ def calibrate(blocks: list[torch.Tensor], allocation: Allocation, groups: int = 
     if not blocks:
         raise ValueError("calibrate needs at least one KV block")
     n_layers, _, n_heads, _, head_dim = blocks[0].shape
-    if n_heads % groups:
-        raise ValueError(f"groups ({groups}) must divide num_kv_heads ({n_heads})")
-    n_chan = n_heads // groups * head_dim
-    n_rows = n_layers * 2 * groups
-    eye = torch.eye(n_chan).expand(n_rows, n_chan, n_chan)
-    probe = Calibration(n_layers, n_heads, head_dim, groups, torch.zeros(n_rows, n_chan), eye.clone(), eye.clone(),
-                        torch.zeros(n_rows, n_chan), torch.zeros(n_rows, n_chan), allocation, rope_inv_freq=rope_inv_freq)
-    total = torch.zeros(n_rows, n_chan, dtype=torch.float64)
-    outer = torch.zeros(n_rows, n_chan, n_chan, dtype=torch.float64)
-    n_tokens = 0
+    stats = CalibrationStats(n_layers, n_heads, head_dim, groups, rope_inv_freq, allocation.sink_tokens)
     for block in blocks:
-        if rope_inv_freq is not None:
-            # a copy: turn_keys turns in place, and a float32 block would otherwise be the caller's
-            block = turn_keys(block.to(torch.float32, copy=True), 0, rope_inv_freq, to_rope=False, kernels_choice="torch")
-            block = block[:, :, :, allocation.sink_tokens:]  # sinks are stored raw, never projected
-        x = probe.block_rows(block).double()  # [B, T, C]
-        total += x.sum(dim=1)
-        outer += torch.bmm(x.transpose(1, 2), x)  # [B, C, T] @ [B, T, C] -> [B, C, C]
-        n_tokens += x.shape[1]
-    if n_tokens < 2 * n_chan:
-        raise ValueError(f"calibrate needs at least {2 * n_chan} tokens for {n_chan}-channel rows, got {n_tokens}; "
-                         f"give it more text")
-    mean = total / n_tokens  # [B, C]
-    cov = outer / n_tokens - mean[:, :, None] * mean[:, None, :]  # [B, C, C]
-    if metric is None:
-        whiten = unwhiten = torch.eye(n_chan, dtype=torch.float64).expand(n_rows, n_chan, n_chan)
-    else:
-        if tuple(metric.shape) != (n_rows, n_chan, n_chan):
-            raise ValueError(f"metric must be [{n_rows}, {n_chan}, {n_chan}], got {tuple(metric.shape)}")
-        m_val, m_vec = torch.linalg.eigh(metric.double())  # M = U diag(m) U^T
-        m_val = m_val.clamp_min(m_val.amax(-1, keepdim=True) * 1e-6)  # keep W invertible
-        whiten = m_vec @ torch.diag_embed(m_val.sqrt()) @ m_vec.transpose(1, 2)  # W = M^(1/2)
-        unwhiten = m_vec @ torch.diag_embed(m_val.rsqrt()) @ m_vec.transpose(1, 2)  # W^-1
-    cov = whiten.transpose(1, 2) @ cov @ whiten  # covariance of x W
-    eigval, eigvec = torch.linalg.eigh(cov)  # ascending
-    eigval, eigvec = eigval.flip(-1).clamp_min(0), eigvec.flip(-1)  # by falling variance
-    std = eigval.sqrt().float()
-    analysis = (whiten @ eigvec).float().contiguous()  # [B, C, C]
-    synthesis = (eigvec.transpose(1, 2) @ unwhiten).float().contiguous()  # [B, C, C]
-    step = _steps(std, _row_rms(std), allocation, groups)
-    return Calibration(n_layers, n_heads, head_dim, groups, mean.float(), analysis, synthesis, std, step,
-                       allocation, source, rope_inv_freq, max_position)
+        stats.add(block)
+    return stats.calibration(allocation, metric, source, max_position)

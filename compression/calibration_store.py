@@ -79,6 +79,14 @@ def _checked(raw: bytes, calibration_id: str) -> Calibration:
     return calibration
 
 
+def load(calibration_id: str, folder: Path) -> Calibration:
+    """``<folder>/<calibration_id>.kvcal``, checked against its id and registered in this process
+    (OSError if missing, ValueError if its bytes are not that calibration)."""
+    calibration = _checked((folder / f"{calibration_id}{SUFFIX}").read_bytes(), calibration_id)
+    register(calibration)
+    return calibration
+
+
 def resolve(id_or_prefix: str) -> Calibration:
     """The calibration with this id (or unique id prefix of >= 8 hex digits); ValueError if none."""
     if len(id_or_prefix) < 8:
@@ -93,10 +101,7 @@ def resolve(id_or_prefix: str) -> Calibration:
     if len(matches) > 1 or len(files) > 1:
         raise ValueError(f"calibration id prefix {id_or_prefix!r} is ambiguous; give more digits")
     if files:
-        full_id = files[0].name[: -len(SUFFIX)]
-        calibration = _checked(files[0].read_bytes(), full_id)
-        register(calibration)
-        return calibration
+        return load(files[0].name[: -len(SUFFIX)], folder)
     if len(id_or_prefix) == 64:
         for source in sources:
             raw = source(id_or_prefix)
@@ -144,7 +149,7 @@ def client_source(client: Any) -> Source:
 
     def fetch(calibration_id: str) -> bytes | None:
         key = calibration_key(calibration_id)
-        (raw,) = client.get([key], max_payload_bytes=64 << 20)
+        (raw,) = client.get([key], max_payload_bytes=64 << 20, inline=True)
         return None if raw is None else bytes(raw)
 
     return fetch

@@ -63,10 +63,19 @@ def estimate_start(keys: torch.Tensor, calibration: Calibration) -> int:
 
     a sum of D/2 sinusoids in s, evaluated at every candidate at once (float64 angles reduced mod 2 pi).
     """
+    mean = calibration.rows_block(calibration.mean[:, None, :])[:, 0, :, 0]  # [L, H, D] (pre-RoPE)
+    return best_start(keys, mean, calibration.rope_inv_freq, calibration.max_position or MAX_START)
+
+
+def best_start(keys: torch.Tensor, mean: torch.Tensor, inv_freq: torch.Tensor, n_start: int, first: int = 0) -> int:
+    """The s in [first, first + n_start) at which keys [L, H, T, D] (after RoPE at s..s+T-1) turned
+    back to position 0 correlate best with ``mean`` [L, H, D] (keys before RoPE); see `estimate_start`.
+    A negative ``first`` finds a start relative to a mean taken in another block's frame
+    (`compression/blind.py`)."""
     n_layers, n_heads, n_tokens, head_dim = keys.shape
     half = head_dim // 2
-    freq = calibration.rope_inv_freq.double()  # [J]
-    mean = calibration.rows_block(calibration.mean[:, None, :])[:, 0, :, 0].double()  # [L, H, D] (pre-RoPE)
+    freq = inv_freq.double()  # [J]
+    mean = mean.double()
     mu_re, mu_im = mean[..., :half].float(), mean[..., half:].float()  # [L, H, J]
     z_re, z_im = keys[..., :half].float(), keys[..., half:].float()  # [L, H, T, J]
     # w = sum over l, h of conj(mu) z, in real arithmetic: [T, J]
@@ -75,9 +84,10 @@ def estimate_start(keys: torch.Tensor, calibration: Calibration) -> int:
     t_phase = torch.polar(torch.ones(n_tokens, half, dtype=torch.float64),
                           -torch.arange(n_tokens, dtype=torch.float64)[:, None] * freq[None, :])  # [T, J]
     a = (torch.complex(w_re.double(), w_im.double()) * t_phase).sum(0)  # [J]
+    if first:  # candidates first + s': e^{-i (first + s') f} = e^{-i first f} e^{-i s' f}
+        a = a * torch.polar(torch.ones(half, dtype=torch.float64), torch.remainder(-first * freq, 2 * math.pi))
     # every s = u * n_fine + v at once: e^{-i s f} = e^{-i u n_fine f} e^{-i v f}, one [U, J] @ [J, V] product
     n_fine = 256
-    n_start = calibration.max_position or MAX_START
     n_coarse = -(-n_start // n_fine)
     coarse = torch.polar(torch.ones(n_coarse, half, dtype=torch.float64),
                          torch.remainder(-torch.arange(0, n_coarse * n_fine, n_fine, dtype=torch.float64)[:, None] * freq,
@@ -85,7 +95,7 @@ def estimate_start(keys: torch.Tensor, calibration: Calibration) -> int:
     fine = torch.polar(torch.ones(n_fine, half, dtype=torch.float64),
                        -torch.arange(n_fine, dtype=torch.float64)[:, None] * freq)  # [V, J]
     score = ((coarse * a[None, :]) @ fine.T).real.reshape(-1)[:n_start]  # [U, V] -> [S]: sum_j Re(A_j e^{-i s f_j})
-    return int(torch.argmax(score))
+    return first + int(torch.argmax(score))
 
 
 class TransformCodec(Codec):

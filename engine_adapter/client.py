@@ -265,13 +265,15 @@ class KVStoreClient:
 
     @contextlib.contextmanager
     def fetch(self, keys: Sequence[bytes], max_payload_bytes: int,
-              allow_missing: bool = True) -> Iterator[list[FetchedBlock | None]]:
+              allow_missing: bool = True, inline: bool = False) -> Iterator[list[FetchedBlock | None]]:
         """Get blocks; payload views stay valid until the ``with`` block ends.
 
         ``max_payload_bytes`` bounds one payload (for raw blocks, ``layout.block_bytes(tokens)``).
         Keys whose blocks vanished since a Lookup come back as None when ``allow_missing``.
+        ``inline``: payloads in the reply, not the arena (a Get made while this thread holds
+        arena space, which it could otherwise wait for forever).
         """
-        if self._arena is None:
+        if self._arena is None or inline:
             reply = self._call(self._stub.Get, pb.GetRequest(
                 items=[pb.GetItem(key=k) for k in keys], allow_missing=allow_missing))
             yield [_fetched(k, r, memoryview(r.inline)) if r.found else None
@@ -346,12 +348,12 @@ class KVStoreClient:
             return MAX_ITEMS_PER_CALL
         return max(1, min(MAX_ITEMS_PER_CALL, self._planned_bytes() // _slot_bytes(max_payload_bytes)))
 
-    def get(self, keys: Sequence[bytes], max_payload_bytes: int) -> list[bytes | None]:
-        """Convenience: payload copies (None for misses)."""
+    def get(self, keys: Sequence[bytes], max_payload_bytes: int, inline: bool = False) -> list[bytes | None]:
+        """Convenience: payload copies (None for misses); ``inline``: see `fetch`."""
         out: list[bytes | None] = []
-        step = self.max_fetch_blocks(max_payload_bytes)
+        step = 1 if inline else self.max_fetch_blocks(max_payload_bytes)
         for start in range(0, len(keys), step):
-            with self.fetch(keys[start : start + step], max_payload_bytes) as blocks:
+            with self.fetch(keys[start : start + step], max_payload_bytes, inline=inline) as blocks:
                 out.extend(None if b is None else b.payload.tobytes() for b in blocks)
         return out
 

@@ -27,6 +27,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator, Sequence
 
@@ -138,11 +139,33 @@ class PrefixCache:
         self._down_until = 0.0
         self._down_since: float | None = None  # set while in an outage
         self._lock = threading.Lock()
+        self._register_calibration_source()
         self._jobs: queue.Queue[_StoreJob | None] = queue.Queue()
         self._queued = 0  # blocks in self._jobs or being stored
         self._store_thread: threading.Thread | None = None
 
     # -- the daemon, guarded ------------------------------------------------------------------
+
+    def _register_calibration_source(self) -> None:
+        """Let a kvtc block's calibration be fetched from this cache's daemon when this host lacks its
+        file (one the daemon made with kvtc@auto, or `kvstore calibrate` ran on another host)."""
+        from compression import calibration_store
+
+        ref = weakref.ref(self)
+
+        def fetch(calibration_id: str) -> bytes | None:
+            cache = ref()
+            client = cache.client() if cache is not None else None
+            if client is None:
+                return None
+            try:
+                (raw,) = client.get([calibration_store.calibration_key(calibration_id)], 64 << 20, inline=True)
+            except Exception:  # noqa: BLE001 - no calibration from here: the block is a miss
+                return None
+            return None if raw is None else bytes(raw)
+
+        self._calibration_source = fetch
+        calibration_store.add_source(fetch)
 
     def client(self) -> KVStoreClient | None:
         """The client to call now; None while there is none or the daemon is taken to be down."""
@@ -333,6 +356,9 @@ class PrefixCache:
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish the queued stores (waiting at most ``timeout``), then close a client it connected."""
+        from compression import calibration_store
+
+        calibration_store.remove_source(self._calibration_source)
         thread = self._store_thread
         if thread is not None:
             self._jobs.put(None)

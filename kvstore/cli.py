@@ -27,14 +27,19 @@ _FIELD_HELP = {
     "disk_capacity": "disk tier size, e.g. 10GiB",
     "disk_fsync": "fsync each block before it is visible (true/false)",
     "disk_o_direct": "read disk blocks with O_DIRECT, bypassing the page cache (true/false)",
-    "disk_codec": "codec of blocks moved down to disk: raw, int8, int4, int8+shuffle+zstd, ... (docs/compression.md)",
+    "disk_codec": "codec of blocks moved down to disk: raw, int8, int4, int8+shuffle+zstd, kvtc@ID (kvstore calibrate), "
+                  "kvtc@auto (calibrated per namespace from its first blocks), ... (docs/compression.md)",
     "write_policy": "write-through (every put also goes down) or write-back (only on eviction)",
     "s3_bucket": "S3 tier bucket ('' disables the tier); credentials from boto3's chain (AWS_ACCESS_KEY_ID, AWS_PROFILE, role)",
     "s3_endpoint": "S3-compatible endpoint URL, e.g. http://minio:9000 ('' for AWS S3)",
     "s3_prefix": "key prefix in the bucket; hosts sharing a cache use the same bucket and prefix",
     "s3_region": "S3 region ('' takes AWS_REGION or us-east-1)",
     "s3_capacity": "bytes this daemon keeps in S3 before LRU eviction, e.g. 1TiB (0 = unbounded)",
-    "s3_codec": "codec of blocks written to S3: raw (keep as they arrive), int8, int4, ...",
+    "s3_codec": "codec of blocks written to S3: raw (keep as they arrive), int8, int4, kvtc@ID, kvtc@auto, ...",
+    "auto_calibration_tokens": "with kvtc@auto: tokens of a namespace's first blocks it is calibrated on (stored "
+                               "as they are until then)",
+    "calibration_dir": "folder of kvtc calibrations (<id>.kvcal) and of the daemon's own (kvtc@auto); '' = "
+                       "~/.cache/kvstore/calibrations",
     "s3_part_size": "objects larger than this use multipart PUT and parallel ranged GETs (min 5MiB)",
     "s3_concurrency": "S3 requests in flight at once",
     "s3_timeout": "seconds an S3 request may wait for a response",

@@ -110,7 +110,8 @@ class DaemonConfig:
     #: Read disk blocks with O_DIRECT, bypassing the page cache.
     disk_o_direct: bool = False
     #: Codec blocks are re-encoded into when they move down to disk: "raw" (exact), "int8",
-    #: "int4", "int8+shuffle+zstd", ... (see docs/compression.md).
+    #: "int4", "int8+shuffle+zstd", "kvtc@<calibration id>", "kvtc@auto" (the daemon calibrates
+    #: each namespace from its first blocks: kvstore/autocal.py), ... (see docs/compression.md).
     disk_codec: str = "raw"
     #: write-through: every put is also queued for the lower tiers; write-back: blocks move down
     #: only when evicted.
@@ -128,6 +129,12 @@ class DaemonConfig:
     s3_capacity: int = 0
     #: Codec blocks are re-encoded into when written to S3; "raw" keeps them as they arrive.
     s3_codec: str = "raw"
+    #: With "kvtc@auto": tokens of a namespace's first blocks the daemon calibrates on (those
+    #: blocks, and the namespace's until then, are stored as they are).
+    auto_calibration_tokens: int = 8192
+    #: Where calibrations are read from (kvtc@<id>) and the daemon's own are kept (kvtc@auto);
+    #: "": $KVSTORE_CALIBRATION_DIR, else ~/.cache/kvstore/calibrations (`kvstore calibrate` writes there).
+    calibration_dir: str = ""
     #: Objects larger than this go up as multipart uploads and come down as parallel ranged GETs.
     s3_part_size: int = 8 * 2**20
     #: S3 requests in flight at once.
@@ -189,10 +196,12 @@ class DaemonConfig:
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         for codec in (self.disk_codec, self.s3_codec):
-            if codec != "raw":
+            if codec not in ("raw", "kvtc@auto"):
                 from kvstore.transcode import canonical_codec
 
                 canonical_codec(codec)  # ValueError naming the known codecs
+        if not 512 <= self.auto_calibration_tokens <= 1 << 20:
+            raise ValueError(f"auto_calibration_tokens must be in 512..1048576, got {self.auto_calibration_tokens}")
         if self.queue_depth < 1:
             raise ValueError(f"queue_depth must be at least 1, got {self.queue_depth}")
         if self.max_message_bytes < 2**20:

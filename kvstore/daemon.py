@@ -16,9 +16,12 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from compression.calibration_store import CALIBRATION_DIR_ENV
 from kvstore.arena import arena_socket_path
 from kvstore.arenas import ArenaRegistry, ArenaSocket
 from kvstore.auth import TenantDirectory
+from kvstore.autocal import AUTO_SPEC, AutoCalibrator
+from kvstore.block import BlockHeader, payload_checksum
 from kvstore.config import DaemonConfig
 from kvstore.events import EventPublisher
 from kvstore.instance_lock import InstanceLock
@@ -82,6 +85,13 @@ class Daemon:
         configured = {"disk": config.disk_codec, "s3": config.s3_codec}
         codecs = [None if t is tiers[0] or configured.get(t.name, "raw") == "raw" else configured[t.name]
                   for t in tiers]
+        #: kvtc@auto: the daemon calibrates each namespace from its first blocks (kvstore/autocal.py)
+        if config.calibration_dir:  # this process's kvtc decodes read it too (compression/calibration_store.py)
+            os.environ[CALIBRATION_DIR_ENV] = config.calibration_dir
+        self.autocal = AutoCalibrator(config.auto_calibration_tokens, publish=self._publish_calibration,
+                                      metrics=self.metrics) if AUTO_SPEC in codecs else None
+        codecs = [self.autocal if c == AUTO_SPEC else c for c in codecs]
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.tenants = TenantDirectory.from_config(config.tenants_file, config.auth_token,
                                                    config.tenant_secret_file)
         self.events = self._events(tiers)
@@ -90,11 +100,35 @@ class Daemon:
                                 codecs=codecs, key_index=self._key_index(tiers), events=self.events)
         self.arenas = ArenaRegistry(config.max_arena_bytes, config.max_arenas_per_client,
                                     config.max_arena_total_bytes, len(self.tenants.tenants))
-        self.service = KVStoreService(self.store, self.tenants, self.arenas, config.max_message_bytes)
+        self.service = KVStoreService(self.store, self.tenants, self.arenas, config.max_message_bytes,
+                                      autocal=self.autocal)
         self.server: grpc.aio.Server | None = None
         #: Shared memory is offered on unix sockets only (kvstore/arena.py).
         self.arena_socket: ArenaSocket | None = None
         self._socket_lock: InstanceLock | None = None
+
+    def _publish_calibration(self, calibration, tenant) -> None:
+        """Store an auto-calibration in the cache as a block of ``tenant`` (every tier, S3 too), so
+        engines and other hosts decode its blocks (`calibration_store.client_source`). Called from
+        a reader thread; the Put runs on the event loop, never waited for here."""
+        from compression.calibration_store import calibration_block, calibration_namespace
+        from kvstore.auth import ANONYMOUS
+
+        tenant = tenant or ANONYMOUS
+        key, tokens, payload = calibration_block(calibration)
+        namespace = calibration_namespace()
+        header = BlockHeader(key=tenant.stored_key(key), namespace=tenant.stored_key(namespace.id),
+                             layout=namespace.layout, tokens=tokens, payload_len=len(payload),
+                             checksum=payload_checksum(payload), codec="raw", codec_params={"exact": True})
+
+        async def put() -> None:
+            try:
+                await self.store.put(header, memoryview(payload))
+            except Exception as exc:  # noqa: BLE001 - the calibration file still serves this host
+                log.warning("auto-calibration %s not stored in the cache: %s", calibration.id[:12], exc)
+
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(put()))
 
     def _key_index(self, tiers: list[Tier]) -> KeyIndexWriter | None:
         """The shared-memory key index, unless turned off, unsupported here, or tenants are set: it
@@ -124,6 +158,7 @@ class Daemon:
                               metrics=self.metrics)
 
     async def start(self) -> str:
+        self._loop = asyncio.get_running_loop()
         if self.events is not None:
             self.events.start()  # first: a taken events address fails the start before anything listens
         options = [("grpc.max_receive_message_length", self.config.max_message_bytes),

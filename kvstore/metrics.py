@@ -31,6 +31,9 @@ class Metrics:
         self.unavailable = Counter("kvstore_tier_unavailable",
                                    "Reads and writes that found a tier unreachable (served as misses)", ["tier"],
                                    registry=r)
+        self.auto_calibration = Counter(
+            "kvstore_auto_calibration", "kvtc@auto: blocks sampled, coded, or stored as they are (over_error, busy, "
+            "not_finite, unreadable), and calibrations made", ["outcome"], registry=r)
         self.discovered = Counter("kvstore_discovered", "Blocks found in a shared tier that another host stored",
                                   ["tier"], registry=r)
         self.events_published = Counter("kvstore_events_published", "KV events published for routers", registry=r)

@@ -141,8 +141,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     way in (kvstore/auth.py) and keys back on the way out, so tenants never see each other's blocks."""
 
     def __init__(self, store: BlockStore, tenants: TenantDirectory | None = None,
-                 arenas: ArenaRegistry | None = None, max_message_bytes: int = 256 * 2**20) -> None:
+                 arenas: ArenaRegistry | None = None, max_message_bytes: int = 256 * 2**20,
+                 autocal=None) -> None:
         self.store = store
+        #: kvtc@auto's calibrator (kvstore/autocal.py), told which tenant Puts each namespace
+        self.autocal = autocal
         self.tenants = tenants or TenantDirectory([ANONYMOUS], required=False)
         #: Arenas handed out on the arena socket (kvstore/arenas.py); empty without one.
         self.arenas = arenas if arenas is not None else ArenaRegistry(max_arena_bytes=0, max_arenas_per_client=0)
@@ -236,6 +239,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             except ValueError as exc:
                 raise ValueError(f"items[{i}]: {exc}") from None
             self.store.check_namespace(header)
+            if self.autocal is not None:
+                self.autocal.note(header.namespace, tenant)
             prepared.append((header, payload))
         self._check_bytes(tenant, "this Put", 0, shared, arena_ids)
         # Validate everything before storing anything; then store, the checksum computed as the

@@ -57,12 +57,16 @@ class TierIO:
         await self.run(tier, tier.read_payload_into, key, buffer, reader=True)
         return header, buffer
 
-    async def encoded(self, spec: str | None, header: BlockHeader, payload: memoryview
-                      ) -> tuple[BlockHeader, memoryview]:
-        """The block re-encoded into codec ``spec`` (in a reader thread), or as it is (None, or its codec)."""
+    async def encoded(self, spec, header: BlockHeader, payload: memoryview) -> tuple[BlockHeader, memoryview]:
+        """The block re-encoded into codec ``spec`` (in a reader thread), or as it is (None, or its
+        codec). ``spec`` may also be a transcoder with the signature of `transcode` less the spec
+        (`kvstore.autocal.AutoCalibrator`: kvtc@auto)."""
         if spec is None or spec == header.codec:
             return header, payload
-        return await asyncio.get_running_loop().run_in_executor(self._readers, transcode, header, payload, spec)
+        loop = asyncio.get_running_loop()
+        if not isinstance(spec, str):
+            return await loop.run_in_executor(self._readers, spec.transcode, header, payload)
+        return await loop.run_in_executor(self._readers, transcode, header, payload, spec)
 
     def shutdown(self) -> None:
         self._writer.shutdown(wait=True)
