@@ -15,14 +15,18 @@ keys before RoPE and keeping the attention-sink positions raw, both of which nee
    none), the calibration is post-RoPE (format v2), as good as plain PCA gets.
 2. **Start positions.** A block's keys turned back by t alone still carry e^{i s f_j}, s its start.
    Against a mean taken in another block's frame, `transform.best_start` finds s relative to that
-   block (negative allowed); the warm-up blocks' starts are taken relative to the first, then
+   block (negative allowed); the warm-up blocks' starts are taken relative to the longest, then
    shifted so the earliest is 0 (a namespace's first blocks include a prompt's first chunk: the
-   engines store chunks in order). Every later block's start is found against the running mean.
+   engines store chunks in order). Every later block's start is found against the running mean,
+   in [0, max_start) as the codec searches it.
 3. **Sinks.** Positions 0..`SINK_TOKENS`-1 are stored raw by the codec, as with `kvstore calibrate`.
 
-No query or o_proj metric (the daemon has no weights): plain PCA per row. Head groups are chosen
-so that a row has at most `MAX_CHANNELS` channels (the [C, C] bases and the float64 statistics
-grow as C^2). Decoding never depends on these estimates being right: a block records the start it
+No query or o_proj metric (the daemon has no weights): plain PCA per row. Head groups are the
+fewest that keep a row within `MAX_CHANNELS` channels (the [C, C] bases and the float64 statistics
+grow as C^2); the daemon does not calibrate a layout where one head alone passes it
+(`kvstore/autocal.py`). Scaled RoPE (Llama 3.1's long-context frequencies) is not the standard
+form: a theta may still fit the first blocks, and later blocks' starts then go wrong; the daemon's
+per-block check stores those blocks as they came, which costs size, not quality. Decoding never depends on these estimates being right: a block records the start it
 was coded with, and a wrong frequency or start only costs bytes or error, which the daemon checks
 per block (`kvstore/autocal.py`).
 """
@@ -157,11 +161,12 @@ class BlindCalibration:
         self.theta = theta
         freq = rope_freq(theta, head_dim)
         self.stats = CalibrationStats(n_layers, n_heads, head_dim, self.groups, freq, SINK_TOKENS)
-        # starts relative to the first block (its keys turned back by t: its frame), the earliest taken as 0
-        first = turn_keys(held[0][:, :1].clone(), 0, freq, to_rope=False, kernels_choice="torch")[:, 0]
-        reference = first.mean(2)  # [L, H, D]
-        relative = [0] + [best_start(b[:, 0], reference, freq, 2 * self.max_start, first=-self.max_start)
-                          for b in held[1:]]
+        # starts relative to the longest warm-up block (its keys turned back by t: its frame), the
+        # earliest taken as 0
+        ref = max(range(len(held)), key=lambda i: held[i].shape[3])
+        reference = turn_keys(held[ref][:, :1].clone(), 0, freq, to_rope=False, kernels_choice="torch")[:, 0].mean(2)
+        relative = [0 if i == ref else best_start(b[:, 0], reference, freq, 2 * self.max_start, first=-self.max_start)
+                    for i, b in enumerate(held)]
         base = min(relative)
         for block, start in zip(held, relative):
             self.starts.append(start - base)
@@ -172,8 +177,8 @@ class BlindCalibration:
         if stats.rope_inv_freq is None:
             stats.add(block)
             return
-        start = best_start(block[:, 0], stats.key_mean(), stats.rope_inv_freq, 2 * self.max_start,
-                           first=-self.max_start)
+        # in the fixed frame, as the codec will search it: [0, max_start)
+        start = best_start(block[:, 0], stats.key_mean(), stats.rope_inv_freq, self.max_start)
         self.starts.append(start)
         stats.add(block, start)
 

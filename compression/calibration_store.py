@@ -28,6 +28,7 @@ CALIBRATION_DIR_ENV = "KVSTORE_CALIBRATION_DIR"
 SUFFIX = ".kvcal"
 CALIBRATION_MODEL_ID = "kvstore-calibration"
 _TOKEN_BYTES = 2 * 64 * 2  # one "token" of the [1, 2, 1, T, 64] float16 carrier block
+MAX_FETCH_BYTES = 256 << 20  # largest calibration block a source Gets (inline: the daemon's max_message_bytes)
 
 Source = Callable[[str], bytes | None]  # full id -> calibration bytes (possibly padded), or None
 
@@ -63,7 +64,7 @@ def remove_source(source: Source) -> None:
 def save(calibration: Calibration, folder: Path | None = None) -> Path:
     """Write ``<id>.kvcal`` into the calibration directory (atomically); returns the path."""
     folder = folder or calibration_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # a calibration is statistics of someone's KV
     path = folder / f"{calibration.id}{SUFFIX}"
     if not path.exists():
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -89,8 +90,9 @@ def load(calibration_id: str, folder: Path) -> Calibration:
 
 def resolve(id_or_prefix: str) -> Calibration:
     """The calibration with this id (or unique id prefix of >= 8 hex digits); ValueError if none."""
-    if len(id_or_prefix) < 8:
-        raise ValueError(f"calibration id {id_or_prefix!r} is too short; give at least 8 hex digits")
+    if not 8 <= len(id_or_prefix) <= 64 or not all(c in "0123456789abcdef" for c in id_or_prefix):
+        # (never a glob pattern: a block's params name the id, and a client writes those)
+        raise ValueError(f"calibration id {id_or_prefix[:80]!r} must be 8 to 64 lower-case hex digits")
     with _lock:
         matches = [c for i, c in _loaded.items() if i.startswith(id_or_prefix)]
         sources = list(_sources)
@@ -149,7 +151,7 @@ def client_source(client: Any) -> Source:
 
     def fetch(calibration_id: str) -> bytes | None:
         key = calibration_key(calibration_id)
-        (raw,) = client.get([key], max_payload_bytes=64 << 20, inline=True)
+        (raw,) = client.get([key], max_payload_bytes=MAX_FETCH_BYTES, inline=True)
         return None if raw is None else bytes(raw)
 
     return fetch

@@ -164,6 +164,8 @@ class TransformCodec(Codec):
 
     def decode(self, payload, params, shape, dtype, device="cpu") -> torch.Tensor:
         wanted = str(params["calibration"])
+        if len(wanted) != 64:  # a block names the full id (a prefix could match another's calibration)
+            raise ValueError(f"block params name calibration {wanted[:80]!r}, not a 64-digit id")
         own = self._calibration
         cal = own if own is not None and own.id == wanted else resolve(wanted)
         if len(shape) != 5 or shape[1] != 2:

@@ -159,7 +159,8 @@ class PrefixCache:
             if client is None:
                 return None
             try:
-                (raw,) = client.get([calibration_store.calibration_key(calibration_id)], 64 << 20, inline=True)
+                (raw,) = client.get([calibration_store.calibration_key(calibration_id)],
+                                    calibration_store.MAX_FETCH_BYTES, inline=True)
             except Exception:  # noqa: BLE001 - no calibration from here: the block is a miss
                 return None
             return None if raw is None else bytes(raw)

@@ -5,39 +5,49 @@ makes one with the model. A daemon has no model. With ``kvtc@auto`` it makes one
 (model, layout, tenant: the stored namespace id) from the first blocks of that namespace it moves
 into the tier, without the model (`compression/blind.py`)::
 
-    block of namespace N moves down --> N calibrated? --no--> sample it (statistics), store it as it is
-                                                     --yes-> kvtc@<N's id>, decoded again and checked:
-                                                             relative error within MAX_RELATIVE_ERROR?
-                                                             --yes-> store coded --no--> store as it is
+    block of namespace N moves down --> N's calibration stored in the cache? --no--> copy it to the
+                                        sampler thread (until N has enough), store it as it is
+                                     --yes-> kvtc@<N's id>, decoded again and checked:
+                                             error within the limits? --yes-> store coded
+                                                                      --no--> store as it is
 
-Until the namespace has `auto_calibration_tokens` tokens sampled, its blocks go down as they
-are: nothing lossy happens to a namespace the daemon knows nothing about. A calibration, once made:
+Until a namespace has `auto_calibration_tokens` tokens sampled, its blocks go down as they are:
+nothing lossy happens to a namespace the daemon knows nothing about. Sampling and calibrating run
+on one thread of their own (`_worker`), never in the store's copy path (which may hold the store's
+lock). A calibration, once made:
 
-- is saved in the calibration directory (`calibration_store.calibration_dir()`, ``<id>.kvcal``)
-  and registered in this process, so this daemon and the engines on its host decode its blocks;
-- is named as the namespace's in ``auto/<namespace>-<layout>`` there, so a restarted daemon
-  keeps it instead of making another (blocks coded before keep naming theirs: ids never change);
-- is stored in the cache as a block (`calibration_store.calibration_block`) under the namespace's
-  tenant, in every tier: engines elsewhere and hosts sharing the S3 bucket fetch it by id
-  (`calibration_store.client_source`, which `PrefixCache` adds).
+- is saved in the calibration directory (``<id>.kvcal``, folder mode 0700) and registered in this
+  process, so this daemon and the engines on its host decode its blocks;
+- is named as the namespace's in ``auto/<namespace>-<layout>`` there, so a restarted daemon keeps
+  it instead of making another (blocks coded before keep naming theirs: ids never change);
+- is stored in the cache as a block under the namespace's tenant (durably where a durable tier
+  exists), so engines elsewhere and hosts sharing the S3 bucket fetch it by id
+  (`calibration_store.client_source`, which `PrefixCache` adds). Blocks are coded only once that
+  Put succeeded (retried every `PUBLISH_RETRY_S`; again after a restart).
 
-Every coded block is decoded again and compared: the relative error of each (layer, K/V) is
-``|x' - x| / |x - mean over tokens|``; above `MAX_RELATIVE_ERROR` (a block unlike the sample: a
-calibration made from unrepresentative or hostile first blocks, a drifting workload) the block
-is stored as it is and counted. Each tenant's namespaces are its own, so one tenant's blocks never
-shape another's calibration. Bounds, so that a client making up namespaces cannot make the daemon
-hold unbounded memory or keep other tenants from being calibrated: at most `MAX_SAMPLING`
-namespaces are sampled at once, `MAX_SAMPLING_PER_TENANT` of one tenant, and a sample idle for
-`SAMPLE_IDLE_S` gives its slot to a namespace that waits (the others go down as they are
-meanwhile); at most `MAX_NAMESPACES` namespaces are followed, `MAX_NAMESPACES_PER_TENANT` of one
-tenant; later ones go down as they are, said once in the log.
+Every coded block is decoded again and compared, per layer and K/V, against the block's own spread
+(RMS of each token vector about the block's mean): the whole block's error above
+`MAX_RELATIVE_ERROR`, or any one token vector's above `MAX_TOKEN_ERROR`, and the block is stored as
+it is, counted (honest calibrations measure 0.10-0.13 and 0.12-0.14 on real blocks; a calibration
+made from unrepresentative or hostile first blocks, or a drifting workload, costs size).
+
+Each tenant's namespaces are its own, so one tenant's blocks never shape another's calibration.
+Bounds, so that a client declaring huge layouts or making up namespaces cannot make the daemon hold
+unbounded memory: a layout whose calibration would pass `MAX_CALIBRATION_BYTES` (or whose decoded
+block passes `MAX_BLOCK_BYTES`) is never calibrated; at most `MAX_SAMPLING` namespaces are sampled
+at once, `MAX_SAMPLING_PER_TENANT` of one tenant, and a sample idle for `SAMPLE_IDLE_S` gives its
+slot to a namespace that waits; at most `MAX_NAMESPACES` namespaces are followed,
+`MAX_NAMESPACES_PER_TENANT` of one tenant (so one tenant holds at most a quarter of them; a daemon
+with more namespaces than that stores the rest as they are, said once in the log).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
+import queue
 import threading
 import time
 from pathlib import Path
@@ -45,7 +55,7 @@ from typing import Callable
 
 import torch
 
-from compression.blind import BlindCalibration
+from compression.blind import MAX_CHANNELS, BlindCalibration, groups_for
 from compression.calibration import Allocation, Calibration
 from kvstore.block import BlockHeader, payload_checksum
 from kvstore.keys import KVLayout
@@ -56,49 +66,82 @@ AUTO_SPEC = "kvtc@auto"
 #: Relative steps of the daemon's calibrations (docs/compression.md, "Calibrated by the daemon").
 AUTO_ALLOCATION = Allocation(key_step=0.4, value_step=0.3, drop=0.2)
 DEFAULT_SAMPLE_TOKENS = 8192
-MAX_RELATIVE_ERROR = 0.35
+MAX_RELATIVE_ERROR = 0.25  # a layer's K or V over the block: |x' - x| / |x - mean over tokens|
+MAX_TOKEN_ERROR = 0.5  # one token vector's error / the RMS spread of that layer's K or V in the block
+MAX_BLOCK_BYTES = 32 << 20  # decoded size of a block the calibrator reads (a 256-token Llama-3-8B block: 32 MiB)
+MAX_CALIBRATION_BYTES = 160 << 20  # a calibration this large is fetched inline by engines (max_message_bytes)
 MAX_SAMPLING = 4  # namespaces sampled at once (each holds its warm-up blocks and rows * C^2 float64 sums)
 MAX_SAMPLING_PER_TENANT = 2
 SAMPLE_IDLE_S = 300.0  # a sample that got no block for this long gives its slot to a namespace that waits
-MAX_NAMESPACES = 64  # namespaces one daemon follows (a calibration in memory: 2 * rows * C^2 * 4 bytes and more)
+MAX_NAMESPACES = 64  # namespaces one daemon follows
 MAX_NAMESPACES_PER_TENANT = 16
+PUBLISH_RETRY_S = 30.0
+QUEUE_BLOCKS = 8  # blocks waiting for the sampler thread (more: the block is not sampled)
 
-Publish = Callable[[Calibration, object], None]  # (calibration, the tenant whose namespace it was made for)
+Publish = Callable[[Calibration, object], None]  # stores it in the cache for the tenant; raises on failure
 
 
 def layout_tag(layout: KVLayout) -> str:
     return f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}-{layout.dtype}"
 
 
-def relative_errors(block: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-    """[L, 2] float64: |decoded - block| / |block - its mean over tokens| per layer and K/V."""
+def calibration_bytes(layout: KVLayout) -> int:
+    """About the bytes of a calibration of this layout (two [rows, C, C] float32 matrices)."""
+    groups = groups_for(layout.num_kv_heads, layout.head_dim)
+    channels = layout.num_kv_heads // groups * layout.head_dim
+    return 2 * layout.num_layers * 2 * groups * channels * channels * 4
+
+
+def unfit_layout(layout: KVLayout, limit: int = MAX_CALIBRATION_BYTES) -> str:
+    """Why a layout is never calibrated automatically ("" if it can be)."""
+    channels = layout.num_kv_heads // groups_for(layout.num_kv_heads, layout.head_dim) * layout.head_dim
+    if layout.head_dim % 2:
+        return f"head_dim {layout.head_dim} is odd"
+    if channels > MAX_CHANNELS:
+        return f"rows of {channels} channels (heads of {layout.head_dim}) pass {MAX_CHANNELS}"
+    if calibration_bytes(layout) > limit:
+        return f"its calibration would take {calibration_bytes(layout) >> 20} MiB (at most {limit >> 20})"
+    return ""
+
+
+def relative_errors(block: torch.Tensor, decoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(per layer and K/V [L, 2], per token vector [L, 2, T])`` errors of ``decoded``, relative to the
+    spread of ``block``: |x' - x| over |x - mean over tokens| (the whole block's, or its RMS per token)."""
     x = block.double()
-    err = (decoded.double() - x).pow(2).sum((2, 3, 4))
-    spread = (x - x.mean(3, keepdim=True)).pow(2).sum((2, 3, 4))
-    return (err / spread.clamp_min(1e-300)).sqrt()
+    err = (decoded.double() - x).pow(2).sum((2, 4))  # [L, 2, T]: squared error per token (over heads, dims)
+    spread = (x - x.mean(3, keepdim=True)).pow(2).sum((2, 4))  # [L, 2, T]
+    total = (err.sum(2) / spread.sum(2).clamp_min(1e-300)).sqrt()
+    per_token = (err / spread.mean(2, keepdim=True).clamp_min(1e-300)).sqrt()
+    return total, per_token
 
 
 @dataclasses.dataclass
 class _Namespace:
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    layout: KVLayout
+    tenant: str = ""  # the name of the tenant that Put it ("" unknown or anonymous)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # the sampler's
     blind: BlindCalibration | None = None
-    calibration: Calibration | None = None
-    failed: str = ""  # why it will not be calibrated (then its blocks always go down as they are)
+    reserved: bool = False  # holds a sampling slot
     sampled: set[bytes] = dataclasses.field(default_factory=set)  # keys in the sample (a block moving on to S3
     # from disk passes here again)
-    tenant: str = ""  # the name of the tenant that Put it ("" unknown or anonymous)
     last_sample: float = 0.0
+    calibration: Calibration | None = None
+    published: bool = False  # the calibration is stored in the cache: blocks may be coded with it
+    publish_after: float = 0.0
+    failed: str = ""  # why it will not be calibrated (its blocks always go down as they are)
 
 
 class AutoCalibrator:
-    """Per stored namespace and layout: sample, calibrate, then code (see the module doc).
+    """Per stored namespace and layout: sample, calibrate, publish, then code (see the module doc).
 
-    `transcode` is called from the store's reader threads, several at once; it never raises for
-    a block it cannot code (that block goes down as it is).
+    `transcode` is called from the store's reader threads, several at once, possibly under the
+    store's lock: it never waits for the sampler and never raises (a block it cannot code goes
+    down as it is).
     """
 
     def __init__(self, sample_tokens: int = DEFAULT_SAMPLE_TOKENS, allocation: Allocation = AUTO_ALLOCATION,
-                 folder: Path | None = None, publish: Publish | None = None, metrics=None) -> None:
+                 folder: Path | None = None, publish: Publish | None = None, metrics=None,
+                 max_calibration_bytes: int = MAX_CALIBRATION_BYTES) -> None:
         from compression import calibration_store
 
         self.sample_tokens = sample_tokens
@@ -106,20 +149,82 @@ class AutoCalibrator:
         self.folder = folder or calibration_store.calibration_dir()
         self.publish = publish
         self.metrics = metrics
+        self.max_calibration_bytes = max_calibration_bytes
         self._lock = threading.Lock()
         self._namespaces: dict[tuple[bytes, KVLayout], _Namespace] = {}
-        self._tenants: dict[bytes, object] = {}  # stored namespace -> the tenant that Put it (`note`)
+        self._tenants: collections.OrderedDict[bytes, object] = collections.OrderedDict()  # `note`, LRU
         self._full_said = False
+        self._jobs: queue.Queue = queue.Queue(QUEUE_BLOCKS)
+        self._thread: threading.Thread | None = None
 
     def note(self, namespace: bytes, tenant: object) -> None:
         """``tenant`` Put a block of stored namespace ``namespace`` (the server's Put calls this):
         the calibration made for it is stored under that tenant, where its clients find it."""
-        if namespace in self._tenants or len(self._tenants) >= 4 * MAX_NAMESPACES:
-            return
         with self._lock:
             self._tenants[namespace] = tenant
+            self._tenants.move_to_end(namespace)
+            while len(self._tenants) > 4 * MAX_NAMESPACES:
+                self._tenants.popitem(last=False)
 
-    # -- the namespace's calibration, made or found ----------------------------------------------
+    # -- the transcoder (reader threads) --------------------------------------------------------------
+
+    def transcode(self, header: BlockHeader, payload: bytes | memoryview) -> tuple[BlockHeader, memoryview]:
+        """``(header, payload)`` for the tier: coded with the namespace's calibration, or as they are."""
+        as_is = header, memoryview(payload)
+        try:
+            return self._transcode(header, payload) or as_is
+        except Exception:  # noqa: BLE001 - never keep a block from its tier
+            log.exception("kvtc@auto: block %s stored as it is", header.key.hex())
+            self._count("error")
+            return as_is
+
+    def _transcode(self, header: BlockHeader, payload) -> tuple[BlockHeader, memoryview] | None:
+        from kvstore.transcode import decode_payload
+
+        if header.codec_params.get("exact") or header.codec.startswith("kvtc"):
+            return None
+        if header.layout.block_bytes(header.tokens) > MAX_BLOCK_BYTES:  # (a small payload may decode huge)
+            self._count("too_large")
+            return None
+        state = self._state(header.namespace, header.layout)
+        if state is None or state.failed:
+            return None
+        if state.calibration is not None:
+            if state.published:
+                return self._coded(state.calibration, header, decode_payload(header, payload))
+            if time.monotonic() >= state.publish_after:
+                state.publish_after = time.monotonic() + PUBLISH_RETRY_S
+                self._submit(("publish", state, header.namespace))
+            return None
+        if header.key in state.sampled or not self._reserve(state):
+            return None
+        block = decode_payload(header, payload).clone()  # the payload's memory is the tier's
+        if not self._submit(("sample", state, header, block)):
+            self._count("busy")
+        return None
+
+    def _coded(self, calibration: Calibration, header: BlockHeader, block: torch.Tensor
+               ) -> tuple[BlockHeader, memoryview] | None:
+        from compression.transform import TransformCodec
+
+        codec = TransformCodec(calibration)
+        try:
+            encoded = codec.encode(block)
+            decoded = codec.decode(encoded.payload, encoded.params, tuple(block.shape), block.dtype)
+            total, per_token = relative_errors(block, decoded)
+        except Exception as exc:  # noqa: BLE001 - e.g. a non-finite block
+            self._count("over_error")
+            log.debug("block %s not coded: %s", header.key.hex(), exc)
+            return None
+        if not (float(total.max()) <= MAX_RELATIVE_ERROR and float(per_token.max()) <= MAX_TOKEN_ERROR):  # NaN too
+            self._count("over_error")
+            return None
+        self._count("coded")
+        payload = memoryview(encoded.payload)
+        return dataclasses.replace(header, codec=encoded.codec, codec_params=encoded.params, payload_len=len(payload),
+                                   checksum=payload_checksum(payload)), payload
+
+    # -- namespaces and slots --------------------------------------------------------------------------
 
     def _pointer(self, namespace: bytes, layout: KVLayout) -> Path:
         return self.folder / "auto" / f"{namespace.hex()}-{layout_tag(layout)}"
@@ -142,8 +247,13 @@ class AutoCalibrator:
                                 "namespaces are stored as they are (or calibrate them with `kvstore calibrate`)",
                                 len(self._namespaces), MAX_NAMESPACES, MAX_NAMESPACES_PER_TENANT)
                 return None
-            state = self._namespaces[namespace, layout] = _Namespace(tenant=tenant)
-            state.calibration = self._recorded(namespace, layout)
+            state = self._namespaces[namespace, layout] = _Namespace(layout, tenant=tenant)
+            state.failed = unfit_layout(layout, self.max_calibration_bytes)
+            if state.failed:
+                log.warning("namespace %s (%s) is not calibrated automatically: %s; its blocks are stored as they "
+                            "are", namespace.hex()[:12], layout_tag(layout), state.failed)
+                return state
+            state.calibration = self._recorded(namespace, layout)  # published again on its first block
             return state
 
     def _recorded(self, namespace: bytes, layout: KVLayout) -> Calibration | None:
@@ -152,17 +262,13 @@ class AutoCalibrator:
 
         path = self._pointer(namespace, layout)
         try:
-            calibration_id = path.read_text().strip()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            log.warning("auto-calibration %s not read (%s); the namespace is calibrated again", path, exc)
-            return None
-        try:
+            calibration_id = path.read_bytes().decode("ascii", "replace").strip()
             if len(calibration_id) != 64 or not all(c in "0123456789abcdef" for c in calibration_id):
                 raise ValueError(f"{calibration_id[:80]!r} is not a calibration id")
             return calibration_store.load(calibration_id, self.folder)
-        except (OSError, ValueError) as exc:  # its calibration gone or damaged: make a new one
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - its calibration gone or damaged: make a new one
             log.warning("auto-calibration %s not used (%s); the namespace is calibrated again", path, exc)
             return None
 
@@ -170,143 +276,130 @@ class AutoCalibrator:
         state = self._state(namespace, layout)
         return state.calibration if state is not None else None
 
-    def _take_slot(self, state: _Namespace) -> bool:
-        """Whether ``state`` may start a sample now; frees the slot of a sample idle for `SAMPLE_IDLE_S`."""
+    def _reserve(self, state: _Namespace) -> bool:
+        """Whether ``state`` may be sampled: it holds a slot, or takes one (a free one, or that of a
+        sample idle for `SAMPLE_IDLE_S`, within its tenant's share)."""
         now = time.monotonic()
         with self._lock:
-            sampling = [s for s in self._namespaces.values() if s.blind is not None]
-            if len(sampling) < MAX_SAMPLING and \
-                    sum(s.tenant == state.tenant for s in sampling) < MAX_SAMPLING_PER_TENANT:
+            if state.reserved:
                 return True
-            idle = [s for s in sampling if now - s.last_sample > SAMPLE_IDLE_S
-                    and (len(sampling) >= MAX_SAMPLING or s.tenant == state.tenant)]
-            for stale in sorted(idle, key=lambda s: s.last_sample):
-                if stale.lock.acquire(blocking=False):  # (never waits: its holder may be waiting for self._lock)
-                    try:
-                        stale.blind, stale.sampled = None, set()
-                    finally:
-                        stale.lock.release()
-                    return True
+            sampling = [s for s in self._namespaces.values() if s.reserved]
+            if sum(s.tenant == state.tenant for s in sampling) >= MAX_SAMPLING_PER_TENANT:
+                idle = [s for s in sampling if s.tenant == state.tenant and now - s.last_sample > SAMPLE_IDLE_S]
+            elif len(sampling) >= MAX_SAMPLING:
+                idle = [s for s in sampling if now - s.last_sample > SAMPLE_IDLE_S]
+            else:
+                idle = None
+            if idle is not None:
+                stale = next((s for s in sorted(idle, key=lambda s: s.last_sample)
+                              if s.lock.acquire(blocking=False)), None)  # (never waits: see `_sample`)
+                if stale is None:
+                    self._count("busy")
+                    return False
+                try:
+                    stale.reserved, stale.blind, stale.sampled = False, None, set()
+                finally:
+                    stale.lock.release()
+            state.reserved, state.last_sample = True, now
+            return True
+
+    # -- the sampler thread -----------------------------------------------------------------------------
+
+    def _submit(self, job: tuple) -> bool:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._worker, name="kvstore-autocal", daemon=True)
+                self._thread.start()
+        try:
+            self._jobs.put_nowait(job)
+            return True
+        except queue.Full:
             return False
 
+    def _worker(self) -> None:
+        while True:
+            kind, state, *args = self._jobs.get()
+            try:
+                if kind == "sample":
+                    self._sample(state, *args)
+                else:
+                    self._publish(state, *args)
+            except Exception:  # noqa: BLE001 - the thread serves every namespace: never let it die
+                log.exception("kvtc@auto: %s failed", kind)
+
     def _sample(self, state: _Namespace, header: BlockHeader, block: torch.Tensor) -> None:
-        """Add ``block`` to the namespace's sample; make the calibration once it has enough. Holds state.lock."""
+        """Add ``block`` to the namespace's sample; make the calibration once it has enough."""
         layout = header.layout
-        if state.blind is None:
-            if not self._take_slot(state):
-                self._count("busy")
+        with state.lock:
+            if not state.reserved or state.calibration is not None or state.failed or header.key in state.sampled:
                 return
-            state.blind = BlindCalibration(layout.num_layers, layout.num_kv_heads, layout.head_dim)
-        if header.key in state.sampled:
-            return
-        if not bool(torch.isfinite(block).all()):
-            self._count("not_finite")
-            return
-        state.last_sample = time.monotonic()
-        blind = state.blind
-        try:
-            blind.add(block)
-        except Exception as exc:  # noqa: BLE001 - never let a sample keep a block from its tier
-            state.blind, state.failed = None, f"{type(exc).__name__}: {exc}"
-            log.warning("namespace %s (%s) not calibrated: %s; its blocks are stored as they are",
-                        header.namespace.hex()[:12], layout_tag(layout), state.failed)
-            return
-        state.sampled.add(header.key)
-        self._count("sampled")
-        if blind.tokens < self.sample_tokens:
-            return
-        state.blind, state.sampled = None, set()
-        started = time.perf_counter()
-        try:
-            calibration = blind.calibration(self.allocation, source=f"kvstore daemon, namespace "
-                                                                    f"{header.namespace.hex()[:12]}")
-        except Exception as exc:  # noqa: BLE001 - (degenerate statistics) the namespace stays uncoded
-            state.failed = f"{type(exc).__name__}: {exc}"
-            log.warning("namespace %s (%s) not calibrated: %s; its blocks are stored as they are",
-                        header.namespace.hex()[:12], layout_tag(layout), state.failed)
-            return
-        self._keep(calibration, header.namespace, layout)
-        state.calibration = calibration
-        log.info("calibrated namespace %s (%s) from %d blocks, %d tokens in %.1f s: kvtc@%s, %d of %d components "
-                 "kept; %s", header.namespace.hex()[:12], layout_tag(layout), blind.blocks, blind.tokens,
-                 time.perf_counter() - started, calibration.id[:12], int(calibration.kept.sum()),
-                 calibration.kept.numel(), calibration.source)
-        self._count("calibrations")
+            if not bool(torch.isfinite(block).all()):
+                self._count("not_finite")
+                return
+            state.last_sample = time.monotonic()
+            if state.blind is None:
+                state.blind = BlindCalibration(layout.num_layers, layout.num_kv_heads, layout.head_dim)
+            blind = state.blind
+            try:
+                blind.add(block)
+                state.sampled.add(header.key)
+                self._count("sampled")
+                if blind.tokens < self.sample_tokens:
+                    return
+                started = time.perf_counter()
+                calibration = blind.calibration(self.allocation, source=f"kvstore daemon, namespace "
+                                                                        f"{header.namespace.hex()[:12]}")
+            except Exception as exc:  # noqa: BLE001 - (degenerate statistics) the namespace stays uncoded
+                state.failed = f"{type(exc).__name__}: {exc}"
+                log.warning("namespace %s (%s) not calibrated: %s; its blocks are stored as they are",
+                            header.namespace.hex()[:12], layout_tag(layout), state.failed)
+                return
+            finally:
+                if state.failed or blind.tokens >= self.sample_tokens:
+                    with self._lock:
+                        state.reserved, state.blind, state.sampled = False, None, set()
+            self._keep(calibration, header.namespace, layout)
+            state.calibration = calibration
+            log.info("calibrated namespace %s (%s) from %d blocks, %d tokens in %.1f s: kvtc@%s, %d of %d components "
+                     "kept; %s", header.namespace.hex()[:12], layout_tag(layout), blind.blocks, blind.tokens,
+                     time.perf_counter() - started, calibration.id[:12], int(calibration.kept.sum()),
+                     calibration.kept.numel(), calibration.source)
+            self._count("calibrations")
+        self._publish(state, header.namespace)
 
     def _keep(self, calibration: Calibration, namespace: bytes, layout: KVLayout) -> None:
-        """Register, save, point the namespace at it, and hand it to `publish` (the cache's copy)."""
+        """Register, save, and point the namespace at it (a restart finds it)."""
         from compression import calibration_store
 
         calibration_store.register(calibration)
         try:
             calibration_store.save(calibration, self.folder)
             pointer = self._pointer(namespace, layout)
-            pointer.parent.mkdir(parents=True, exist_ok=True)
+            pointer.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             tmp = pointer.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(calibration.id + "\n")
             os.replace(tmp, pointer)
         except OSError as exc:  # this process still has it; a restart calibrates again
             log.warning("auto-calibration %s not saved in %s (%s)", calibration.id[:12], self.folder, exc)
-        tenant = self._tenants.get(namespace)
-        if tenant is None:  # not Put through this daemon's server: no tenant to store it under
-            log.warning("auto-calibration %s not stored in the cache: the tenant of namespace %s is not known; "
-                        "engines on other hosts will not decode its blocks", calibration.id[:12], namespace.hex()[:12])
-        elif self.publish is not None:
-            try:
-                self.publish(calibration, tenant)
-            except Exception as exc:  # noqa: BLE001 - the file above still serves this host
-                log.warning("auto-calibration %s not stored in the cache (%s)", calibration.id[:12], exc)
 
-    # -- the transcoder -----------------------------------------------------------------------------
-
-    def transcode(self, header: BlockHeader, payload: bytes | memoryview) -> tuple[BlockHeader, memoryview]:
-        """``(header, payload)`` for the tier: coded with the namespace's calibration, or as they are."""
-        from kvstore.transcode import decode_payload
-
-        as_is = header, memoryview(payload)
-        if header.codec_params.get("exact") or header.codec.startswith("kvtc"):
-            return as_is
-        state = self._state(header.namespace, header.layout)
-        if state is None or state.failed:
-            return as_is
+    def _publish(self, state: _Namespace, namespace: bytes) -> None:
+        """Store the namespace's calibration in the cache under its tenant; its blocks are coded from then on."""
         calibration = state.calibration
+        if calibration is None or state.published:
+            return
+        tenant = self._tenants.get(namespace)
+        if tenant is None or self.publish is None:  # a Put of the namespace tells its tenant; retried then
+            log.warning("auto-calibration %s not stored in the cache yet: the tenant of namespace %s is not known",
+                        calibration.id[:12], namespace.hex()[:12])
+            return
         try:
-            block = decode_payload(header, payload)
-        except Exception:  # noqa: BLE001 - a block this daemon cannot read goes down as it is
-            self._count("unreadable")
-            return as_is
-        if calibration is None:
-            if not state.lock.acquire(blocking=False):  # another thread is sampling or calibrating it
-                self._count("busy")
-                return as_is
-            try:
-                if state.calibration is None and not state.failed:
-                    self._sample(state, header, block)
-            finally:
-                state.lock.release()
-            return as_is
-        return self._coded(calibration, header, block) or as_is
-
-    def _coded(self, calibration: Calibration, header: BlockHeader, block: torch.Tensor
-               ) -> tuple[BlockHeader, memoryview] | None:
-        from compression.transform import TransformCodec
-
-        codec = TransformCodec(calibration)
-        try:
-            encoded = codec.encode(block)
-            decoded = codec.decode(encoded.payload, encoded.params, tuple(block.shape), block.dtype)
-        except Exception as exc:  # noqa: BLE001 - e.g. a non-finite block
-            self._count("over_error")
-            log.debug("block %s not coded: %s", header.key.hex(), exc)
-            return None
-        worst = float(relative_errors(block, decoded).max())
-        if not worst <= MAX_RELATIVE_ERROR:  # (NaN too)
-            self._count("over_error")
-            return None
-        self._count("coded")
-        payload = memoryview(encoded.payload)
-        return dataclasses.replace(header, codec=encoded.codec, codec_params=encoded.params, payload_len=len(payload),
-                                   checksum=payload_checksum(payload)), payload
+            self.publish(calibration, tenant)
+        except Exception as exc:  # noqa: BLE001 - retried; meanwhile blocks go down as they are
+            log.warning("auto-calibration %s not stored in the cache (%s); retried in %.0f s", calibration.id[:12],
+                        exc, PUBLISH_RETRY_S)
+            return
+        state.published = True
+        self._count("published")
 
     def _count(self, outcome: str) -> None:
         if self.metrics is not None:

@@ -20,7 +20,7 @@ from compression.calibration_store import CALIBRATION_DIR_ENV
 from kvstore.arena import arena_socket_path
 from kvstore.arenas import ArenaRegistry, ArenaSocket
 from kvstore.auth import TenantDirectory
-from kvstore.autocal import AUTO_SPEC, AutoCalibrator
+from kvstore.autocal import AUTO_SPEC, MAX_CALIBRATION_BYTES, AutoCalibrator
 from kvstore.block import BlockHeader, payload_checksum
 from kvstore.config import DaemonConfig
 from kvstore.events import EventPublisher
@@ -89,7 +89,9 @@ class Daemon:
         if config.calibration_dir:  # this process's kvtc decodes read it too (compression/calibration_store.py)
             os.environ[CALIBRATION_DIR_ENV] = config.calibration_dir
         self.autocal = AutoCalibrator(config.auto_calibration_tokens, publish=self._publish_calibration,
-                                      metrics=self.metrics) if AUTO_SPEC in codecs else None
+                                      metrics=self.metrics,
+                                      max_calibration_bytes=min(MAX_CALIBRATION_BYTES, config.max_message_bytes // 2)
+                                      ) if AUTO_SPEC in codecs else None
         codecs = [self.autocal if c == AUTO_SPEC else c for c in codecs]
         self._loop: asyncio.AbstractEventLoop | None = None
         self.tenants = TenantDirectory.from_config(config.tenants_file, config.auth_token,
@@ -108,27 +110,22 @@ class Daemon:
         self._socket_lock: InstanceLock | None = None
 
     def _publish_calibration(self, calibration, tenant) -> None:
-        """Store an auto-calibration in the cache as a block of ``tenant`` (every tier, S3 too), so
-        engines and other hosts decode its blocks (`calibration_store.client_source`). Called from
-        a reader thread; the Put runs on the event loop, never waited for here."""
+        """Store an auto-calibration in the cache as a block of ``tenant`` (through every tier, S3
+        too; durably where a durable tier exists), so engines and other hosts decode its blocks
+        (`calibration_store.client_source`). Called from the calibrator's own thread, never from the
+        event loop or under the store's lock: it waits for the Put and raises if it failed."""
         from compression.calibration_store import calibration_block, calibration_namespace
-        from kvstore.auth import ANONYMOUS
 
-        tenant = tenant or ANONYMOUS
         key, tokens, payload = calibration_block(calibration)
         namespace = calibration_namespace()
         header = BlockHeader(key=tenant.stored_key(key), namespace=tenant.stored_key(namespace.id),
                              layout=namespace.layout, tokens=tokens, payload_len=len(payload),
                              checksum=payload_checksum(payload), codec="raw", codec_params={"exact": True})
-
-        async def put() -> None:
-            try:
-                await self.store.put(header, memoryview(payload))
-            except Exception as exc:  # noqa: BLE001 - the calibration file still serves this host
-                log.warning("auto-calibration %s not stored in the cache: %s", calibration.id[:12], exc)
-
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(put()))
+        durable = any(t.durable for t in self.store.tiers)
+        if self._loop is None:
+            raise RuntimeError("the daemon is not serving yet")
+        asyncio.run_coroutine_threadsafe(self.store.put(header, memoryview(payload), durable=durable),
+                                         self._loop).result(timeout=120)
 
     def _key_index(self, tiers: list[Tier]) -> KeyIndexWriter | None:
         """The shared-memory key index, unless turned off, unsupported here, or tenants are set: it
