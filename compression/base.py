@@ -148,7 +148,20 @@ class ChainCodec(Codec):
         sections = [tuple(s) for s in params["quant"]["sections"]]
         if len(params["stages"]) != len(self.stages):
             raise ValueError(f"params list {len(params['stages'])} stages, {self.name!r} has {len(self.stages)}")
+        # Every stage undoes to the quantizer's payload, whose size the sections give and the shape
+        # bounds. The sizes are the writer's word: checked before any stage allocates by them (a
+        # few KiB of zstd may claim gigabytes).
+        total = sum(int(n) for _, n, _ in sections)
+        numel = 1
+        for n in shape:
+            numel *= int(n)
+        limit = 2 * numel * 4 + (1 << 16)  # a quantizer writes at most float32 values and its scales
+        if not 0 <= total <= limit:
+            raise ValueError(f"params' sections add up to {total} bytes; a block of shape {tuple(shape)} has at "
+                             f"most {limit}")
         for stage, p in zip(reversed(self.stages), reversed(params["stages"])):
+            if "size" in p and int(p["size"]) != total:
+                raise ValueError(f"stage {stage.name} says {p['size']} bytes, the sections {total}")
             payload = stage.decode(payload, p, sections)
         return self.quantizer.decode(payload, params["quant"], shape, dtype, device)
 

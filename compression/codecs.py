@@ -261,6 +261,10 @@ class ZstdStage(LosslessStage):
         return zstandard.ZstdCompressor(level=self.level).compress(payload), {"level": self.level, "size": len(payload)}
 
     def decode(self, payload, params, sections):
+        # the frame's own content size is what zstd allocates (it ignores max_output_size then)
+        declared = zstandard.frame_content_size(payload)
+        if declared != int(params["size"]):
+            raise ValueError(f"zstd frame holds {declared} bytes (-1: unknown), params say {params['size']}")
         out = zstandard.ZstdDecompressor().decompress(payload, max_output_size=int(params["size"]))
         if len(out) != int(params["size"]):
             raise ValueError(f"zstd stage produced {len(out)} bytes, params say {params['size']}")

@@ -31,14 +31,17 @@ Every coded block is decoded again and compared, per layer and K/V, against the 
 it is, counted (honest calibrations measure 0.10-0.13 and 0.12-0.14 on real blocks; a calibration
 made from unrepresentative or hostile first blocks, or a drifting workload, costs size).
 
-Each tenant's namespaces are its own, so one tenant's blocks never shape another's calibration.
-Bounds, so that a client declaring huge layouts or making up namespaces cannot make the daemon hold
-unbounded memory: a layout whose calibration would pass `MAX_CALIBRATION_BYTES` (or whose decoded
-block passes `MAX_BLOCK_BYTES`) is never calibrated; at most `MAX_SAMPLING` namespaces are sampled
-at once, `MAX_SAMPLING_PER_TENANT` of one tenant, and a sample idle for `SAMPLE_IDLE_S` gives its
-slot to a namespace that waits; at most `MAX_NAMESPACES` namespaces are followed,
-`MAX_NAMESPACES_PER_TENANT` of one tenant (so one tenant holds at most a quarter of them; a daemon
-with more namespaces than that stores the rest as they are, said once in the log).
+Each tenant's namespaces are its own, so one tenant's blocks never shape another's calibration;
+a namespace is followed only once a Put of it told the daemon its tenant (`note`). Bounds, so
+that a client declaring huge layouts or making up namespaces cannot make the daemon hold
+unbounded memory or keep other tenants from being calibrated: a layout whose calibration would
+pass `MAX_CALIBRATION_BYTES` (or whose decoded block passes `MAX_BLOCK_BYTES`) is never
+calibrated; at most `MAX_NAMESPACES` namespaces and `MAX_MEMORY` of calibrations are followed, a
+named tenant at most `MAX_NAMESPACES_PER_TENANT` and a quarter; at most `MAX_SAMPLING` namespaces
+are sampled at once, `MAX_SAMPLING_PER_TENANT` of a named tenant, and a sample idle for
+`SAMPLE_IDLE_S` gives its slot to a namespace that waits within that tenant's share. (An open
+daemon's one anonymous tenant is bound by the totals only.) Past them, blocks go down as they
+are, said once in the log.
 """
 
 from __future__ import annotations
@@ -74,8 +77,9 @@ MAX_SAMPLING = 4  # namespaces sampled at once (each holds its warm-up blocks an
 MAX_SAMPLING_PER_TENANT = 2
 SAMPLE_IDLE_S = 300.0  # a sample that got no block for this long gives its slot to a namespace that waits
 MAX_NAMESPACES = 64  # namespaces one daemon follows
-MAX_NAMESPACES_PER_TENANT = 16
-PUBLISH_RETRY_S = 30.0
+MAX_NAMESPACES_PER_TENANT = 16  # (of a named tenant; an open daemon's one anonymous tenant may have them all)
+MAX_MEMORY = 2 << 30  # calibrations held, counted as 3x their size (matrices, bytes, kept copies); a quarter per tenant
+PUBLISH_RETRY_S = 30.0  # doubled after each failure, up to an hour
 QUEUE_BLOCKS = 8  # blocks waiting for the sampler thread (more: the block is not sampled)
 
 Publish = Callable[[Calibration, object], None]  # stores it in the cache for the tenant; raises on failure
@@ -118,7 +122,11 @@ def relative_errors(block: torch.Tensor, decoded: torch.Tensor) -> tuple[torch.T
 @dataclasses.dataclass
 class _Namespace:
     layout: KVLayout
-    tenant: str = ""  # the name of the tenant that Put it ("" unknown or anonymous)
+    owner: object  # the tenant that Put it (kvstore.auth.Tenant): its calibration is stored under it
+    tenant: str = ""  # its name ("": the anonymous tenant of an open daemon)
+    memory: int = 0  # what its calibration is counted as against MAX_MEMORY
+    checked: bool = False  # the calibration folder was looked at for one made before (by the sampler thread)
+    load_queued: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # the sampler's
     blind: BlindCalibration | None = None
     reserved: bool = False  # holds a sampling slot
@@ -128,6 +136,7 @@ class _Namespace:
     calibration: Calibration | None = None
     published: bool = False  # the calibration is stored in the cache: blocks may be coded with it
     publish_after: float = 0.0
+    publish_backoff: float = PUBLISH_RETRY_S
     failed: str = ""  # why it will not be calibrated (its blocks always go down as they are)
 
 
@@ -189,11 +198,15 @@ class AutoCalibrator:
         state = self._state(header.namespace, header.layout)
         if state is None or state.failed:
             return None
+        if not state.checked:  # the sampler thread looks for a calibration made before a restart first
+            if not state.load_queued:
+                state.load_queued = self._submit(("load", state, header.namespace))
+            return None
         if state.calibration is not None:
             if state.published:
                 return self._coded(state.calibration, header, decode_payload(header, payload))
             if time.monotonic() >= state.publish_after:
-                state.publish_after = time.monotonic() + PUBLISH_RETRY_S
+                state.publish_after = time.monotonic() + state.publish_backoff
                 self._submit(("publish", state, header.namespace))
             return None
         if header.key in state.sampled or not self._reserve(state):
@@ -229,32 +242,41 @@ class AutoCalibrator:
     def _pointer(self, namespace: bytes, layout: KVLayout) -> Path:
         return self.folder / "auto" / f"{namespace.hex()}-{layout_tag(layout)}"
 
-    def _tenant_name(self, namespace: bytes) -> str:
-        return getattr(self._tenants.get(namespace), "name", "")
-
     def _state(self, namespace: bytes, layout: KVLayout) -> _Namespace | None:
-        """The namespace's state, made on first sight (None past `MAX_NAMESPACES`, overall or its tenant's)."""
+        """The namespace's state, made on first sight; None while its tenant is not known (no Put of it
+        noted lately) or past the bounds (`MAX_NAMESPACES`, `MAX_MEMORY`, overall or its tenant's)."""
+        state = self._namespaces.get((namespace, layout))
+        if state is not None:
+            return state
+        made_before = self._pointer(namespace, layout).exists()  # (a stat; loading it is the sampler thread's)
         with self._lock:
             state = self._namespaces.get((namespace, layout))
             if state is not None:
                 return state
-            tenant = self._tenant_name(namespace)
+            owner = self._tenants.get(namespace)
+            if owner is None:
+                return None
+            name = getattr(owner, "name", "")
+            failed = unfit_layout(layout, self.max_calibration_bytes)
+            memory = 0 if failed else 3 * calibration_bytes(layout)
+            mine = [s for s in self._namespaces.values() if s.tenant == name]
             if len(self._namespaces) >= MAX_NAMESPACES or \
-                    sum(s.tenant == tenant for s in self._namespaces.values()) >= MAX_NAMESPACES_PER_TENANT:
+                    sum(s.memory for s in self._namespaces.values()) + memory > MAX_MEMORY or \
+                    (name and (len(mine) >= MAX_NAMESPACES_PER_TENANT
+                               or sum(s.memory for s in mine) + memory > MAX_MEMORY // 4)):
                 if not self._full_said:
                     self._full_said = True
-                    log.warning("kvtc@auto follows %d namespaces (at most %d, %d per tenant): blocks of other "
-                                "namespaces are stored as they are (or calibrate them with `kvstore calibrate`)",
-                                len(self._namespaces), MAX_NAMESPACES, MAX_NAMESPACES_PER_TENANT)
+                    log.warning("kvtc@auto follows %d namespaces (at most %d, %d per tenant, calibrations of %d MiB, "
+                                "a quarter per tenant): blocks of other namespaces are stored as they are (or "
+                                "calibrate them with `kvstore calibrate`)", len(self._namespaces), MAX_NAMESPACES,
+                                MAX_NAMESPACES_PER_TENANT, MAX_MEMORY >> 20)
                 return None
-            state = self._namespaces[namespace, layout] = _Namespace(layout, tenant=tenant)
-            state.failed = unfit_layout(layout, self.max_calibration_bytes)
-            if state.failed:
-                log.warning("namespace %s (%s) is not calibrated automatically: %s; its blocks are stored as they "
-                            "are", namespace.hex()[:12], layout_tag(layout), state.failed)
-                return state
-            state.calibration = self._recorded(namespace, layout)  # published again on its first block
-            return state
+            state = self._namespaces[namespace, layout] = _Namespace(layout, owner, name, memory, failed=failed,
+                                                                     checked=not made_before)
+        if failed:
+            log.warning("namespace %s (%s) is not calibrated automatically: %s; its blocks are stored as they are",
+                        namespace.hex()[:12], layout_tag(layout), failed)
+        return state
 
     def _recorded(self, namespace: bytes, layout: KVLayout) -> Calibration | None:
         """The calibration a daemon made for this namespace before (its pointer file), if it still loads."""
@@ -283,8 +305,10 @@ class AutoCalibrator:
         with self._lock:
             if state.reserved:
                 return True
+            if state.calibration is not None or state.failed:
+                return False
             sampling = [s for s in self._namespaces.values() if s.reserved]
-            if sum(s.tenant == state.tenant for s in sampling) >= MAX_SAMPLING_PER_TENANT:
+            if state.tenant and sum(s.tenant == state.tenant for s in sampling) >= MAX_SAMPLING_PER_TENANT:
                 idle = [s for s in sampling if s.tenant == state.tenant and now - s.last_sample > SAMPLE_IDLE_S]
             elif len(sampling) >= MAX_SAMPLING:
                 idle = [s for s in sampling if now - s.last_sample > SAMPLE_IDLE_S]
@@ -322,6 +346,8 @@ class AutoCalibrator:
             try:
                 if kind == "sample":
                     self._sample(state, *args)
+                elif kind == "load":
+                    self._load(state, *args)
                 else:
                     self._publish(state, *args)
             except Exception:  # noqa: BLE001 - the thread serves every namespace: never let it die
@@ -331,7 +357,10 @@ class AutoCalibrator:
         """Add ``block`` to the namespace's sample; make the calibration once it has enough."""
         layout = header.layout
         with state.lock:
-            if not state.reserved or state.calibration is not None or state.failed or header.key in state.sampled:
+            if state.calibration is not None or state.failed:
+                self._release(state)
+                return
+            if not state.reserved or header.key in state.sampled:
                 return
             if not bool(torch.isfinite(block).all()):
                 self._count("not_finite")
@@ -353,19 +382,28 @@ class AutoCalibrator:
                 state.failed = f"{type(exc).__name__}: {exc}"
                 log.warning("namespace %s (%s) not calibrated: %s; its blocks are stored as they are",
                             header.namespace.hex()[:12], layout_tag(layout), state.failed)
+                self._release(state)
                 return
-            finally:
-                if state.failed or blind.tokens >= self.sample_tokens:
-                    with self._lock:
-                        state.reserved, state.blind, state.sampled = False, None, set()
+            state.calibration = calibration  # before the slot goes: no new sample starts
+            self._release(state)
             self._keep(calibration, header.namespace, layout)
-            state.calibration = calibration
             log.info("calibrated namespace %s (%s) from %d blocks, %d tokens in %.1f s: kvtc@%s, %d of %d components "
                      "kept; %s", header.namespace.hex()[:12], layout_tag(layout), blind.blocks, blind.tokens,
                      time.perf_counter() - started, calibration.id[:12], int(calibration.kept.sum()),
                      calibration.kept.numel(), calibration.source)
             self._count("calibrations")
         self._publish(state, header.namespace)
+
+    def _release(self, state: _Namespace) -> None:
+        with self._lock:
+            state.reserved, state.blind, state.sampled = False, None, set()
+
+    def _load(self, state: _Namespace, namespace: bytes) -> None:
+        """Take up the calibration made for this namespace before a restart, if any (then samples may start)."""
+        if not state.checked:
+            state.calibration = self._recorded(namespace, state.layout)
+            state.checked = True
+            self._publish(state, namespace)  # stored in the cache again before any block is coded with it
 
     def _keep(self, calibration: Calibration, namespace: bytes, layout: KVLayout) -> None:
         """Register, save, and point the namespace at it (a restart finds it)."""
@@ -385,18 +423,14 @@ class AutoCalibrator:
     def _publish(self, state: _Namespace, namespace: bytes) -> None:
         """Store the namespace's calibration in the cache under its tenant; its blocks are coded from then on."""
         calibration = state.calibration
-        if calibration is None or state.published:
-            return
-        tenant = self._tenants.get(namespace)
-        if tenant is None or self.publish is None:  # a Put of the namespace tells its tenant; retried then
-            log.warning("auto-calibration %s not stored in the cache yet: the tenant of namespace %s is not known",
-                        calibration.id[:12], namespace.hex()[:12])
+        if calibration is None or state.published or self.publish is None:
             return
         try:
-            self.publish(calibration, tenant)
-        except Exception as exc:  # noqa: BLE001 - retried; meanwhile blocks go down as they are
-            log.warning("auto-calibration %s not stored in the cache (%s); retried in %.0f s", calibration.id[:12],
-                        exc, PUBLISH_RETRY_S)
+            self.publish(calibration, state.owner)
+        except Exception as exc:  # noqa: BLE001 - retried later and later; meanwhile blocks go down as they are
+            log.warning("auto-calibration %s of namespace %s not stored in the cache (%s); retried in %.0f s",
+                        calibration.id[:12], namespace.hex()[:12], exc, state.publish_backoff)
+            state.publish_backoff = min(3600.0, 2 * state.publish_backoff)
             return
         state.published = True
         self._count("published")

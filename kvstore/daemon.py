@@ -121,6 +121,9 @@ class Daemon:
         header = BlockHeader(key=tenant.stored_key(key), namespace=tenant.stored_key(namespace.id),
                              layout=namespace.layout, tokens=tokens, payload_len=len(payload),
                              checksum=payload_checksum(payload), codec="raw", codec_params={"exact": True})
+        top = self.store.tiers[0]
+        if header.block_len > top.capacity_bytes // 4:  # making room for it would empty the top tier
+            raise ValueError(f"a {header.block_len >> 20} MiB calibration is over a quarter of the {top.name} tier")
         durable = any(t.durable for t in self.store.tiers)
         if self._loop is None:
             raise RuntimeError("the daemon is not serving yet")

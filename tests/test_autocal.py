@@ -169,8 +169,9 @@ def published(client, short_tmp) -> bool:
 
 
 def auto_daemon(daemon_factory, short_tmp, name: str = "d0", **settings):
-    return daemon_factory(name, disk_codec="kvtc@auto", auto_calibration_tokens="1024", promote_on_get="false",
-                          calibration_dir=str(short_tmp / "calibrations"), log_level="INFO", **settings)
+    settings = {"disk_codec": "kvtc@auto", "auto_calibration_tokens": "1024", "promote_on_get": "false",
+                "calibration_dir": str(short_tmp / "calibrations"), "log_level": "INFO", **settings}
+    return daemon_factory(name, **settings)
 
 
 def test_daemon_calibrates_a_namespace_from_its_first_blocks(daemon_factory, short_tmp, tmp_path, monkeypatch):
@@ -368,7 +369,12 @@ def test_sampling_slots_and_namespaces_are_bounded_per_tenant(tmp_path, monkeypa
     other = bytes([9]) * 16
     calibrator.note(other, tenant("a"))
     assert calibrator._state(other, AUTO_LAYOUT) is None  # tenant a follows 3 namespaces already
-    assert calibrator._state(bytes([10]) * 16, AUTO_LAYOUT) is not None  # an unknown tenant's still fits
+    calibrator.note(bytes([10]) * 16, tenant("d"))
+    assert calibrator._state(bytes([10]) * 16, AUTO_LAYOUT) is not None  # another tenant's still fits
+    assert calibrator._state(bytes([11]) * 16, AUTO_LAYOUT) is None  # no Put of it noted: no tenant to store under
+    for n in range(12, 17):  # an open daemon's one anonymous tenant is bound by the totals only
+        calibrator.note(bytes([n]) * 16, tenant(""))
+        assert calibrator._state(bytes([n]) * 16, AUTO_LAYOUT) is not None
 
 
 PAYLOAD = rope_keys_block(256, 0, seed=1).to(torch.float16).numpy().tobytes()
@@ -385,8 +391,11 @@ def auto_header(namespace: bytes, n: int, layout: KVLayout = AUTO_LAYOUT, tokens
 def test_layouts_too_large_to_calibrate_and_decompression_bombs_are_stored_as_they_came(tmp_path):
     """A client declares the layout: one whose statistics or calibration would take gigabytes, an odd
     head_dim, or a small coded payload that would decode to 256 MiB, is never read by the calibrator."""
+    import dataclasses
+
     import zstandard
 
+    from compression import get_codec
     from kvstore.autocal import AutoCalibrator, unfit_layout
 
     assert unfit_layout(KVLayout(1, 1, 4096, "float16")).startswith("rows of 4096 channels")
@@ -396,6 +405,7 @@ def test_layouts_too_large_to_calibrate_and_decompression_bombs_are_stored_as_th
     assert unfit_layout(AUTO_LAYOUT) == ""
 
     calibrator = AutoCalibrator(sample_tokens=1024, folder=tmp_path)
+    calibrator.note(b"h" * 16, object())
     huge = KVLayout(1, 1, 4096, "float16")
     header = auto_header(b"h" * 16, 0, layout=huge, tokens=1, payload=bytes(huge.block_bytes(1)))
     assert calibrator.transcode(header, bytes(huge.block_bytes(1)))[0] is header
@@ -407,6 +417,18 @@ def test_layouts_too_large_to_calibrate_and_decompression_bombs_are_stored_as_th
     header = auto_header(b"z" * 16, 1, layout=bomb_layout, tokens=tokens, payload=small, codec="int8+shuffle+zstd")
     assert calibrator.transcode(header, small)[0] is header
     assert (b"z" * 16, bomb_layout) not in calibrator._namespaces  # turned away before any state or decode
+    # a small declared block whose zstd stage claims 256 MiB (with or without the frame saying so)
+    small_layout = KVLayout(1, 1, 16, "float16")
+    honest = get_codec("int8+zstd").encode(torch.randn(1, 2, 1, 4, 16).half())
+    for content_size in (True, False):
+        claim = zstandard.ZstdCompressor(level=19, write_content_size=content_size).compress(bytes(256 << 20))
+        params = {"quant": honest.params["quant"], "stages": [{"level": 1, "size": 256 << 20}]}
+        with pytest.raises(ValueError, match="sections|zstd frame"):
+            get_codec("int8+zstd").decode(claim, params, small_layout.block_shape(4), torch.float16)
+        calibrator.note(b"s" * 16, object())
+        header = dataclasses.replace(auto_header(b"s" * 16, 2, layout=small_layout, tokens=4, payload=claim,
+                                                 codec="int8+zstd"), codec_params=params)
+        assert calibrator.transcode(header, claim)[0] is header
 
 
 def test_a_block_cannot_name_a_calibration_by_pattern(tmp_path, monkeypatch):
@@ -433,3 +455,45 @@ def test_one_token_far_off_fails_the_check_though_the_block_passes():
     decoded[1, 1, :, 100] = block[1, 1, :, 100] + 0.75 * (spread / (HEADS * HEAD_DIM)).sqrt()  # 0.75 of the spread
     total, per_token = relative_errors(block, decoded)
     assert float(total.max()) <= MAX_RELATIVE_ERROR < float(per_token.max())
+
+
+def test_the_reference_engine_reuses_auto_coded_blocks_from_disk(daemon_factory, short_tmp):
+    """End to end with the real model: a daemon with kvtc@auto calibrates the model's namespace from
+    one prompt's blocks; another prompt's blocks go to disk coded; loaded back from disk by the
+    reference engine, they give the uncached run's first token."""
+    import json
+    from importlib import resources
+
+    from engine_adapter.cached import CachedEngine
+    from engine_adapter.client import KVStoreClient
+    from engine_adapter.generate import generate
+    from engine_adapter.loader import find_smollm2_gguf, load_gguf
+    from engine_adapter.prompts import document_prompt
+    from kvstore.keys import prefix_keys
+
+    model, tokenizer = load_gguf(find_smollm2_gguf(), dtype=torch.float32)
+    document = json.loads(resources.files("engine_adapter").joinpath("data/musique_sample.json").read_text())["document"]
+    paragraphs = document.split("\n\n")
+    sample_doc = "\n\n".join(paragraphs[len(paragraphs) // 2:] + paragraphs[: len(paragraphs) // 2])
+    d = auto_daemon(daemon_factory, short_tmp, auto_calibration_tokens="2048", cpu_capacity="256MiB")
+    with KVStoreClient(d.address) as client:
+        engine = CachedEngine(model, tokenizer, client)
+        sampled = engine.generate(tokenizer.encode(sample_doc)[:2600], max_new_tokens=1)  # 10 chunks, 8 sampled
+        assert sampled.store_done.wait(120)
+        wait_for(lambda: published(client, short_tmp), timeout=60)
+        context, question = document_prompt(tokenizer, document[:9000], "who wrote hannibal and scipio?")
+        prompt = context + question
+        expected = generate(model, tokenizer, prompt, max_new_tokens=1)
+        cold = engine.generate(prompt, max_new_tokens=1)
+        assert cold.reused_tokens == 0 and cold.tokens == expected and cold.store_done.wait(120)
+        n_chunks = (len(prompt) - 1) // 256
+        wait_for(lambda: client.stats()["tiers"]["disk"]["blocks"] >= 10 + n_chunks + 1)
+        client.clear(["cpu"])
+        keys = prefix_keys(engine.namespace, prompt[: len(prompt) - 1])
+        with client.fetch(keys, engine.namespace.layout.block_bytes(256) + 4096) as fetched:
+            assert {b.codec.split("@")[0] for b in fetched} == {"kvtc"}  # every chunk coded on disk
+            coded = sum(len(b.payload) for b in fetched)
+        assert coded * 4 < len(keys) * engine.namespace.layout.block_bytes(256)  # float32 blocks: > 4x smaller
+        warm = engine.generate(prompt, max_new_tokens=1)
+    assert warm.reused_tokens == n_chunks * 256 and set(warm.tiers) == {"disk"}
+    assert warm.tokens == expected
