@@ -102,6 +102,10 @@ class Codec(ABC):
     def error_bound(self, block: torch.Tensor) -> float:
         """The largest absolute error this codec promises on this block."""
 
+    def payload_bytes(self, shape: tuple[int, ...], dtype: torch.dtype, params: dict[str, Any]) -> int | None:
+        """The exact size of the payload `decode` takes for this shape (None: not known up front)."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
@@ -118,6 +122,11 @@ class LosslessStage(ABC):
     @abstractmethod
     def decode(self, payload: bytes, params: dict[str, Any], sections: list[Section]) -> bytes:
         """Inverse of encode; sections are the same list encode saw."""
+
+
+def stage_bound(size: int) -> int:
+    """The most a lossless stage's output may be for ``size`` bytes in (zstd's and lz4's worst case, rounded up)."""
+    return size + size // 128 + (1 << 16)
 
 
 class ChainCodec(Codec):
@@ -148,20 +157,19 @@ class ChainCodec(Codec):
         sections = [tuple(s) for s in params["quant"]["sections"]]
         if len(params["stages"]) != len(self.stages):
             raise ValueError(f"params list {len(params['stages'])} stages, {self.name!r} has {len(self.stages)}")
-        # Every stage undoes to the quantizer's payload, whose size the sections give and the shape
-        # bounds. The sizes are the writer's word: checked before any stage allocates by them (a
-        # few KiB of zstd may claim gigabytes).
+        # The sizes stages allocate by are the writer's word (a few KiB of zstd may claim gigabytes):
+        # the first stage undoes to the quantizer's payload, whose exact size the shape gives; a later
+        # stage to an earlier one's output, at most a compressor's worst case above it.
         total = sum(int(n) for _, n, _ in sections)
-        numel = 1
-        for n in shape:
-            numel *= int(n)
-        limit = 2 * numel * 4 + (1 << 16)  # a quantizer writes at most float32 values and its scales
-        if not 0 <= total <= limit:
-            raise ValueError(f"params' sections add up to {total} bytes; a block of shape {tuple(shape)} has at "
-                             f"most {limit}")
-        for stage, p in zip(reversed(self.stages), reversed(params["stages"])):
-            if "size" in p and int(p["size"]) != total:
-                raise ValueError(f"stage {stage.name} says {p['size']} bytes, the sections {total}")
+        exact = self.quantizer.payload_bytes(tuple(shape), dtype, params["quant"])
+        if exact is not None and total != exact:
+            raise ValueError(f"params' sections add up to {total} bytes; {self.quantizer.name} of shape "
+                             f"{tuple(shape)} is {exact}")
+        for i, (stage, p) in reversed(list(enumerate(zip(self.stages, params["stages"])))):
+            size = p.get("size")
+            if size is not None and (int(size) != total if i == 0 else not 0 <= int(size) <= stage_bound(total)):
+                raise ValueError(f"stage {stage.name} says it undoes to {size} bytes; its input is "
+                                 f"{'exactly' if i == 0 else 'at most'} {total if i == 0 else stage_bound(total)}")
             payload = stage.decode(payload, p, sections)
         return self.quantizer.decode(payload, params["quant"], shape, dtype, device)
 

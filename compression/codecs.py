@@ -73,9 +73,11 @@ class RawCodec(Codec):
         payload = tensor_bytes(block)
         return EncodedBlock(payload, {"sections": [["block", len(payload), block.element_size()]]}, self.name)
 
+    def payload_bytes(self, shape, dtype, params) -> int:
+        return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+
     def decode(self, payload, params, shape, dtype, device="cpu") -> torch.Tensor:
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        _check_decode_args(shape, dtype, len(payload), math.prod(shape) * itemsize)
+        _check_decode_args(shape, dtype, len(payload), self.payload_bytes(shape, dtype, params))
         block = split_sections(payload, _sections(params))["block"]
         return block.view(dtype).view(shape).to(device)
 
@@ -103,9 +105,12 @@ class Int8Codec(Codec):
         sections = [["q", len(q_bytes), 1], ["scale", len(s_bytes), 4]]
         return EncodedBlock(q_bytes + s_bytes, {"sections": sections}, self.name)
 
+    def payload_bytes(self, shape, dtype, params) -> int:
+        return math.prod(shape[:-1]) * (shape[-1] + 4)
+
     def decode(self, payload, params, shape, dtype, device="cpu") -> torch.Tensor:
         n_rows = math.prod(shape[:-1])
-        _check_decode_args(shape, dtype, len(payload), n_rows * (shape[-1] + 4))
+        _check_decode_args(shape, dtype, len(payload), self.payload_bytes(shape, dtype, params))
         parts = split_sections(payload, _sections(params))
         q = parts["q"].view(torch.int8).view(n_rows, shape[-1]).to(device)  # [R, D]
         scale = parts["scale"].view(torch.float32).to(device)  # [R]
@@ -157,16 +162,27 @@ class LowbitCodec(Codec):
         params = {"bits": self.bits, "group_size": self.group_size, "meta_dtype": meta, "sections": sections}
         return EncodedBlock(b"".join(payload), params, self.name)
 
+    @staticmethod
+    def _row_shapes(shape) -> dict[str, tuple[int, int]]:
+        n_layers, _, n_heads, n_tokens, head_dim = shape
+        return {"k": (n_layers * n_heads * head_dim, n_tokens), "v": (n_layers * n_heads * n_tokens, head_dim)}
+
+    def payload_bytes(self, shape, dtype, params) -> int:
+        bits, group_size = int(params["bits"]), int(params["group_size"])
+        quant_ref.check_lowbit_args(bits, group_size, torch.float16)  # (the params are the writer's)
+        meta = META_DTYPES[params["meta_dtype"]]
+        expected = 0
+        for n_rows, n_cols in self._row_shapes(shape).values():
+            n_grp = quant_ref.n_groups(n_cols, group_size)
+            expected += n_rows * (quant_ref.packed_cols(n_cols, bits, group_size) + 2 * n_grp * meta.itemsize)
+        return expected
+
     def decode(self, payload, params, shape, dtype, device="cpu") -> torch.Tensor:
         bits, group_size = int(params["bits"]), int(params["group_size"])
         meta = META_DTYPES[params["meta_dtype"]]
         n_layers, _, n_heads, n_tokens, head_dim = shape
-        rows = {"k": (n_layers * n_heads * head_dim, n_tokens), "v": (n_layers * n_heads * n_tokens, head_dim)}
-        expected = 0
-        for n_rows, n_cols in rows.values():
-            n_grp = quant_ref.n_groups(n_cols, group_size)
-            expected += n_rows * (quant_ref.packed_cols(n_cols, bits, group_size) + 2 * n_grp * meta.itemsize)
-        _check_decode_args(shape, dtype, len(payload), expected)
+        rows = self._row_shapes(shape)
+        _check_decode_args(shape, dtype, len(payload), self.payload_bytes(shape, dtype, params))
         parts = split_sections(payload, _sections(params))
         out = {}
         for kind, (n_rows, n_cols) in rows.items():

@@ -65,12 +65,16 @@ def packed_cols(n_cols: int, bits: int, group_size: int) -> int:
     return n_groups(n_cols, group_size) * group_size * bits // 8
 
 
+MAX_GROUP_SIZE = 1024
+
+
 def check_lowbit_args(bits: int, group_size: int, meta_dtype: torch.dtype) -> None:
     """Raise ValueError unless (bits, group_size, meta_dtype) is a supported combination."""
     if bits not in LOWBIT_BITS:
         raise ValueError(f"bits must be one of {LOWBIT_BITS}, got {bits}")
-    if group_size < 8 or group_size & (group_size - 1):
-        raise ValueError(f"group_size must be a power of two >= 8, got {group_size}")
+    if group_size < 8 or group_size > MAX_GROUP_SIZE or group_size & (group_size - 1):
+        # (at most MAX_GROUP_SIZE: a block's params name it, and a 1-token key row pads to a group)
+        raise ValueError(f"group_size must be a power of two in 8..{MAX_GROUP_SIZE}, got {group_size}")
     if meta_dtype not in META_DTYPES:
         raise ValueError(f"meta_dtype must be one of {META_DTYPES}, got {meta_dtype}")
 

@@ -36,8 +36,9 @@ a namespace is followed only once a Put of it told the daemon its tenant (`note`
 that a client declaring huge layouts or making up namespaces cannot make the daemon hold
 unbounded memory or keep other tenants from being calibrated: a layout whose calibration would
 pass `MAX_CALIBRATION_BYTES` (or whose decoded block passes `MAX_BLOCK_BYTES`) is never
-calibrated; at most `MAX_NAMESPACES` namespaces and `MAX_MEMORY` of calibrations are followed, a
-named tenant at most `MAX_NAMESPACES_PER_TENANT` and a quarter; at most `MAX_SAMPLING` namespaces
+calibrated; at most `MAX_NAMESPACES` namespaces are followed, `MAX_NAMESPACES_PER_TENANT` of a named
+tenant (one without a calibration idle for `SAMPLE_IDLE_S` gives its place up), and `MAX_MEMORY` of
+calibrations held and samples running, a quarter per named tenant; at most `MAX_SAMPLING` namespaces
 are sampled at once, `MAX_SAMPLING_PER_TENANT` of a named tenant, and a sample idle for
 `SAMPLE_IDLE_S` gives its slot to a namespace that waits within that tenant's share. (An open
 daemon's one anonymous tenant is bound by the totals only.) Past them, blocks go down as they
@@ -78,9 +79,13 @@ MAX_SAMPLING_PER_TENANT = 2
 SAMPLE_IDLE_S = 300.0  # a sample that got no block for this long gives its slot to a namespace that waits
 MAX_NAMESPACES = 64  # namespaces one daemon follows
 MAX_NAMESPACES_PER_TENANT = 16  # (of a named tenant; an open daemon's one anonymous tenant may have them all)
-MAX_MEMORY = 2 << 30  # calibrations held, counted as 3x their size (matrices, bytes, kept copies); a quarter per tenant
+MAX_MEMORY = 2 << 30  # calibrations held and samples running, counted as 3x their size; a quarter per named tenant
 PUBLISH_RETRY_S = 30.0  # doubled after each failure, up to an hour
 QUEUE_BLOCKS = 8  # blocks waiting for the sampler thread (more: the block is not sampled)
+
+class CalibrationTooLarge(ValueError):
+    """`Publish` can never store this calibration (e.g. it is over a quarter of the top tier)."""
+
 
 Publish = Callable[[Calibration, object], None]  # stores it in the cache for the tenant; raises on failure
 
@@ -127,6 +132,7 @@ class _Namespace:
     memory: int = 0  # what its calibration is counted as against MAX_MEMORY
     checked: bool = False  # the calibration folder was looked at for one made before (by the sampler thread)
     load_queued: bool = False
+    last_seen: float = 0.0
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # the sampler's
     blind: BlindCalibration | None = None
     reserved: bool = False  # holds a sampling slot
@@ -205,9 +211,8 @@ class AutoCalibrator:
         if state.calibration is not None:
             if state.published:
                 return self._coded(state.calibration, header, decode_payload(header, payload))
-            if time.monotonic() >= state.publish_after:
+            if time.monotonic() >= state.publish_after and self._submit(("publish", state, header.namespace)):
                 state.publish_after = time.monotonic() + state.publish_backoff
-                self._submit(("publish", state, header.namespace))
             return None
         if header.key in state.sampled or not self._reserve(state):
             return None
@@ -244,39 +249,56 @@ class AutoCalibrator:
 
     def _state(self, namespace: bytes, layout: KVLayout) -> _Namespace | None:
         """The namespace's state, made on first sight; None while its tenant is not known (no Put of it
-        noted lately) or past the bounds (`MAX_NAMESPACES`, `MAX_MEMORY`, overall or its tenant's)."""
-        state = self._namespaces.get((namespace, layout))
-        if state is not None:
-            return state
-        made_before = self._pointer(namespace, layout).exists()  # (a stat; loading it is the sampler thread's)
-        with self._lock:
-            state = self._namespaces.get((namespace, layout))
-            if state is not None:
-                return state
+        noted lately) or past `MAX_NAMESPACES` (overall, or its named tenant's). A state without a
+        calibration that saw no block for `SAMPLE_IDLE_S` gives its place to a new one."""
+        key = namespace, layout
+        state = self._namespaces.get(key)
+        if state is None:
             owner = self._tenants.get(namespace)
-            if owner is None:
+            if owner is None or not self._room(getattr(owner, "name", ""), decide=False):
                 return None
-            name = getattr(owner, "name", "")
+            made_before = self._pointer(namespace, layout).exists()  # (a stat; loading it is the sampler thread's)
             failed = unfit_layout(layout, self.max_calibration_bytes)
-            memory = 0 if failed else 3 * calibration_bytes(layout)
-            mine = [s for s in self._namespaces.values() if s.tenant == name]
-            if len(self._namespaces) >= MAX_NAMESPACES or \
-                    sum(s.memory for s in self._namespaces.values()) + memory > MAX_MEMORY or \
-                    (name and (len(mine) >= MAX_NAMESPACES_PER_TENANT
-                               or sum(s.memory for s in mine) + memory > MAX_MEMORY // 4)):
-                if not self._full_said:
-                    self._full_said = True
-                    log.warning("kvtc@auto follows %d namespaces (at most %d, %d per tenant, calibrations of %d MiB, "
-                                "a quarter per tenant): blocks of other namespaces are stored as they are (or "
-                                "calibrate them with `kvstore calibrate`)", len(self._namespaces), MAX_NAMESPACES,
-                                MAX_NAMESPACES_PER_TENANT, MAX_MEMORY >> 20)
-                return None
-            state = self._namespaces[namespace, layout] = _Namespace(layout, owner, name, memory, failed=failed,
-                                                                     checked=not made_before)
-        if failed:
-            log.warning("namespace %s (%s) is not calibrated automatically: %s; its blocks are stored as they are",
-                        namespace.hex()[:12], layout_tag(layout), failed)
+            with self._lock:
+                state = self._namespaces.get(key)
+                if state is None:
+                    if not self._room(getattr(owner, "name", ""), decide=True):
+                        return None
+                    memory = 0 if failed else 3 * calibration_bytes(layout)
+                    state = self._namespaces[key] = _Namespace(layout, owner, getattr(owner, "name", ""), memory,
+                                                               failed=failed, checked=not made_before)
+                    if failed:
+                        log.warning("namespace %s (%s) is not calibrated automatically: %s; its blocks are stored "
+                                    "as they are", namespace.hex()[:12], layout_tag(layout), failed)
+        state.last_seen = time.monotonic()
         return state
+
+    def _room(self, tenant: str, decide: bool) -> bool:
+        """Whether one more namespace of ``tenant`` may be followed, after retiring idle ones without a
+        calibration. ``decide`` (holding `_lock`): retire and decide; else a first look that may say yes."""
+        def full() -> bool:
+            return len(self._namespaces) >= MAX_NAMESPACES or \
+                (bool(tenant) and sum(s.tenant == tenant for s in list(self._namespaces.values()))
+                 >= MAX_NAMESPACES_PER_TENANT)
+
+        if not full():
+            return True
+        now = time.monotonic()
+        idle = [key for key, s in list(self._namespaces.items())
+                if s.calibration is None and not s.reserved and now - s.last_seen > SAMPLE_IDLE_S
+                and (len(self._namespaces) >= MAX_NAMESPACES or s.tenant == tenant)]
+        if not decide:
+            return bool(idle)
+        for key in idle:
+            del self._namespaces[key]
+            if not full():
+                return True
+        if not self._full_said:
+            self._full_said = True
+            log.warning("kvtc@auto follows %d namespaces (at most %d, %d per named tenant): blocks of other "
+                        "namespaces are stored as they are (or calibrate them with `kvstore calibrate`)",
+                        len(self._namespaces), MAX_NAMESPACES, MAX_NAMESPACES_PER_TENANT)
+        return False
 
     def _recorded(self, namespace: bytes, layout: KVLayout) -> Calibration | None:
         """The calibration a daemon made for this namespace before (its pointer file), if it still loads."""
@@ -306,6 +328,12 @@ class AutoCalibrator:
             if state.reserved:
                 return True
             if state.calibration is not None or state.failed:
+                return False
+            # memory: calibrations held and samples running, counted as 3x their calibration's size
+            held = [s for s in self._namespaces.values() if s.calibration is not None or s.reserved]
+            if sum(s.memory for s in held) + state.memory > MAX_MEMORY or (state.tenant and sum(
+                    s.memory for s in held if s.tenant == state.tenant) + state.memory > MAX_MEMORY // 4):
+                self._count("busy")
                 return False
             sampling = [s for s in self._namespaces.values() if s.reserved]
             if state.tenant and sum(s.tenant == state.tenant for s in sampling) >= MAX_SAMPLING_PER_TENANT:
@@ -427,9 +455,15 @@ class AutoCalibrator:
             return
         try:
             self.publish(calibration, state.owner)
+        except CalibrationTooLarge as exc:  # it never will be stored: its blocks go down as they are
+            state.failed = str(exc)
+            log.warning("auto-calibration %s of namespace %s is never stored in the cache (%s); the namespace's "
+                        "blocks are stored as they are", calibration.id[:12], namespace.hex()[:12], exc)
+            return
         except Exception as exc:  # noqa: BLE001 - retried later and later; meanwhile blocks go down as they are
             log.warning("auto-calibration %s of namespace %s not stored in the cache (%s); retried in %.0f s",
                         calibration.id[:12], namespace.hex()[:12], exc, state.publish_backoff)
+            state.publish_after = time.monotonic() + state.publish_backoff
             state.publish_backoff = min(3600.0, 2 * state.publish_backoff)
             return
         state.published = True

@@ -20,7 +20,7 @@ from compression.calibration_store import CALIBRATION_DIR_ENV
 from kvstore.arena import arena_socket_path
 from kvstore.arenas import ArenaRegistry, ArenaSocket
 from kvstore.auth import TenantDirectory
-from kvstore.autocal import AUTO_SPEC, MAX_CALIBRATION_BYTES, AutoCalibrator
+from kvstore.autocal import AUTO_SPEC, MAX_CALIBRATION_BYTES, AutoCalibrator, CalibrationTooLarge
 from kvstore.block import BlockHeader, payload_checksum
 from kvstore.config import DaemonConfig
 from kvstore.events import EventPublisher
@@ -123,7 +123,8 @@ class Daemon:
                              checksum=payload_checksum(payload), codec="raw", codec_params={"exact": True})
         top = self.store.tiers[0]
         if header.block_len > top.capacity_bytes // 4:  # making room for it would empty the top tier
-            raise ValueError(f"a {header.block_len >> 20} MiB calibration is over a quarter of the {top.name} tier")
+            raise CalibrationTooLarge(f"a {header.block_len >> 20} MiB calibration is over a quarter of the {top.name} "
+                                      f"tier")
         durable = any(t.durable for t in self.store.tiers)
         if self._loop is None:
             raise RuntimeError("the daemon is not serving yet")

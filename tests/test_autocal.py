@@ -365,10 +365,15 @@ def test_sampling_slots_and_namespaces_are_bounded_per_tenant(tmp_path, monkeypa
     assert sampling() == {1, 2, 3, 4}
     move_down(5)  # c is under its share and all 4 are taken: the longest idle (a's 1 here) makes room
     assert sampling() == {2, 3, 4, 5}
+    monkeypatch.setattr(autocal, "SAMPLE_IDLE_S", 300.0)
     monkeypatch.setattr(autocal, "MAX_NAMESPACES_PER_TENANT", 3)
     other = bytes([9]) * 16
     calibrator.note(other, tenant("a"))
     assert calibrator._state(other, AUTO_LAYOUT) is None  # tenant a follows 3 namespaces already
+    monkeypatch.setattr(autocal, "SAMPLE_IDLE_S", 0.0)
+    assert calibrator._state(other, AUTO_LAYOUT) is not None  # ... until one without a calibration sat idle
+    assert (namespaces[0], AUTO_LAYOUT) not in calibrator._namespaces  # (a's, whose slot went to 2 above)
+    monkeypatch.setattr(autocal, "SAMPLE_IDLE_S", 300.0)
     calibrator.note(bytes([10]) * 16, tenant("d"))
     assert calibrator._state(bytes([10]) * 16, AUTO_LAYOUT) is not None  # another tenant's still fits
     assert calibrator._state(bytes([11]) * 16, AUTO_LAYOUT) is None  # no Put of it noted: no tenant to store under
@@ -417,13 +422,20 @@ def test_layouts_too_large_to_calibrate_and_decompression_bombs_are_stored_as_th
     header = auto_header(b"z" * 16, 1, layout=bomb_layout, tokens=tokens, payload=small, codec="int8+shuffle+zstd")
     assert calibrator.transcode(header, small)[0] is header
     assert (b"z" * 16, bomb_layout) not in calibrator._namespaces  # turned away before any state or decode
+    # ... while every codec still reads what it wrote, 1-token int4 blocks (padded groups) and chains
+    # of two compressors included
+    for spec in ("int4-g512+shuffle+zstd", "int2-g128+lz4", "raw+zstd+lz4", "int8+lz4+zstd3", "int4+shuffle+zstd+zstd3"):
+        for shape in ((2, 2, 3, 1, 16), (3, 2, 1, 17, 64)):
+            x = (torch.randn(shape) * 3 + 0.5).to(torch.bfloat16)
+            encoded = get_codec(spec).encode(x)
+            assert get_codec(spec).decode(encoded.payload, encoded.params, shape, x.dtype).shape == shape
     # a small declared block whose zstd stage claims 256 MiB (with or without the frame saying so)
     small_layout = KVLayout(1, 1, 16, "float16")
     honest = get_codec("int8+zstd").encode(torch.randn(1, 2, 1, 4, 16).half())
     for content_size in (True, False):
         claim = zstandard.ZstdCompressor(level=19, write_content_size=content_size).compress(bytes(256 << 20))
         params = {"quant": honest.params["quant"], "stages": [{"level": 1, "size": 256 << 20}]}
-        with pytest.raises(ValueError, match="sections|zstd frame"):
+        with pytest.raises(ValueError, match="undoes to 268435456 bytes; its input is exactly 160"):
             get_codec("int8+zstd").decode(claim, params, small_layout.block_shape(4), torch.float16)
         calibrator.note(b"s" * 16, object())
         header = dataclasses.replace(auto_header(b"s" * 16, 2, layout=small_layout, tokens=4, payload=claim,
@@ -497,3 +509,17 @@ def test_the_reference_engine_reuses_auto_coded_blocks_from_disk(daemon_factory,
         warm = engine.generate(prompt, max_new_tokens=1)
     assert warm.reused_tokens == n_chunks * 256 and set(warm.tiers) == {"disk"}
     assert warm.tokens == expected
+
+
+def test_a_coded_block_may_not_claim_more_than_a_raw_one(daemon):
+    """A coded block decodes to its layout's size wherever a daemon re-encodes it: one that claims
+    more than the largest raw block the daemon takes (max_message_bytes) is refused at Put."""
+    import grpc
+
+    from engine_adapter.client import KVStoreClient
+
+    tokens = (512 << 20) // AUTO_LAYOUT.block_bytes(1)
+    with KVStoreClient(daemon.address) as client:
+        with pytest.raises(grpc.RpcError) as info:
+            client.put(AUTO_NS, [(b"q" * 16, tokens, b"\0" * 64)], codec="int8+zstd", codec_params={"stages": []})
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "over max_message_bytes" in info.value.details()
