@@ -26,13 +26,14 @@ fewest that keep a row within `MAX_CHANNELS` channels (the [C, C] bases and the 
 grow as C^2); the daemon does not calibrate a layout where one head alone passes it
 (`kvstore/autocal.py`). Scaled RoPE (Llama 3.1's long-context frequencies) is not the standard
 form: a theta may still fit the first blocks, and later blocks' starts then go wrong; the daemon's
-per-block check stores those blocks as they came, which costs size, not quality. Decoding never depends on these estimates being right: a block records the start it
-was coded with, and a wrong frequency or start only costs bytes or error, which the daemon checks
-per block (`kvstore/autocal.py`).
+per-block check stores those blocks as they came, which costs size, not quality. Decoding never
+depends on these estimates being right: a block records the start it was coded with, and a wrong
+frequency or start only costs bytes or error, which the daemon checks per block.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -193,6 +194,4 @@ class BlindCalibration:
                if self.theta is not None else
                f"post-RoPE (no RoPE theta fitted: coherence {self.fit[0]:.3f} against {self.fit[1]:.3f} unturned)")
         source = source or f"{self.blocks} blocks, {self.tokens} tokens, no model"
-        import dataclasses
-
         return self.stats.calibration(dataclasses.replace(allocation, sink_tokens=sinks), source=f"{source}; {fit}")
