@@ -61,15 +61,20 @@ def remove_source(source: Source) -> None:
             _sources.remove(source)
 
 
+def write_file(path: Path, data: bytes) -> None:
+    """Write ``path`` in the calibration folder atomically (a reader sees all of it or none), its
+    folders made 0700: a calibration is statistics of someone's KV."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def save(calibration: Calibration, folder: Path | None = None) -> Path:
     """Write ``<id>.kvcal`` into the calibration directory (atomically); returns the path."""
-    folder = folder or calibration_dir()
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # a calibration is statistics of someone's KV
-    path = folder / f"{calibration.id}{SUFFIX}"
+    path = (folder or calibration_dir()) / f"{calibration.id}{SUFFIX}"
     if not path.exists():
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(calibration.to_bytes)
-        os.replace(tmp, path)
+        write_file(path, calibration.to_bytes)
     return path
 
 

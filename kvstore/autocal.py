@@ -50,7 +50,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
 import queue
 import threading
 import time
@@ -128,7 +127,6 @@ def relative_errors(block: torch.Tensor, decoded: torch.Tensor) -> tuple[torch.T
 class _Namespace:
     layout: KVLayout
     owner: object  # the tenant that Put it (kvstore.auth.Tenant): its calibration is stored under it
-    tenant: str = ""  # its name ("": the anonymous tenant of an open daemon)
     memory: int = 0  # what its calibration is counted as against MAX_MEMORY
     checked: bool = False  # the calibration folder was looked at for one made before (by the sampler thread)
     load_queued: bool = False
@@ -144,6 +142,11 @@ class _Namespace:
     publish_after: float = 0.0
     publish_backoff: float = PUBLISH_RETRY_S
     failed: str = ""  # why it will not be calibrated (its blocks always go down as they are)
+
+    @property
+    def tenant(self) -> str:
+        """The owner's name ("": the anonymous tenant of an open daemon)."""
+        return getattr(self.owner, "name", "")
 
 
 class AutoCalibrator:
@@ -265,8 +268,8 @@ class AutoCalibrator:
                     if not self._room(getattr(owner, "name", ""), decide=True):
                         return None
                     memory = 0 if failed else 3 * calibration_bytes(layout)
-                    state = self._namespaces[key] = _Namespace(layout, owner, getattr(owner, "name", ""), memory,
-                                                               failed=failed, checked=not made_before)
+                    state = self._namespaces[key] = _Namespace(layout, owner, memory, failed=failed,
+                                                               checked=not made_before)
                     if failed:
                         log.warning("namespace %s (%s) is not calibrated automatically: %s; its blocks are stored "
                                     "as they are", namespace.hex()[:12], layout_tag(layout), failed)
@@ -315,10 +318,6 @@ class AutoCalibrator:
         except Exception as exc:  # noqa: BLE001 - its calibration gone or damaged: make a new one
             log.warning("auto-calibration %s not used (%s); the namespace is calibrated again", path, exc)
             return None
-
-    def calibration_of(self, namespace: bytes, layout: KVLayout) -> Calibration | None:
-        state = self._state(namespace, layout)
-        return state.calibration if state is not None else None
 
     def _reserve(self, state: _Namespace) -> bool:
         """Whether ``state`` may be sampled: it holds a slot, or takes one (a free one, or that of a
@@ -440,11 +439,7 @@ class AutoCalibrator:
         calibration_store.register(calibration)
         try:
             calibration_store.save(calibration, self.folder)
-            pointer = self._pointer(namespace, layout)
-            pointer.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            tmp = pointer.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(calibration.id + "\n")
-            os.replace(tmp, pointer)
+            calibration_store.write_file(self._pointer(namespace, layout), calibration.id.encode() + b"\n")
         except OSError as exc:  # this process still has it; a restart calibrates again
             log.warning("auto-calibration %s not saved in %s (%s)", calibration.id[:12], self.folder, exc)
 
