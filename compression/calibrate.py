@@ -196,26 +196,32 @@ def sensitivity_scale(sensitivity: torch.Tensor, groups: int = 1, strength: floa
 
 def calibrate_model(model, texts_ids: list[list[int]], allocation: Allocation = DEFAULT_ALLOCATION,
                     groups: int = 1, source: str = "", pre_rope: bool = True, sensitivity: bool = False,
-                    sensitivity_limit: float = SENSITIVITY_LIMIT) -> Calibration:
+                    sensitivity_limit: float = SENSITIVITY_LIMIT, layer_group: int = 1) -> Calibration:
     """`collect` then `calibrate` with the query / o_proj metric; keys before RoPE unless ``pre_rope=False``.
 
     ``sensitivity``: per-row step factors from `row_sensitivity`, measured under the calibration at
     ``SENSITIVITY_ALLOCATION`` (relative sensitivities hold at any step to first order), clipped to
     [1/sensitivity_limit, sensitivity_limit].
+    ``layer_group``: rows over that many layers (`Calibration.layer_group`); the sensitivities are
+    measured per layer as above and folded into the grouped bases.
     """
     stats = collect(model, texts_ids)
     source = source or f"{stats.texts} texts, {stats.tokens} tokens"
-    base = calibrate(stats.blocks, allocation, groups=groups, metric=stats.metric(groups, pre_rope=pre_rope),
-                     source=source, rope_inv_freq=stats.inv_freq if pre_rope else None,
-                     max_position=stats.max_position if pre_rope else 0)
-    if not sensitivity:
-        return base
-    from compression.transform import TransformCodec
+    metric = stats.metric(groups, pre_rope=pre_rope)
 
-    reference = base.with_allocation(dataclasses.replace(SENSITIVITY_ALLOCATION, sink_tokens=allocation.sink_tokens))
-    rows = row_sensitivity(model, texts_ids, stats.blocks, TransformCodec(reference))
-    scale = sensitivity_scale(rows, groups=groups, limit=sensitivity_limit)
-    return base.with_allocation(dataclasses.replace(allocation, row_scale=scale))
+    def make(allocation: Allocation, layer_group: int = 1) -> Calibration:
+        return calibrate(stats.blocks, allocation, groups=groups, metric=metric, source=source,
+                         rope_inv_freq=stats.inv_freq if pre_rope else None,
+                         max_position=stats.max_position if pre_rope else 0, layer_group=layer_group)
+
+    if sensitivity:
+        from compression.transform import TransformCodec
+
+        reference = make(dataclasses.replace(SENSITIVITY_ALLOCATION, sink_tokens=allocation.sink_tokens))
+        rows = row_sensitivity(model, texts_ids, stats.blocks, TransformCodec(reference))
+        allocation = dataclasses.replace(allocation, row_scale=sensitivity_scale(rows, groups=groups,
+                                                                                 limit=sensitivity_limit))
+    return make(allocation, layer_group)
 
 
 # -- kvstore calibrate -------------------------------------------------------------------------------------
@@ -237,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
                                   source=f"{len(texts)} files, {sum(map(len, texts))} tokens",
                                   pre_rope=not args.post_rope, sensitivity=args.sensitivity,
                                   sensitivity_limit=SENSITIVITY_LIMIT if args.sensitivity_limit is None
-                                  else args.sensitivity_limit)
+                                  else args.sensitivity_limit, layer_group=args.layer_group)
     path = calibration_store.save(calibration)
     print(f"calibration {calibration.id}\n  file {path}\n  codec spec: kvtc@{calibration.id[:12]}  "
           f"(e.g. kvstore serve --disk-codec kvtc@{calibration.id[:12]})")

@@ -37,8 +37,18 @@ rare, huge-norm keys that every query reads) are left out of the statistics and 
 Per-row steps: ``allocation.row_scale`` multiplies each row's relative step, e.g. from a measured
 sensitivity of the model's output to each layer's keys and values (`compression.calibrate.row_sensitivity`).
 
+Layer groups (``layer_group`` N > 1, format v4): a row is N consecutive layers' keys (or values)
+side by side, C = N * H/G * D channels, so one basis also takes out what neighbouring layers share
+(the residual stream feeds them all: on SmolLM2 a basis over 10 layers' keys needs 45% fewer bits
+than 10 per-layer ones at the same weighted error; docs/compression.md). Each layer keeps its own
+metric and its own step (``rel_step * rms(layer) * row_scale``), folded into the basis: a layer's
+channels are whitened by its metric and divided by its step before the joint PCA, so every
+component of a grouped row has step 1 in its units, and the allocation cannot change without the
+statistics (`with_allocation` refuses; `calibrate` again). Decode costs about N times the products
+of per-layer rows.
+
 Format: v2 files (no RoPE, no sinks, no row scales) still load and re-serialize to the same bytes, so their ids
-hold; a calibration with either feature is written as v3.
+hold; a calibration with either feature is written as v3, one with layer groups as v4.
 """
 
 from __future__ import annotations
@@ -54,7 +64,9 @@ import torch
 
 FORMAT = "kvstore-calibration-v2"  # plain PCA over the stored (post-RoPE) keys, no sinks
 FORMAT_V3 = "kvstore-calibration-v3"  # v2 + rope_inv_freq (keys before RoPE), sink_tokens, row_scale
-FORMATS = (FORMAT, FORMAT_V3)
+FORMAT_V4 = "kvstore-calibration-v4"  # v3 + layer_group (rows over several layers)
+FORMATS = (FORMAT, FORMAT_V3, FORMAT_V4)
+MAX_GROUP_CHANNELS = 2048  # channels of a layer-grouped row at most: its two [C, C] matrices are 32 MiB
 MAGIC = b"KVCAL1\n"
 
 
@@ -109,10 +121,12 @@ class Calibration:
     # [D/2] float32: key bases are in the frame before RoPE with these frequencies (None: after RoPE)
     rope_inv_freq: torch.Tensor | None = field(default=None, repr=False)
     max_position: int = 0  # RoPE-aware: blocks start below this (the model's context length); 0 = 2^17
+    layer_group: int = 1  # consecutive layers per row (> 1: steps folded into the bases, format v4)
 
     def __post_init__(self) -> None:
         if self.num_kv_heads % self.groups:
             raise ValueError(f"groups ({self.groups}) must divide num_kv_heads ({self.num_kv_heads})")
+        check_layer_group(self.layer_group, self.num_layers, self.num_kv_heads // self.groups * self.head_dim)
         freq = self.rope_inv_freq
         if freq is not None and (tuple(freq.shape) != (self.head_dim // 2,) or freq.dtype != torch.float32
                                  or self.head_dim % 2):
@@ -120,8 +134,9 @@ class Calibration:
                              f"{freq.dtype} {tuple(freq.shape)}")
         if not (isinstance(self.max_position, int) and 0 <= self.max_position <= 1 << 24):
             raise ValueError(f"max_position must be an int in [0, 2^24], got {self.max_position!r}")
-        if self.allocation.row_scale and len(self.allocation.row_scale) != self.rows:
-            raise ValueError(f"allocation.row_scale has {len(self.allocation.row_scale)} factors for {self.rows} rows")
+        if self.allocation.row_scale and len(self.allocation.row_scale) != self.layer_rows:
+            raise ValueError(f"allocation.row_scale has {len(self.allocation.row_scale)} factors for "
+                             f"{self.layer_rows} (layer, k/v, group) rows")
         if self.allocation.sink_tokens and freq is None:
             raise ValueError("sink_tokens needs a RoPE-aware calibration (rope_inv_freq): the codec finds a block's "
                              "position through the keys' rotation")
@@ -135,11 +150,16 @@ class Calibration:
 
     @property
     def rows(self) -> int:
-        return self.num_layers * 2 * self.groups
+        return self.num_layers // self.layer_group * 2 * self.groups
 
     @property
     def channels(self) -> int:
-        return self.num_kv_heads // self.groups * self.head_dim
+        return self.layer_group * self.num_kv_heads // self.groups * self.head_dim
+
+    @property
+    def layer_rows(self) -> int:
+        """(layer, k/v, head group) rows: what `Allocation.row_scale` and a model metric are given per."""
+        return self.num_layers * 2 * self.groups
 
     @cached_property
     def inv_step(self) -> torch.Tensor:
@@ -175,9 +195,11 @@ class Calibration:
     @cached_property
     def to_bytes(self) -> bytes:
         v3 = self.rope_inv_freq is not None or self.allocation.sink_tokens or self.allocation.row_scale
-        header = {"format": FORMAT_V3 if v3 else FORMAT, "num_layers": self.num_layers,
-                  "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "groups": self.groups,
-                  "source": self.source, "allocation": self.allocation.to_json()}
+        header = {"format": FORMAT_V4 if self.layer_group > 1 else FORMAT_V3 if v3 else FORMAT,
+                  "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                  "groups": self.groups, "source": self.source, "allocation": self.allocation.to_json()}
+        if self.layer_group > 1:  # (absent at 1: v2 and v3 bytes, hence ids, are unchanged)
+            header["layer_group"] = self.layer_group
         if self.rope_inv_freq is not None:
             header["rope_inv_freq"] = [float(f) for f in self.rope_inv_freq]  # float32 -> float: exact in JSON
             header["max_position"] = self.max_position
@@ -209,7 +231,12 @@ class Calibration:
                              f"recalibrate with this kvstore (`kvstore calibrate`)")
         offset += n_head
         n_layers, n_heads, head_dim, groups = (int(header[k]) for k in ("num_layers", "num_kv_heads", "head_dim", "groups"))
-        n_rows, n_chan = n_layers * 2 * groups, n_heads // groups * head_dim
+        layer_group = int(header.get("layer_group", 1))
+        if not (n_layers > 0 and n_heads > 0 and head_dim > 0 and groups > 0 and n_heads % groups == 0):
+            raise ValueError(f"calibration header has a bad layout: {n_layers} layers, {n_heads} kv heads, "
+                             f"head_dim {head_dim}, {groups} groups")
+        check_layer_group(layer_group, n_layers, n_heads // groups * head_dim)
+        n_rows, n_chan = n_layers // layer_group * 2 * groups, layer_group * n_heads // groups * head_dim
         tensors = []
         for shape in ((n_rows, n_chan), (n_rows, n_chan, n_chan), (n_rows, n_chan, n_chan), (n_rows, n_chan),
                       (n_rows, n_chan)):
@@ -222,7 +249,7 @@ class Calibration:
         calibration = cls(n_layers, n_heads, head_dim, groups, *tensors,
                           allocation=Allocation(**header["allocation"]), source=header.get("source", ""),
                           rope_inv_freq=None if freq is None else torch.tensor(freq, dtype=torch.float32),
-                          max_position=int(header.get("max_position", 0)))
+                          max_position=int(header.get("max_position", 0)), layer_group=layer_group)
         return calibration
 
     def block_rows(self, block: torch.Tensor) -> torch.Tensor:
@@ -231,19 +258,24 @@ class Calibration:
         if (n_layers, n_heads, head_dim) != (self.num_layers, self.num_kv_heads, self.head_dim):
             raise ValueError(f"block {tuple(block.shape)} does not match the calibration's layout "
                              f"[{self.num_layers}, 2, {self.num_kv_heads}, T, {self.head_dim}]")
-        per_group = n_heads // self.groups
-        x = block.reshape(n_layers, 2, self.groups, per_group, n_tokens, head_dim)
-        return x.permute(0, 1, 2, 4, 3, 5).reshape(self.rows, n_tokens, self.channels)
+        per_group, lg = n_heads // self.groups, self.layer_group
+        # row (layer group, k/v, head group); its channels (layer in group, head in group, d)
+        x = block.reshape(n_layers // lg, lg, 2, self.groups, per_group, n_tokens, head_dim)
+        return x.permute(0, 2, 3, 5, 1, 4, 6).reshape(self.rows, n_tokens, self.channels)
 
     def rows_block(self, rows: torch.Tensor) -> torch.Tensor:
         """Inverse of `block_rows`: rows [B, T, C] -> block [L, 2, H, T, D]."""
         n_tokens = rows.shape[1]
-        per_group = self.num_kv_heads // self.groups
-        x = rows.reshape(self.num_layers, 2, self.groups, n_tokens, per_group, self.head_dim)
-        return x.permute(0, 1, 2, 4, 3, 5).reshape(self.num_layers, 2, self.num_kv_heads, n_tokens, self.head_dim)
+        per_group, lg = self.num_kv_heads // self.groups, self.layer_group
+        x = rows.reshape(self.num_layers // lg, 2, self.groups, n_tokens, lg, per_group, self.head_dim)
+        return x.permute(0, 4, 1, 2, 5, 3, 6).reshape(self.num_layers, 2, self.num_kv_heads, n_tokens, self.head_dim)
 
     def with_allocation(self, allocation: Allocation) -> "Calibration":
-        """The same bases with another bit allocation (a new id)."""
+        """The same bases with another bit allocation (a new id); per-layer rows only (a layer-grouped
+        calibration's steps are inside its bases: make it again from the statistics)."""
+        if self.layer_group > 1:
+            raise ValueError(f"calibration {self.id[:12]} groups {self.layer_group} layers a row: its steps are folded "
+                             "into its bases, so another allocation needs the statistics (calibrate again)")
         rms = _row_rms(self.std)
         return Calibration(self.num_layers, self.num_kv_heads, self.head_dim, self.groups, self.mean, self.analysis,
                            self.synthesis, self.std, _steps(self.std, rms, allocation, self.groups), allocation,
@@ -253,6 +285,16 @@ class Calibration:
     def is_key_row(self) -> torch.Tensor:
         """[B] bool: rows that hold keys (row b = (l * 2 + kv) * G + g)."""
         return (torch.arange(self.rows) // self.groups) % 2 == 0
+
+
+def check_layer_group(layer_group: int, num_layers: int, layer_channels: int) -> None:
+    """ValueError unless ``layer_group`` layers of ``layer_channels`` each make a row: a positive
+    divisor of ``num_layers``, at most `MAX_GROUP_CHANNELS` channels when above 1."""
+    if not (isinstance(layer_group, int) and layer_group >= 1 and num_layers % layer_group == 0):
+        raise ValueError(f"layer_group must be a positive divisor of the {num_layers} layers, got {layer_group!r}")
+    if layer_group > 1 and layer_group * layer_channels > MAX_GROUP_CHANNELS:
+        raise ValueError(f"layer_group {layer_group} makes rows of {layer_group * layer_channels} channels; at most "
+                         f"{MAX_GROUP_CHANNELS} (a row's two [C, C] matrices grow as C^2)")
 
 
 def _row_rms(std: torch.Tensor) -> torch.Tensor:
@@ -307,16 +349,18 @@ class CalibrationStats:
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, groups: int = 1,
-                 rope_inv_freq: torch.Tensor | None = None, sink_tokens: int = 0) -> None:
+                 rope_inv_freq: torch.Tensor | None = None, sink_tokens: int = 0, layer_group: int = 1) -> None:
         if num_kv_heads % groups:
             raise ValueError(f"groups ({groups}) must divide num_kv_heads ({num_kv_heads})")
-        n_chan = num_kv_heads // groups * head_dim
-        n_rows = num_layers * 2 * groups
+        check_layer_group(layer_group, num_layers, num_kv_heads // groups * head_dim)
+        n_chan = layer_group * num_kv_heads // groups * head_dim
+        n_rows = num_layers // layer_group * 2 * groups
         eye = torch.eye(n_chan).expand(n_rows, n_chan, n_chan)
         zeros = torch.zeros(n_rows, n_chan)
         # the layout's rows (block_rows) without a basis yet
         self._probe = Calibration(num_layers, num_kv_heads, head_dim, groups, zeros, eye, eye, zeros, zeros,
-                                  Allocation(1.0, 1.0, sink_tokens=sink_tokens), rope_inv_freq=rope_inv_freq)
+                                  Allocation(1.0, 1.0, sink_tokens=sink_tokens), rope_inv_freq=rope_inv_freq,
+                                  layer_group=layer_group)
         self.rope_inv_freq = rope_inv_freq
         self.sink_tokens = sink_tokens
         self.total = torch.zeros(n_rows, n_chan, dtype=torch.float64)
@@ -346,6 +390,8 @@ class CalibrationStats:
         probe = self._probe
         n_layers, n_heads, head_dim, groups = probe.num_layers, probe.num_kv_heads, probe.head_dim, probe.groups
         n_rows, n_chan = probe.rows, probe.channels
+        if probe.layer_group > 1:
+            return self._grouped(allocation, metric, source, max_position)
         if allocation.sink_tokens != self.sink_tokens:
             raise ValueError(f"allocation.sink_tokens ({allocation.sink_tokens}) is not the {self.sink_tokens} "
                              f"the statistics left out")
@@ -373,10 +419,60 @@ class CalibrationStats:
         return Calibration(n_layers, n_heads, head_dim, groups, mean.float(), analysis, synthesis, std, step,
                            allocation, source, self.rope_inv_freq, max_position)
 
+    def _grouped(self, allocation: Allocation, metric: torch.Tensor | None, source: str,
+                 max_position: int) -> Calibration:
+        """`calibration` with rows over ``layer_group`` layers: each layer's channels whitened by its own
+        metric and divided by the step a per-layer row would get (``rel_step * rms(layer) * row_scale``),
+        then one PCA per row; every kept component has step 1 in those units."""
+        probe = self._probe
+        lg, groups = probe.layer_group, probe.groups
+        n_rows, n_chan, n_layer_rows = probe.rows, probe.channels, probe.layer_rows
+        sub = n_chan // lg  # one layer's channels in a row
+        if allocation.sink_tokens != self.sink_tokens:
+            raise ValueError(f"allocation.sink_tokens ({allocation.sink_tokens}) is not the {self.sink_tokens} "
+                             f"the statistics left out")
+        if allocation.row_scale and len(allocation.row_scale) != n_layer_rows:
+            raise ValueError(f"allocation.row_scale has {len(allocation.row_scale)} factors for {n_layer_rows} rows")
+        if self.tokens < 2 * n_chan:
+            raise ValueError(f"calibrate needs at least {2 * n_chan} tokens for {n_chan}-channel rows "
+                             f"({lg} layers each), got {self.tokens}; give it more text or group fewer layers")
+        if metric is not None and tuple(metric.shape) != (n_layer_rows, sub, sub):
+            raise ValueError(f"metric must be [{n_layer_rows}, {sub}, {sub}] (per layer row), got {tuple(metric.shape)}")
+        mean = self.total / self.tokens  # [B, C]
+        cov = self.outer / self.tokens - mean[:, :, None] * mean[:, None, :]  # [B, C, C]
+        whiten = torch.zeros(n_rows, n_chan, n_chan, dtype=torch.float64)
+        unwhiten = torch.zeros_like(whiten)
+        for b in range(n_rows):
+            first, kv, g = b // (2 * groups) * lg, b // groups % 2, b % groups
+            rel = allocation.key_step if kv == 0 else allocation.value_step
+            for j in range(lg):
+                layer_row = ((first + j) * 2 + kv) * groups + g  # row b of a per-layer calibration
+                part = slice(j * sub, (j + 1) * sub)
+                if metric is None:
+                    w = w_inv = torch.eye(sub, dtype=torch.float64)
+                else:
+                    m_val, m_vec = torch.linalg.eigh(metric[layer_row].double())
+                    m_val = m_val.clamp_min(m_val.amax() * 1e-6)
+                    w = m_vec @ torch.diag(m_val.sqrt()) @ m_vec.T
+                    w_inv = m_vec @ torch.diag(m_val.rsqrt()) @ m_vec.T
+                rms = float((w.T @ cov[b, part, part] @ w).diagonal().mean().clamp_min(0).sqrt())
+                step = rel * (allocation.row_scale[layer_row] if allocation.row_scale else 1.0) * max(rms, 1e-30)
+                whiten[b, part, part] = w / step
+                unwhiten[b, part, part] = w_inv * step
+        cov = whiten.transpose(1, 2) @ cov @ whiten  # in units of each layer's step
+        eigval, eigvec = torch.linalg.eigh(cov)
+        eigval, eigvec = eigval.flip(-1).clamp_min(0), eigvec.flip(-1)
+        std = eigval.sqrt().float()
+        analysis = (whiten @ eigvec).float().contiguous()
+        synthesis = (eigvec.transpose(1, 2) @ unwhiten).float().contiguous()
+        step = (std >= allocation.drop).float()  # step 1 (in the whitened, step-scaled units) or dropped
+        return Calibration(probe.num_layers, probe.num_kv_heads, probe.head_dim, groups, mean.float(), analysis,
+                           synthesis, std, step, allocation, source, self.rope_inv_freq, max_position, lg)
+
 
 def calibrate(blocks: list[torch.Tensor], allocation: Allocation, groups: int = 1,
               metric: torch.Tensor | None = None, source: str = "",
-              rope_inv_freq: torch.Tensor | None = None, max_position: int = 0) -> Calibration:
+              rope_inv_freq: torch.Tensor | None = None, max_position: int = 0, layer_group: int = 1) -> Calibration:
     """A calibration from KV blocks [L, 2, H, T_i, D] of one namespace (any token counts).
 
     Per row: mean and covariance over all tokens of all blocks (float64); with ``metric``
@@ -388,11 +484,12 @@ def calibrate(blocks: list[torch.Tensor], allocation: Allocation, groups: int = 
     their keys are turned back to position 0 first and the first ``allocation.sink_tokens`` tokens
     of each are left out; the key metric must then be in that frame too (`ModelStats.metric`).
     ``max_position`` (the model's context length) bounds the start positions the codec considers.
+    ``layer_group``: layers per row (see the module's "Layer groups"); ``metric`` stays per layer row.
     """
     if not blocks:
         raise ValueError("calibrate needs at least one KV block")
     n_layers, _, n_heads, _, head_dim = blocks[0].shape
-    stats = CalibrationStats(n_layers, n_heads, head_dim, groups, rope_inv_freq, allocation.sink_tokens)
+    stats = CalibrationStats(n_layers, n_heads, head_dim, groups, rope_inv_freq, allocation.sink_tokens, layer_group)
     for block in blocks:
         stats.add(block)
     return stats.calibration(allocation, metric, source, max_position)

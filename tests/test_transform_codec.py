@@ -278,3 +278,144 @@ def test_sensitivity_scale_gives_sensitive_rows_finer_steps():
     assert sensitivity_scale(torch.tensor([1e-9, 1.0]), limit=16.0) == pytest.approx((16.0, 1 / 16))  # a wider clip
     with pytest.raises(ValueError, match="limit must be >= 1"):
         sensitivity_scale(torch.tensor([1e-4, 4e-4]), limit=0.5)
+
+
+# -- rows over several layers (calibration format v4) ------------------------------------------------------
+
+
+def shared_block(tokens: int, start: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[L, 2, H, T, D] whose layers share their latent factors per token, as a residual stream feeds
+    every layer (`kv_block` has one latent per layer); keys rotated by RoPE to start..start+T-1."""
+    from kernels.rope_ref import rerotate_keys
+
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(LAYERS, 2, 6, HEADS * HEAD_DIM, generator=torch.Generator().manual_seed(98))
+    latent = torch.randn(tokens, 6, generator=g)  # one per token, read by every layer
+    x = (latent @ mix) * torch.tensor([1.0, 3.0, 0.5])[:, None, None, None]  # layers of different scales
+    x = x + 0.05 * torch.randn(LAYERS, 2, tokens, HEADS * HEAD_DIM, generator=g) + 0.2
+    x[:, 0] += 2.0  # keys with a clear mean, as real keys have (the start estimate reads it)
+    block = x.view(LAYERS, 2, tokens, HEADS, HEAD_DIM).permute(0, 1, 3, 2, 4).contiguous()
+    positions = torch.arange(start, start + tokens)
+    block[:, 0] = rerotate_keys(block[:, 0].contiguous(), torch.zeros_like(positions), positions, INV_FREQ)
+    return block.to(dtype)
+
+
+def grouped_calibration(layer_group: int, allocation: Allocation | None = None, groups: int = 1) -> Calibration:
+    return calibrate([shared_block(400, 0, seed=1), shared_block(300, 0, seed=2)],
+                     allocation or Allocation(0.3, 0.3, drop=0.2, sink_tokens=4), groups=groups,
+                     rope_inv_freq=INV_FREQ, max_position=8192, layer_group=layer_group)
+
+
+@pytest.mark.parametrize("layer_group,groups", [(1, 1), (3, 1), (3, 2)])
+def test_layer_grouped_rows_invert(layer_group, groups):
+    calibration = grouped_calibration(layer_group, groups=groups)
+    assert calibration.rows == LAYERS // layer_group * 2 * groups
+    assert calibration.channels == layer_group * HEADS // groups * HEAD_DIM
+    block = kv_block(37, seed=5, dtype=torch.float32)
+    rows = calibration.block_rows(block)
+    assert torch.equal(calibration.rows_block(rows), block)
+    if layer_group == 3 and groups == 1:  # row 1 = values of layers 0..2, side by side per token
+        assert torch.equal(rows[1, 7, :HEADS * HEAD_DIM], block[0, 1, :, 7].reshape(-1))
+        assert torch.equal(rows[1, 7, 2 * HEADS * HEAD_DIM:], block[2, 1, :, 7].reshape(-1))
+    assert calibration.is_key_row.tolist() == [(b // groups) % 2 == 0 for b in range(calibration.rows)]
+
+
+def test_v4_calibration_round_trips_and_refuses_what_it_cannot():
+    calibration = grouped_calibration(3)
+    raw = calibration.to_bytes
+    again = Calibration.from_bytes(raw)
+    assert again.id == calibration.id and again.layer_group == 3 and b"kvstore-calibration-v4" in raw
+    assert b"layer_group" not in grouped_calibration(1).to_bytes  # per-layer rows: v3 as before, the same ids
+    with pytest.raises(ValueError, match="folded into its bases"):
+        calibration.with_allocation(Allocation(0.5, 0.5, sink_tokens=4))
+    with pytest.raises(ValueError, match="positive divisor of the 3 layers"):
+        grouped_calibration(2)
+    for hostile in (b'"layer_group": 0', b'"layer_group":-3', b'"layer_group": 9'):
+        forged = raw.replace(b'"layer_group": 3', hostile)  # the same header length: it still parses
+        with pytest.raises(ValueError, match="layer_group|truncated"):
+            Calibration.from_bytes(forged)
+    from compression.calibration import MAX_GROUP_CHANNELS, CalibrationStats
+
+    assert CalibrationStats(8, 8, 64, layer_group=4)._probe.channels == MAX_GROUP_CHANNELS  # 512 a layer
+    with pytest.raises(ValueError, match=f"at most {MAX_GROUP_CHANNELS}"):  # two [C, C] matrices grow as C^2
+        CalibrationStats(8, 8, 64, layer_group=8)
+    with pytest.raises(ValueError, match="row_scale has 2 factors for 6"):
+        grouped_calibration(3, Allocation(0.3, 0.3, sink_tokens=4, row_scale=(1.0, 2.0)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,start", [(1, 0), (37, 0), (37, 300), (256, 5000)])
+def test_layer_grouped_codec_holds_its_error_bound(dtype, tokens, start):
+    calibration = grouped_calibration(3)
+    calibration_store.register(calibration)
+    codec = get_codec("kvtc@" + calibration.id[:12])
+    block = shared_block(tokens, start, seed=tokens + 11, dtype=dtype)
+    encoded = codec.encode(block)
+    assert encoded.params["start"] == start
+    decoded = decode_block(encoded, tuple(block.shape), dtype)
+    err = (decoded.double() - block.double()).abs().max().item()
+    assert 0 < err <= codec.error_bound(block) or tokens <= 4
+    sinks = max(0, min(tokens, 4 - start))
+    assert torch.equal(decoded[:, :, :, :sinks], block[:, :, :, :sinks])
+
+
+def test_layer_groups_code_shared_structure_in_fewer_bytes():
+    """What rows over layers are for: layers that share their factors cost fewer bytes at the same
+    allocation, and no layer comes out worse than its per-layer twin by more than a little."""
+    block = shared_block(256, 1000, seed=21)
+    results = {}
+    for layer_group in (1, 3):
+        codec = TransformCodec(grouped_calibration(layer_group))
+        encoded = codec.encode(block)
+        decoded = codec.decode(encoded.payload, encoded.params, block.shape, block.dtype)
+        per_layer = (decoded - block).pow(2).mean((1, 2, 3, 4)) / block.var((1, 2, 3, 4))  # [L] relative MSE
+        results[layer_group] = encoded.nbytes, per_layer
+    (bytes_1, err_1), (bytes_3, err_3) = results[1], results[3]
+    assert bytes_3 < 0.8 * bytes_1, (bytes_3, bytes_1)
+    assert bool((err_3 <= 1.5 * err_1).all()), (err_3, err_1)
+
+
+def test_layer_grouped_steps_follow_each_layers_scale():
+    """Per-layer steps survive the grouping: a row_scale of 1/4 on layer 0's values codes them finer."""
+    block = shared_block(256, 700, seed=31)
+    plain = Allocation(0.3, 0.3, drop=0.2, sink_tokens=4)
+    finer = Allocation(0.3, 0.3, drop=0.2, sink_tokens=4, row_scale=(1.0, 0.25) + (1.0,) * 4)
+    errors = []
+    for allocation in (plain, finer):
+        codec = TransformCodec(grouped_calibration(3, allocation))
+        encoded = codec.encode(block)
+        decoded = codec.decode(encoded.payload, encoded.params, block.shape, block.dtype)
+        errors.append(float((decoded - block)[0, 1].pow(2).mean()))
+    assert errors[1] < 0.5 * errors[0], errors
+
+
+def test_calibrate_model_groups_layers_with_per_layer_sensitivities():
+    """`kvstore calibrate --layer-group` on a model: the sensitivities are measured per layer, as for
+    per-layer rows, and end up in the grouped rows' steps; the result codes the model's KV within its bound."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_blend import tiny_model
+
+    from compression.calibrate import calibrate_model
+
+    model = tiny_model(seed=3)
+    g = torch.Generator().manual_seed(5)
+    texts = [torch.randint(1, 97, (420,), generator=g).tolist() for _ in range(2)]
+    allocation = Allocation(0.4, 0.4, drop=0.2, sink_tokens=4)
+    per_layer = calibrate_model(model, texts, allocation, sensitivity=True)
+    grouped = calibrate_model(model, texts, allocation, sensitivity=True, layer_group=2)
+    assert (per_layer.layer_group, grouped.layer_group) == (1, 2) and grouped.rows == 4 and grouped.channels == 64
+    assert grouped.allocation.row_scale == per_layer.allocation.row_scale and len(grouped.allocation.row_scale) == 8
+    from engine_adapter.generate import prefill
+
+    kv = model.new_cache(300)
+    prefill(model, torch.randint(1, 97, (300,), generator=g).tolist(), kv, start_pos=0)
+    block = kv.export(256, 300)  # the model's own KV at positions 256..299
+    for calibration in (per_layer, grouped):
+        codec = TransformCodec(calibration)
+        encoded = codec.encode(block)
+        assert encoded.params["start"] == 256
+        decoded = codec.decode(encoded.payload, encoded.params, block.shape, block.dtype)
+        assert 0 < float((decoded - block).abs().max()) <= codec.error_bound(block)

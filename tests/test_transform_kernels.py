@@ -69,9 +69,11 @@ def test_launchers_check_arguments():
         transform.dequantize_backproject(x, inv_step, analysis, mean, torch.float16)
 
 
-def test_rope_aware_codec_on_kernels_matches_reference():
+@pytest.mark.parametrize("layer_group", [1, 3])
+def test_rope_aware_codec_on_kernels_matches_reference(layer_group):
     """The whole RoPE-aware kvtc path (turn keys, project, quantize; back-project, turn back) on the
-    Triton kernels decodes within the codec's bound and within 1e-3 relative of the torch path."""
+    Triton kernels decodes within the codec's bound and within 1e-3 relative of the torch path, with
+    per-layer rows and with rows over all 3 layers (96 channels)."""
     import sys
     from pathlib import Path
 
@@ -82,7 +84,7 @@ def test_rope_aware_codec_on_kernels_matches_reference():
     from compression.transform import TransformCodec
 
     calibration = calibrate([rope_block(300, 0, seed=1, dtype=torch.float32)], Allocation(0.2, 0.3, sink_tokens=4),
-                            rope_inv_freq=INV_FREQ, max_position=8192)
+                            rope_inv_freq=INV_FREQ, max_position=8192, layer_group=layer_group)
     block = rope_block(45, 2, seed=8, dtype=torch.float16)  # sinks at 2, 3 raw, the rest coded
     on_triton, on_torch = TransformCodec(calibration, kernels_choice="triton"), TransformCodec(calibration, kernels_choice="torch")
     encoded = on_triton.encode(block)
