@@ -103,10 +103,11 @@ class Question:
     question_ids: list[int]
 
 
-def load_questions(path: Path, tokenizer, limit: int, seed: int) -> list[Question]:
-    """``limit`` dev questions picked with ``seed`` (in file order when seed < 0)."""
+def load_questions(path: Path, tokenizer, limit: int, seed: int, exclude: set[int] = frozenset()
+                   ) -> list[Question]:
+    """``limit`` dev questions picked with ``seed`` (in file order when seed < 0), never one of ``exclude``."""
     items = json.loads(path.read_text())
-    order = list(range(len(items)))
+    order = [i for i in range(len(items)) if i not in exclude]
     if seed >= 0:
         random.Random(seed).shuffle(order)
     picked = sorted(order[:limit])
@@ -228,13 +229,14 @@ def parse_kvtc(text: str) -> dict:
     keys coded before RoPE; ``sens``: strength of the per-layer steps from measured sensitivity, clipped to
     [1/limit, limit]; ``metric=0``: plain PCA of the KV, no query / o_proj metric; ``auto=1``: the calibration a
     daemon makes from a namespace's first blocks, without the model (`compression/blind.py`), from the
-    calibration items' 256-token chunks in order, item after item; only key, value and drop apply)."""
+    calibration items' 256-token chunks in order, item after item; only key, value and drop apply;
+    ``layers=N``: rows over N consecutive layers, `Calibration.layer_group`)."""
     if "=" not in text:
         parts = [float(v) for v in text.split(":")]
         return {"key": parts[0], "value": parts[1], "drop": parts[2] if len(parts) > 2 else 0.5, "sinks": 0, "rope": 0,
-                "sens": 0, "limit": SENSITIVITY_LIMIT, "metric": 1, "auto": 0}
+                "sens": 0, "limit": SENSITIVITY_LIMIT, "metric": 1, "auto": 0, "layers": 1}
     out = {"key": None, "value": None, "drop": 0.5, "sinks": 0, "rope": 0, "sens": 0, "limit": SENSITIVITY_LIMIT,
-           "metric": 1, "auto": 0}
+           "metric": 1, "auto": 0, "layers": 1}
     for item in text.split(","):
         name, _, value = item.partition("=")
         if name not in out:
@@ -292,18 +294,20 @@ def cached_sensitivity(model: LlamaModel, texts: list[list[int]], stats, calibra
     return sensitivity
 
 
-def blind_calibration(blocks: list[torch.Tensor], source: str, log):
-    """What a daemon calibrates from these contexts' 256-token chunks stored in order, without the model."""
+def blind_calibration(blocks: list[torch.Tensor], source: str, log, layer_group: int = 1, allocation=None):
+    """What a daemon calibrates from these contexts' 256-token chunks stored in order, without the model
+    (at ``allocation``, default steps 0.5 / 0.5: per-layer rows take another one by `with_allocation`)."""
     from compression.blind import BlindCalibration
     from compression.calibration import Allocation
 
     start = time.perf_counter()
     n_layers, _, n_heads, _, head_dim = blocks[0].shape
-    blind = BlindCalibration(n_layers, n_heads, head_dim)
+    blind = BlindCalibration(n_layers, n_heads, head_dim, layer_group=layer_group)
     for block in blocks:
         for s, e in chunk_bounds(block.shape[3]):
             blind.add(block[:, :, :, s:e])
-    calibration = blind.calibration(Allocation(0.5, 0.5), source=f"{source}, as {blind.blocks} blocks, no model")
+    calibration = blind.calibration(allocation or Allocation(0.5, 0.5),
+                                    source=f"{source}, as {blind.blocks} blocks, no model")
     log(f"blind calibration in {time.perf_counter() - start:.1f} s: {calibration.source}")
     return calibration
 
@@ -332,25 +336,36 @@ def kvtc_codecs(model: LlamaModel, tokenizer, args, evaluated: set[int], log) ->
         setting = parse_kvtc(text)
         sinks, rope, metric = int(setting["sinks"]), bool(setting["rope"]), bool(setting["metric"])
         base = sinks, rope, metric
-        if setting["auto"]:
+        layers = int(setting["layers"])
+        allocation = Allocation(setting["key"], setting["value"], setting["drop"], sink_tokens=sinks)
+        if setting["auto"] and layers > 1:  # the steps are in the grouped bases: the daemon's whole path again
+            calibration = blind_calibration(basis_stats.blocks, source, log, layers, allocation)
+        elif setting["auto"]:
             if "auto" not in bases:
                 bases["auto"] = blind_calibration(basis_stats.blocks, source, log)
-            base = "auto"
-            sinks = bases["auto"].allocation.sink_tokens
-        elif base not in bases:
-            bases[base] = calibrate(basis_stats.blocks, Allocation(0.5, 0.5, sink_tokens=sinks),
-                                    metric=basis_stats.metric(1, pre_rope=rope) if metric else None, source=source,
-                                    rope_inv_freq=basis_stats.inv_freq if rope else None,
-                                    max_position=model.config.max_position_embeddings if rope else 0)
-        allocation = Allocation(setting["key"], setting["value"], setting["drop"], sink_tokens=sinks)
-        calibration = bases[base].with_allocation(allocation)
-        if setting["sens"]:
-            # measured once per basis, at one reference allocation: to first order every row's KL grows as
-            # step^2 alike, so the relative sensitivities hold at any step
-            reference = bases[base].with_allocation(dataclasses.replace(SENSITIVITY_ALLOCATION, sink_tokens=sinks))
-            sensitivity = cached_sensitivity(model, texts, stats, reference, args.cache_dir, log)
-            scale = sensitivity_scale(sensitivity, groups=1, strength=setting["sens"], limit=setting["limit"])
-            calibration = bases[base].with_allocation(dataclasses.replace(allocation, row_scale=scale))
+            calibration = bases["auto"].with_allocation(
+                dataclasses.replace(allocation, sink_tokens=bases["auto"].allocation.sink_tokens))
+        else:
+            if base not in bases:
+                bases[base] = calibrate(basis_stats.blocks, Allocation(0.5, 0.5, sink_tokens=sinks),
+                                        metric=basis_stats.metric(1, pre_rope=rope) if metric else None,
+                                        source=source, rope_inv_freq=basis_stats.inv_freq if rope else None,
+                                        max_position=model.config.max_position_embeddings if rope else 0)
+            calibration = bases[base].with_allocation(allocation)
+            if setting["sens"]:
+                # measured once per basis, at one reference allocation: to first order every row's KL grows
+                # as step^2 alike, so the relative sensitivities hold at any step
+                reference = bases[base].with_allocation(dataclasses.replace(SENSITIVITY_ALLOCATION, sink_tokens=sinks))
+                sensitivity = cached_sensitivity(model, texts, stats, reference, args.cache_dir, log)
+                scale = sensitivity_scale(sensitivity, groups=1, strength=setting["sens"], limit=setting["limit"])
+                allocation = dataclasses.replace(allocation, row_scale=scale)
+                calibration = bases[base].with_allocation(allocation)
+            if layers > 1:  # the steps go into the bases: calibrated again from the statistics
+                calibration = calibrate(basis_stats.blocks, allocation,
+                                        metric=basis_stats.metric(1, pre_rope=rope) if metric else None,
+                                        source=source, rope_inv_freq=basis_stats.inv_freq if rope else None,
+                                        max_position=model.config.max_position_embeddings if rope else 0,
+                                        layer_group=layers)
         calibration_store.register(calibration)
         spec = f"kvtc@{calibration.id[:12]}"
         log(f"{spec}: {text}, {int(calibration.kept.sum())}/{calibration.kept.numel()} components kept")
@@ -530,6 +545,9 @@ def main() -> int:
                                                               "the first --limit in file order)")
     parser.add_argument("--codecs", nargs="+", default=list(DEFAULT_CODECS),
                         help=f"codec specs (default {' '.join(DEFAULT_CODECS)})")
+    parser.add_argument("--exclude", type=int, nargs="*", default=[], metavar="INDEX",
+                        help="dev.json indices never picked (e.g. the tuning and earlier evaluation items, for a "
+                             "held-out run; picked from the rest as --seed shuffles it)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="answer tokens scored (default 32)")
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/kvstore-codec-quality"),
                         help="where each context's fp16 KV is kept between runs (default /tmp/kvstore-codec-quality)")
@@ -566,7 +584,7 @@ def main() -> int:
     log("loading SmolLM2-135M-Instruct (fp32) ...")
     model, tokenizer = load_gguf(find_smollm2_gguf(), dtype=torch.float32)
     eos = tokenizer.eos_token_ids
-    questions = load_questions(args.data, tokenizer, args.limit, args.seed)
+    questions = load_questions(args.data, tokenizer, args.limit, args.seed, set(args.exclude))
     if args.kvtc:
         codecs.update(kvtc_codecs(model, tokenizer, args, {q.index for q in questions}, log))
     scores = {spec: CodecScore(codecs[spec].name) for spec in codecs}
@@ -717,7 +735,7 @@ def main() -> int:
         Path(args.json).write_text(json.dumps({
             "model": "SmolLM2-135M-Instruct", "compute_dtype": "float32", "store_dtype": "float16",
             "reference": REFERENCE, "threads": args.threads, "chunk_tokens": CHUNK_TOKENS,
-            "max_new_tokens": args.max_new_tokens, "data": str(args.data), "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens, "data": str(args.data), "seed": args.seed, "exclude": args.exclude,
             "calibration_items": args.calibration_items, "calibrate_on": args.calibrate_on,
             "questions": [{"index": q.index, "question": q.question, "answers": q.answers,
                            "context_tokens": len(q.context_ids), "question_tokens": len(q.question_ids),

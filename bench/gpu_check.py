@@ -25,7 +25,8 @@ Sections (each in its own try/except; each prints its result and lands in the JS
               blocks shaped like SmolLM2's, sinks raw): Triton projection + quantization against the
               CPU codes (differ by 1 at most, rarely), decode on the GPU within ``error_bound`` and
               against the CPU decode, and the time of encode and decode of a block (the entropy
-              stage, `ans`, runs on the CPU either way) with each Triton kernel's own time;
+              stage, `ans`, runs on the CPU either way) with each Triton kernel's own time; then the
+              same with rows over 10 layers (1,920 channels, `Calibration.layer_group`);
 10. pytest    ``python -m pytest -q -m cuda`` when any test is marked cuda.
 
 Rows are laid out as the codecs lay them out: int8 rows are (layer, k/v, head, token) over head_dim;
@@ -384,9 +385,10 @@ def section_blend(device: str = "cuda") -> dict:
     return {"ok": ok, **result}
 
 
-def kvtc_calibration(shape: tuple[int, ...] = BLOCK_SHAPE):
+def kvtc_calibration(shape: tuple[int, ...] = BLOCK_SHAPE, layer_group: int = 1):
     """A RoPE-aware kvtc calibration of two correlated synthetic contexts (a low-rank part per row,
-    an outlier channel, offsets, noise) shaped like SmolLM2's blocks; and a third context to code."""
+    an outlier channel, offsets, noise) shaped like SmolLM2's blocks; and a third context to code.
+    ``layer_group``: rows over that many layers (1,920 channels at 10: the kernels' widest rows)."""
     from compression.calibration import Allocation, calibrate, turn_keys
 
     n_layers, _, n_heads, _, head_dim = shape
@@ -401,16 +403,18 @@ def kvtc_calibration(shape: tuple[int, ...] = BLOCK_SHAPE):
         block = x.view(n_layers, 2, tokens, n_heads, head_dim).permute(0, 1, 3, 2, 4).contiguous()
         return turn_keys(block, 0, inv_freq, to_rope=True)  # keys as a model stores them, at 0..tokens-1
 
-    cal = calibrate([context(700, 1), context(500, 2)], Allocation(0.8, 0.55, 0.2, sink_tokens=4),
-                    source="gpu_check synthetic", rope_inv_freq=inv_freq, max_position=4096)
+    scale = max(1, -(-3 * layer_group * n_heads * head_dim // 1200))  # 3C tokens at least (2C needed)
+    cal = calibrate([context(700 * scale, 1), context(500 * scale, 2)], Allocation(0.8, 0.55, 0.2, sink_tokens=4),
+                    source="gpu_check synthetic", rope_inv_freq=inv_freq, max_position=4096 * scale,
+                    layer_group=layer_group)
     return cal, context(shape[3] + 256, 3)[:, :, :, 256:].to(torch.float16).contiguous()  # a block at 256
 
 
-def section_kvtc(device: str = "cuda") -> dict:
+def section_kvtc(device: str = "cuda", layer_group: int = 1) -> dict:
     from compression import calibration_store
     from compression.transform import TransformCodec
 
-    cal, block_cpu = kvtc_calibration()
+    cal, block_cpu = kvtc_calibration(layer_group=layer_group)
     calibration_store.register(cal)
     block = block_cpu.to(device)
     codec = TransformCodec(cal)
@@ -446,7 +450,8 @@ def section_kvtc(device: str = "cuda") -> dict:
                                                                     block.dtype, device))}
         out["seconds"] = timings
         out["fp16_gbps"] = {k: fp16 / v / 1e9 for k, v in timings.items()}
-    print(f"  kvtc on {device}: {'ok' if out['ok'] else 'FAIL'} ({out['ratio_vs_fp16']:.2f}x, max err {err:.4g} <= "
+    print(f"  kvtc ({layer_group} layer{'s' if layer_group > 1 else ''} a row) on {device}: "
+          f"{'ok' if out['ok'] else 'FAIL'} ({out['ratio_vs_fp16']:.2f}x, max err {err:.4g} <= "
           f"bound {bound:.4g}, vs CPU decode {vs_cpu:.4g}"
           + (f", codes differ by <= {out['codes_max_diff']} in {100 * out['codes_diff_frac']:.3f}%; fp16 GB/s "
              + ", ".join(f"{k} {v:.2f}" for k, v in out["fp16_gbps"].items()) if device == "cuda" else "") + ")")
@@ -506,6 +511,7 @@ def main() -> int:
     env = run_section(report, "env", section_env)
     run_section(report, "cpu_smoke", section_cpu_smoke)
     run_section(report, "kvtc_cpu", lambda: section_kvtc("cpu"))
+    run_section(report, "kvtc_layers10_cpu", lambda: section_kvtc("cpu", layer_group=10))
     if not torch.cuda.is_available():
         print("\nno CUDA device: nothing to check")
         return finish("no CUDA device: nothing to check")
@@ -547,6 +553,7 @@ def main() -> int:
     run_section(report, "gpu_tier", lambda: section_gpu_tier(device_copy))
     run_section(report, "blend", section_blend)
     run_section(report, "kvtc", section_kvtc)
+    run_section(report, "kvtc_layers10", lambda: section_kvtc("cuda", layer_group=10))
     run_section(report, "pytest_cuda", section_pytest)
     return finish("GPU checks done")
 

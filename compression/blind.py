@@ -117,9 +117,10 @@ class BlindCalibration:
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, warmup: int = WARMUP_BLOCKS,
-                 max_channels: int = MAX_CHANNELS, max_start: int = MAX_START) -> None:
+                 max_channels: int = MAX_CHANNELS, max_start: int = MAX_START, layer_group: int = 1) -> None:
         self.shape = (num_layers, num_kv_heads, head_dim)
         self.groups = groups_for(num_kv_heads, head_dim, max_channels)
+        self.layer_group = layer_group  # layers per row (`Calibration.layer_group`)
         self.warmup = max(1, warmup)
         self.max_start = max_start
         self._held: list[torch.Tensor] = []  # warm-up blocks [L, 2, H, T, D] float32
@@ -155,13 +156,13 @@ class BlindCalibration:
         theta, *self.fit = fit_theta(keys)
         n_layers, n_heads, head_dim = self.shape
         if theta is None:
-            self.stats = CalibrationStats(n_layers, n_heads, head_dim, self.groups)
+            self.stats = CalibrationStats(n_layers, n_heads, head_dim, self.groups, layer_group=self.layer_group)
             for block in held:
                 self.stats.add(block)
             return
         self.theta = theta
         freq = rope_freq(theta, head_dim)
-        self.stats = CalibrationStats(n_layers, n_heads, head_dim, self.groups, freq, SINK_TOKENS)
+        self.stats = CalibrationStats(n_layers, n_heads, head_dim, self.groups, freq, SINK_TOKENS, self.layer_group)
         # starts relative to the longest warm-up block (its keys turned back by t: its frame), the
         # earliest taken as 0
         ref = max(range(len(held)), key=lambda i: held[i].shape[3])

@@ -11,6 +11,10 @@ into the tier, without the model (`compression/blind.py`)::
                                              error within the limits? --yes-> store coded
                                                                       --no--> store as it is
 
+With ``auto_layer_group`` N > 1 a calibration's rows span up to N consecutive layers
+(`Calibration.layer_group`; `layer_group_for` fits N to each layout's bounds): fewer bytes at
+better quality, slower decode and larger calibrations (docs/compression.md measures both).
+
 Until a namespace has `auto_calibration_tokens` tokens sampled, its blocks go down as they are:
 nothing lossy happens to a namespace the daemon knows nothing about. Sampling and calibrating run
 on one thread of their own (`_worker`), never in the store's copy path (which may hold the store's
@@ -59,7 +63,7 @@ from typing import Callable
 import torch
 
 from compression.blind import MAX_CHANNELS, BlindCalibration, groups_for
-from compression.calibration import Allocation, Calibration
+from compression.calibration import MAX_GROUP_CHANNELS, Allocation, Calibration
 from kvstore.block import BlockHeader, payload_checksum
 from kvstore.keys import KVLayout
 
@@ -93,11 +97,26 @@ def layout_tag(layout: KVLayout) -> str:
     return f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}-{layout.dtype}"
 
 
-def calibration_bytes(layout: KVLayout) -> int:
-    """About the bytes of a calibration of this layout (two [rows, C, C] float32 matrices)."""
+def calibration_bytes(layout: KVLayout, layer_group: int = 1) -> int:
+    """About the bytes of a calibration of this layout (two [rows, C, C] float32 matrices; rows of
+    ``layer_group`` layers are that many times a per-layer one's)."""
     groups = groups_for(layout.num_kv_heads, layout.head_dim)
     channels = layout.num_kv_heads // groups * layout.head_dim
-    return 2 * layout.num_layers * 2 * groups * channels * channels * 4
+    return 2 * layout.num_layers * 2 * groups * channels * channels * 4 * layer_group
+
+
+def layer_group_for(layout: KVLayout, wanted: int, limit: int = MAX_CALIBRATION_BYTES,
+                    sample_tokens: int = DEFAULT_SAMPLE_TOKENS) -> int:
+    """Layers per row for this layout: the largest divisor of its layers up to ``wanted`` whose rows
+    stay within `MAX_GROUP_CHANNELS` channels, whose calibration stays within ``limit`` and whose
+    rows' statistics a sample of ``sample_tokens`` can give (twice the channels at least); else 1."""
+    channels = layout.num_kv_heads // groups_for(layout.num_kv_heads, layout.head_dim) * layout.head_dim
+    for layer_group in range(min(wanted, layout.num_layers), 1, -1):
+        width = layer_group * channels
+        if layout.num_layers % layer_group == 0 and width <= MAX_GROUP_CHANNELS and 2 * width <= sample_tokens \
+                and calibration_bytes(layout, layer_group) <= limit:
+            return layer_group
+    return 1
 
 
 def unfit_layout(layout: KVLayout, limit: int = MAX_CALIBRATION_BYTES) -> str:
@@ -128,6 +147,7 @@ class _Namespace:
     layout: KVLayout
     owner: object  # the tenant that Put it (kvstore.auth.Tenant): its calibration is stored under it
     memory: int = 0  # what its calibration is counted as against MAX_MEMORY
+    layer_group: int = 1  # layers per row of the calibration it is to get
     checked: bool = False  # the calibration folder was looked at for one made before (by the sampler thread)
     load_queued: bool = False
     last_seen: float = 0.0
@@ -159,10 +179,11 @@ class AutoCalibrator:
 
     def __init__(self, sample_tokens: int = DEFAULT_SAMPLE_TOKENS, allocation: Allocation = AUTO_ALLOCATION,
                  folder: Path | None = None, publish: Publish | None = None, metrics=None,
-                 max_calibration_bytes: int = MAX_CALIBRATION_BYTES) -> None:
+                 max_calibration_bytes: int = MAX_CALIBRATION_BYTES, layer_group: int = 1) -> None:
         from compression import calibration_store
 
         self.sample_tokens = sample_tokens
+        self.layer_group = layer_group  # layers per row wanted (`layer_group_for` fits it to each layout)
         self.allocation = allocation
         self.folder = folder or calibration_store.calibration_dir()
         self.publish = publish
@@ -267,8 +288,10 @@ class AutoCalibrator:
                 if state is None:
                     if not self._room(getattr(owner, "name", ""), decide=True):
                         return None
-                    memory = 0 if failed else 3 * calibration_bytes(layout)
-                    state = self._namespaces[key] = _Namespace(layout, owner, memory, failed=failed,
+                    layer_group = layer_group_for(layout, self.layer_group, self.max_calibration_bytes,
+                                                  self.sample_tokens - 256)  # (sinks of first blocks left out)
+                    memory = 0 if failed else 3 * calibration_bytes(layout, layer_group)
+                    state = self._namespaces[key] = _Namespace(layout, owner, memory, layer_group, failed=failed,
                                                                checked=not made_before)
                     if failed:
                         log.warning("namespace %s (%s) is not calibrated automatically: %s; its blocks are stored "
@@ -394,7 +417,8 @@ class AutoCalibrator:
                 return
             state.last_sample = time.monotonic()
             if state.blind is None:
-                state.blind = BlindCalibration(layout.num_layers, layout.num_kv_heads, layout.head_dim)
+                state.blind = BlindCalibration(layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                                               layer_group=state.layer_group)
             blind = state.blind
             try:
                 blind.add(block)

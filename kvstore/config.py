@@ -132,6 +132,9 @@ class DaemonConfig:
     #: With "kvtc@auto": tokens of a namespace's first blocks the daemon calibrates on (those
     #: blocks, and the namespace's until then, are stored as they are).
     auto_calibration_tokens: int = 8192
+    #: With "kvtc@auto": consecutive layers coded as one row, at most (rows of at most 2,048 channels
+    #: and calibrations within the size bound; 1 = a row per layer). docs/compression.md measures 5.
+    auto_layer_group: int = 1
     #: Where calibrations are read from (kvtc@<id>) and the daemon's own are kept (kvtc@auto);
     #: "": $KVSTORE_CALIBRATION_DIR, else ~/.cache/kvstore/calibrations (`kvstore calibrate` writes there).
     calibration_dir: str = ""
@@ -202,6 +205,8 @@ class DaemonConfig:
                 canonical_codec(codec)  # ValueError naming the known codecs
         if not 512 <= self.auto_calibration_tokens <= 1 << 20:
             raise ValueError(f"auto_calibration_tokens must be in 512..1048576, got {self.auto_calibration_tokens}")
+        if not 1 <= self.auto_layer_group <= 64:
+            raise ValueError(f"auto_layer_group must be in 1..64, got {self.auto_layer_group}")
         if self.queue_depth < 1:
             raise ValueError(f"queue_depth must be at least 1, got {self.queue_depth}")
         if self.max_message_bytes < 2**20:

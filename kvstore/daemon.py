@@ -89,7 +89,7 @@ class Daemon:
         if config.calibration_dir:  # this process's kvtc decodes read it too (compression/calibration_store.py)
             os.environ[CALIBRATION_DIR_ENV] = config.calibration_dir
         self.autocal = AutoCalibrator(config.auto_calibration_tokens, publish=self._publish_calibration,
-                                      metrics=self.metrics,
+                                      metrics=self.metrics, layer_group=config.auto_layer_group,
                                       max_calibration_bytes=min(MAX_CALIBRATION_BYTES, config.max_message_bytes // 2)
                                       ) if AUTO_SPEC in codecs else None
         codecs = [self.autocal if c == AUTO_SPEC else c for c in codecs]

@@ -393,6 +393,49 @@ def auto_header(namespace: bytes, n: int, layout: KVLayout = AUTO_LAYOUT, tokens
                        payload_len=len(payload), checksum=payload_checksum(payload), codec=codec, codec_params={})
 
 
+def test_daemon_groups_layers_when_told(daemon_factory, short_tmp):
+    """auto_layer_group: the daemon's calibration has rows over that many layers (format v4), and the
+    blocks it codes with it pass the same per-block checks."""
+    from compression.calibration import Calibration
+    from engine_adapter.client import KVStoreClient
+    from engine_adapter.prefix_cache import PrefixCache, fetched_tensor
+
+    d = auto_daemon(daemon_factory, short_tmp, auto_layer_group="3")
+    keys, blocks = prefix_blocks(8, seed=4)
+    with KVStoreClient(d.address) as client:
+        client.put(AUTO_NS, [(k, 256, b) for k, b in zip(keys[:4], blocks[:4])])
+        wait_for(lambda: published(client, short_tmp))
+        client.put(AUTO_NS, [(k, 256, b) for k, b in zip(keys[4:], blocks[4:])])
+        wait_for(lambda: client.stats()["tiers"]["disk"]["blocks"] >= 9)
+        client.clear(["cpu"])
+        cache = PrefixCache(client, AUTO_NS)  # the calibration comes from the daemon
+        try:
+            with client.fetch(keys[4:], BLOCK_BYTES + 4096) as fetched:
+                for block, original in zip(fetched, blocks[4:]):
+                    assert block.codec.startswith("kvtc@") and block.tier == "disk"
+                    total, per_token = relative_errors(torch.from_numpy(original), fetched_tensor(block))
+                    assert float(total.max()) <= MAX_RELATIVE_ERROR and float(per_token.max()) <= MAX_TOKEN_ERROR
+        finally:
+            cache.close()
+    calibration_id = next((short_tmp / "calibrations" / "auto").glob("*")).read_text().strip()
+    calibration = Calibration.from_bytes((short_tmp / "calibrations" / f"{calibration_id}.kvcal").read_bytes())
+    assert calibration.layer_group == 3 and calibration.rows == 2
+
+
+def test_layer_group_for_fits_each_layout():
+    from kvstore.autocal import calibration_bytes, layer_group_for
+
+    smollm2, llama3 = KVLayout(30, 3, 64, "bfloat16"), KVLayout(32, 8, 128, "bfloat16")
+    assert layer_group_for(smollm2, 1) == 1 and layer_group_for(smollm2, 5) == 5
+    assert calibration_bytes(smollm2, 5) == 5 * calibration_bytes(smollm2)  # 84 MiB
+    assert layer_group_for(smollm2, 10) == 6  # 10 layers a row would make a 169 MiB calibration
+    assert layer_group_for(smollm2, 10, limit=1 << 30) == 10
+    assert layer_group_for(smollm2, 5, sample_tokens=1024) == 2  # statistics need twice the row's channels
+    assert layer_group_for(smollm2, 4) == 3  # a divisor of the 30 layers
+    assert layer_group_for(llama3, 8) == 1  # its per-layer calibration is already 128 MiB
+    assert layer_group_for(KVLayout(4, 1, 1024, "float16"), 4, limit=1 << 40) == 2  # rows of 2,048 channels at most
+
+
 def test_layouts_too_large_to_calibrate_and_decompression_bombs_are_stored_as_they_came(tmp_path):
     """A client declares the layout: one whose statistics or calibration would take gigabytes, an odd
     head_dim, or a small coded payload that would decode to 256 MiB, is never read by the calibrator."""
