@@ -227,6 +227,21 @@ def calibrate_model(model, texts_ids: list[list[int]], allocation: Allocation = 
 # -- kvstore calibrate -------------------------------------------------------------------------------------
 
 
+def check_layer_group_early(layer_group: int, config, groups: int, tokens: int) -> None:
+    """ValueError naming ``--layer-group`` before any work, where the grouped calibration would fail
+    after the forwards: not a divisor of the model's layers, rows too wide, or too few tokens."""
+    from compression.calibration import check_layer_group
+
+    channels = layer_group * config.num_kv_heads // groups * config.head_dim
+    try:
+        check_layer_group(layer_group, config.num_layers, channels // layer_group)
+    except ValueError as exc:
+        raise ValueError(f"--layer-group {layer_group}: {exc}") from None
+    if layer_group > 1 and tokens < 2 * channels:
+        raise ValueError(f"--layer-group {layer_group}: rows of {channels} channels need at least {2 * channels} "
+                         f"tokens of text, got {tokens}; give more text (--max-tokens) or group fewer layers")
+
+
 def run(args: argparse.Namespace) -> int:
     """`kvstore calibrate`: calibrate on files, save to the calibration directory, put into the daemon."""
     from compression import calibration_store
@@ -235,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_gguf(args.gguf or find_smollm2_gguf(), dtype=torch.float32)
     texts = [tokenizer.encode(path.read_text())[: args.max_tokens] for path in args.files]
     sinks = args.sink_tokens if args.sink_tokens is not None else (0 if args.post_rope else DEFAULT_ALLOCATION.sink_tokens)
+    check_layer_group_early(args.layer_group, model.config, args.groups, sum(max(0, len(t) - sinks) for t in texts))
     allocation = dataclasses.replace(
         DEFAULT_ALLOCATION, sink_tokens=sinks,
         key_step=DEFAULT_ALLOCATION.key_step if args.key_step is None else args.key_step,

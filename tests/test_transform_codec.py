@@ -419,3 +419,20 @@ def test_calibrate_model_groups_layers_with_per_layer_sensitivities():
         assert encoded.params["start"] == 256
         decoded = codec.decode(encoded.payload, encoded.params, block.shape, block.dtype)
         assert 0 < float((decoded - block).abs().max()) <= codec.error_bound(block)
+
+
+def test_calibrate_refuses_a_layer_group_before_any_work():
+    """`kvstore calibrate --layer-group` says what is wrong before the forwards, in one line."""
+    from types import SimpleNamespace
+
+    from compression.calibrate import check_layer_group_early
+
+    smollm2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    check_layer_group_early(10, smollm2, 1, tokens=11_000)
+    check_layer_group_early(1, smollm2, 1, tokens=10)  # per-layer rows: no extra need
+    with pytest.raises(ValueError, match="--layer-group 7: layer_group must be a positive divisor of the 30 layers"):
+        check_layer_group_early(7, smollm2, 1, tokens=11_000)
+    with pytest.raises(ValueError, match="--layer-group 15: .*at most 2048"):
+        check_layer_group_early(15, smollm2, 1, tokens=11_000)
+    with pytest.raises(ValueError, match="need at least 3840 tokens of text, got 900"):
+        check_layer_group_early(10, smollm2, 1, tokens=900)
