@@ -388,7 +388,7 @@ def section_blend(device: str = "cuda") -> dict:
 def kvtc_calibration(shape: tuple[int, ...] = BLOCK_SHAPE, layer_group: int = 1):
     """A RoPE-aware kvtc calibration of two correlated synthetic contexts (a low-rank part per row,
     an outlier channel, offsets, noise) shaped like SmolLM2's blocks; and a third context to code.
-    ``layer_group``: rows over that many layers (1,920 channels at 10: the kernels' widest rows)."""
+    ``layer_group``: rows over that many layers (1,920 channels at 10, near `MAX_GROUP_CHANNELS`)."""
     from compression.calibration import Allocation, calibrate, turn_keys
 
     n_layers, _, n_heads, _, head_dim = shape

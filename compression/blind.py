@@ -136,6 +136,12 @@ class BlindCalibration:
         """Tokens of the blocks added (sink positions included)."""
         return self._tokens
 
+    @property
+    def short(self) -> bool:
+        """Whether the statistics hold fewer tokens than `calibration` needs (sink positions are left
+        out of them: many blocks at position 0 give fewer than `tokens` says)."""
+        return self.stats is not None and self.stats.tokens < self.stats.needed_tokens
+
     def add(self, block: torch.Tensor) -> None:
         """Add a block [L, 2, H, T, D] (any float dtype, finite; not changed)."""
         if tuple(block.shape[i] for i in (0, 2, 4)) != self.shape or block.shape[1] != 2:

@@ -232,11 +232,13 @@ def check_layer_group_early(layer_group: int, config, groups: int, tokens: int) 
     after the forwards: not a divisor of the model's layers, rows too wide, or too few tokens."""
     from compression.calibration import check_layer_group
 
-    channels = layer_group * config.num_kv_heads // groups * config.head_dim
+    if not (groups >= 1 and config.num_kv_heads % groups == 0):
+        raise ValueError(f"--groups {groups}: must divide the model's {config.num_kv_heads} kv heads")
     try:
-        check_layer_group(layer_group, config.num_layers, channels // layer_group)
+        check_layer_group(layer_group, config.num_layers, config.num_kv_heads // groups * config.head_dim)
     except ValueError as exc:
         raise ValueError(f"--layer-group {layer_group}: {exc}") from None
+    channels = layer_group * config.num_kv_heads // groups * config.head_dim
     if layer_group > 1 and tokens < 2 * channels:
         raise ValueError(f"--layer-group {layer_group}: rows of {channels} channels need at least {2 * channels} "
                          f"tokens of text, got {tokens}; give more text (--max-tokens) or group fewer layers")

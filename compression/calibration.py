@@ -219,8 +219,15 @@ class Calibration:
 
     @classmethod
     def from_bytes(cls, raw: bytes | bytearray | memoryview) -> "Calibration":
-        """Inverse of `to_bytes`; trailing bytes (padding of a stored block) are ignored."""
-        raw = bytes(raw)
+        """Inverse of `to_bytes`; trailing bytes (padding of a stored block) are ignored. ValueError
+        for anything else (a forged header's field of the wrong type included)."""
+        try:
+            return cls._from_bytes(bytes(raw))
+        except (TypeError, KeyError, OverflowError, AttributeError) as exc:
+            raise ValueError(f"calibration header is malformed: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+    @classmethod
+    def _from_bytes(cls, raw: bytes) -> "Calibration":
         if not raw.startswith(MAGIC):
             raise ValueError("not a kvstore calibration (bad magic)")
         n_head = int.from_bytes(raw[len(MAGIC):len(MAGIC) + 4], "little")
@@ -230,8 +237,10 @@ class Calibration:
             raise ValueError(f"calibration format {header.get('format')!r} is not one of {FORMATS}; "
                              f"recalibrate with this kvstore (`kvstore calibrate`)")
         offset += n_head
-        n_layers, n_heads, head_dim, groups = (int(header[k]) for k in ("num_layers", "num_kv_heads", "head_dim", "groups"))
-        layer_group = int(header.get("layer_group", 1))
+        sizes = [header[k] for k in ("num_layers", "num_kv_heads", "head_dim", "groups")] + [header.get("layer_group", 1)]
+        if not all(type(v) is int for v in sizes):  # (not bool, float or str: ids name canonical bytes)
+            raise ValueError(f"calibration header sizes must be integers, got {sizes!r:.200}")
+        n_layers, n_heads, head_dim, groups, layer_group = sizes
         if not (n_layers > 0 and n_heads > 0 and head_dim > 0 and groups > 0 and n_heads % groups == 0):
             raise ValueError(f"calibration header has a bad layout: {n_layers} layers, {n_heads} kv heads, "
                              f"head_dim {head_dim}, {groups} groups")
@@ -379,6 +388,11 @@ class CalibrationStats:
         self.outer += torch.bmm(x.transpose(1, 2), x)  # [B, C, T] @ [B, T, C] -> [B, C, C]
         self.tokens += x.shape[1]
 
+    @property
+    def needed_tokens(self) -> int:
+        """Tokens (sink positions left out) `calibration` needs: twice a row's channels."""
+        return 2 * self._probe.channels
+
     def key_mean(self) -> torch.Tensor:
         """[L, H, D] float32: the mean key so far (before RoPE with ``rope_inv_freq``)."""
         mean = (self.total / max(1, self.tokens)).float()
@@ -433,18 +447,21 @@ class CalibrationStats:
                              f"the statistics left out")
         if allocation.row_scale and len(allocation.row_scale) != n_layer_rows:
             raise ValueError(f"allocation.row_scale has {len(allocation.row_scale)} factors for {n_layer_rows} rows")
-        if self.tokens < 2 * n_chan:
-            raise ValueError(f"calibrate needs at least {2 * n_chan} tokens for {n_chan}-channel rows "
+        if self.tokens < self.needed_tokens:
+            raise ValueError(f"calibrate needs at least {self.needed_tokens} tokens for {n_chan}-channel rows "
                              f"({lg} layers each), got {self.tokens}; give it more text or group fewer layers")
         if metric is not None and tuple(metric.shape) != (n_layer_rows, sub, sub):
             raise ValueError(f"metric must be [{n_layer_rows}, {sub}, {sub}] (per layer row), got {tuple(metric.shape)}")
         mean = self.total / self.tokens  # [B, C]
-        cov = self.outer / self.tokens - mean[:, :, None] * mean[:, None, :]  # [B, C, C]
-        whiten = torch.zeros(n_rows, n_chan, n_chan, dtype=torch.float64)
-        unwhiten = torch.zeros_like(whiten)
-        for b in range(n_rows):
+        analysis = torch.empty(n_rows, n_chan, n_chan)
+        synthesis = torch.empty(n_rows, n_chan, n_chan)
+        std = torch.empty(n_rows, n_chan)
+        for b in range(n_rows):  # a row at a time: float64 [C, C] temporaries for one row only
             first, kv, g = b // (2 * groups) * lg, b // groups % 2, b % groups
             rel = allocation.key_step if kv == 0 else allocation.value_step
+            cov = self.outer[b] / self.tokens - mean[b, :, None] * mean[b, None, :]  # [C, C]
+            whiten = torch.zeros(n_chan, n_chan, dtype=torch.float64)
+            unwhiten = torch.zeros_like(whiten)
             for j in range(lg):
                 layer_row = ((first + j) * 2 + kv) * groups + g  # row b of a per-layer calibration
                 part = slice(j * sub, (j + 1) * sub)
@@ -455,16 +472,17 @@ class CalibrationStats:
                     m_val = m_val.clamp_min(m_val.amax() * 1e-6)
                     w = m_vec @ torch.diag(m_val.sqrt()) @ m_vec.T
                     w_inv = m_vec @ torch.diag(m_val.rsqrt()) @ m_vec.T
-                rms = float((w.T @ cov[b, part, part] @ w).diagonal().mean().clamp_min(0).sqrt())
-                step = rel * (allocation.row_scale[layer_row] if allocation.row_scale else 1.0) * max(rms, 1e-30)
-                whiten[b, part, part] = w / step
-                unwhiten[b, part, part] = w_inv * step
-        cov = whiten.transpose(1, 2) @ cov @ whiten  # in units of each layer's step
-        eigval, eigvec = torch.linalg.eigh(cov)
-        eigval, eigvec = eigval.flip(-1).clamp_min(0), eigvec.flip(-1)
-        std = eigval.sqrt().float()
-        analysis = (whiten @ eigvec).float().contiguous()
-        synthesis = (eigvec.transpose(1, 2) @ unwhiten).float().contiguous()
+                rms = float((w.T @ cov[part, part] @ w).diagonal().mean().clamp_min(0).sqrt())
+                step = rel * (allocation.row_scale[layer_row] if allocation.row_scale else 1.0) * rms
+                if not step > 1e-30:  # a layer without spread: its channels decode to the mean, as per-layer rows
+                    continue  # drop every component of a layer whose step is 0 (whiten and unwhiten stay 0)
+                whiten[part, part] = w / step
+                unwhiten[part, part] = w_inv * step
+            eigval, eigvec = torch.linalg.eigh(whiten.T @ cov @ whiten)  # in units of each layer's step
+            eigval, eigvec = eigval.flip(-1).clamp_min(0), eigvec.flip(-1)
+            std[b] = eigval.sqrt().float()
+            analysis[b] = (whiten @ eigvec).float()
+            synthesis[b] = (eigvec.T @ unwhiten).float()
         step = (std >= allocation.drop).float()  # step 1 (in the whitened, step-scaled units) or dropped
         return Calibration(probe.num_layers, probe.num_kv_heads, probe.head_dim, groups, mean.float(), analysis,
                            synthesis, std, step, allocation, source, self.rope_inv_freq, max_position, lg)

@@ -326,8 +326,9 @@ class AutoCalibrator:
                         len(self._namespaces), MAX_NAMESPACES, MAX_NAMESPACES_PER_TENANT)
         return False
 
-    def _recorded(self, namespace: bytes, layout: KVLayout) -> Calibration | None:
-        """The calibration a daemon made for this namespace before (its pointer file), if it still loads."""
+    def _recorded(self, namespace: bytes, layout: KVLayout, layer_group: int = 1) -> Calibration | None:
+        """The calibration a daemon made for this namespace before (its pointer file), if it still loads
+        and has ``layer_group`` layers a row (another setting since: calibrated again, as now set)."""
         from compression import calibration_store
 
         path = self._pointer(namespace, layout)
@@ -335,7 +336,10 @@ class AutoCalibrator:
             calibration_id = path.read_bytes().decode("ascii", "replace").strip()
             if len(calibration_id) != 64 or not all(c in "0123456789abcdef" for c in calibration_id):
                 raise ValueError(f"{calibration_id[:80]!r} is not a calibration id")
-            return calibration_store.load(calibration_id, self.folder)
+            calibration = calibration_store.load(calibration_id, self.folder)
+            if calibration.layer_group != layer_group:
+                raise ValueError(f"it has {calibration.layer_group} layers a row, auto_layer_group gives {layer_group}")
+            return calibration
         except FileNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001 - its calibration gone or damaged: make a new one
@@ -424,8 +428,8 @@ class AutoCalibrator:
                 blind.add(block)
                 state.sampled.add(header.key)
                 self._count("sampled")
-                if blind.tokens < self.sample_tokens:
-                    return
+                if blind.tokens < self.sample_tokens or (blind.short and blind.tokens < 4 * self.sample_tokens):
+                    return  # (rows over layers need twice their channels: a few blocks more, at most 4x)
                 started = time.perf_counter()
                 calibration = blind.calibration(self.allocation, source=f"kvstore daemon, namespace "
                                                                         f"{header.namespace.hex()[:12]}")
@@ -452,7 +456,7 @@ class AutoCalibrator:
     def _load(self, state: _Namespace, namespace: bytes) -> None:
         """Take up the calibration made for this namespace before a restart, if any (then samples may start)."""
         if not state.checked:
-            state.calibration = self._recorded(namespace, state.layout)
+            state.calibration = self._recorded(namespace, state.layout, state.layer_group)
             state.checked = True
             self._publish(state, namespace)  # stored in the cache again before any block is coded with it
 

@@ -422,6 +422,24 @@ def test_daemon_groups_layers_when_told(daemon_factory, short_tmp):
     assert calibration.layer_group == 3 and calibration.rows == 2
 
 
+def test_grouped_samples_wait_for_enough_tokens_and_a_changed_group_calibrates_again(tmp_path):
+    """Rows over layers need twice their channels in tokens (sinks left out): the sample says when
+    it is short. A calibration made with another auto_layer_group is not taken up after a restart."""
+    from kvstore.autocal import AutoCalibrator
+
+    blind = BlindCalibration(LAYERS, HEADS, HEAD_DIM, layer_group=3)  # rows of 192 channels: 384 tokens
+    for i in range(7):
+        blind.add(rope_keys_block(64, 64 * i, seed=60 + i))
+        assert blind.short == (3 <= i <= 5)  # (no statistics before the 4th block; 252, 316, 380, 444 tokens)
+    calibration = blind.calibration(AUTO_ALLOCATION)
+    assert calibration.layer_group == 3
+
+    calibrator = AutoCalibrator(sample_tokens=1024, folder=tmp_path)
+    calibrator._keep(calibration, b"n" * 16, AUTO_LAYOUT)
+    assert calibrator._recorded(b"n" * 16, AUTO_LAYOUT, layer_group=3).id == calibration.id
+    assert calibrator._recorded(b"n" * 16, AUTO_LAYOUT, layer_group=1) is None
+
+
 def test_layer_group_for_fits_each_layout():
     from kvstore.autocal import calibration_bytes, layer_group_for
 

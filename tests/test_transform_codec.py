@@ -325,6 +325,19 @@ def test_layer_grouped_rows_invert(layer_group, groups):
     assert calibration.is_key_row.tolist() == [(b // groups) % 2 == 0 for b in range(calibration.rows)]
 
 
+def forge(raw: bytes, **fields) -> bytes:
+    """Calibration bytes with header fields replaced (the header's length prefix re-made)."""
+    import json
+
+    from compression.calibration import MAGIC
+
+    start = len(MAGIC) + 4
+    n_head = int.from_bytes(raw[len(MAGIC):start], "little")
+    header = {**json.loads(raw[start:start + n_head]), **fields}
+    head = json.dumps(header).encode()
+    return MAGIC + len(head).to_bytes(4, "little") + head + raw[start + n_head:]
+
+
 def test_v4_calibration_round_trips_and_refuses_what_it_cannot():
     calibration = grouped_calibration(3)
     raw = calibration.to_bytes
@@ -335,10 +348,13 @@ def test_v4_calibration_round_trips_and_refuses_what_it_cannot():
         calibration.with_allocation(Allocation(0.5, 0.5, sink_tokens=4))
     with pytest.raises(ValueError, match="positive divisor of the 3 layers"):
         grouped_calibration(2)
-    for hostile in (b'"layer_group": 0', b'"layer_group":-3', b'"layer_group": 9'):
-        forged = raw.replace(b'"layer_group": 3', hostile)  # the same header length: it still parses
-        with pytest.raises(ValueError, match="layer_group|truncated"):
-            Calibration.from_bytes(forged)
+    for hostile in (0, -3, 9, 3.0, [3], "3", 1e99, True, None):  # a forged header, re-framed with its length
+        with pytest.raises(ValueError, match="layer_group|truncated|integers"):
+            Calibration.from_bytes(forge(raw, layer_group=hostile))
+    with pytest.raises(ValueError, match="integers"):
+        Calibration.from_bytes(forge(raw, num_layers=None))
+    with pytest.raises(ValueError, match="malformed"):
+        Calibration.from_bytes(forge(raw, allocation={"key_step": 0.3}))
     from compression.calibration import MAX_GROUP_CHANNELS, CalibrationStats
 
     assert CalibrationStats(8, 8, 64, layer_group=4)._probe.channels == MAX_GROUP_CHANNELS  # 512 a layer
@@ -425,3 +441,27 @@ def test_calibrate_refuses_a_layer_group_before_any_work():
         check_layer_group_early(15, smollm2, 1, tokens=11_000)
     with pytest.raises(ValueError, match="need at least 3840 tokens of text, got 900"):
         check_layer_group_early(10, smollm2, 1, tokens=900)
+    with pytest.raises(ValueError, match="--layer-group 0"):
+        check_layer_group_early(0, smollm2, 1, tokens=11_000)
+    for groups in (0, 2):
+        with pytest.raises(ValueError, match=f"--groups {groups}: must divide the model's 3 kv heads"):
+            check_layer_group_early(1, smollm2, groups, tokens=11_000)
+
+
+def test_a_layer_without_spread_in_a_group_decodes_to_its_mean():
+    """A layer whose values never vary (its step is 0) gets no components, as a per-layer row would,
+    instead of weights of 1e30 that would swamp its group (and its error bound)."""
+    blocks = [shared_block(400, 0, seed=1), shared_block(300, 0, seed=2)]
+    for block in blocks:
+        block[1, 1] = 0.25  # layer 1's values: constant
+    calibration = calibrate(blocks, Allocation(0.3, 0.3, drop=0.2, sink_tokens=4), rope_inv_freq=INV_FREQ,
+                            max_position=8192, layer_group=3)
+    assert float(calibration.analysis.abs().max()) < 1e4 and bool(torch.isfinite(calibration.synthesis).all())
+    codec = TransformCodec(calibration)
+    block = shared_block(64, 512, seed=3)
+    block[1, 1] = 0.25
+    encoded = codec.encode(block)
+    decoded = codec.decode(encoded.payload, encoded.params, block.shape, block.dtype)
+    assert torch.allclose(decoded[1, 1], block[1, 1], atol=1e-5)
+    bound = codec.error_bound(block)
+    assert math.isfinite(bound) and float((decoded - block).abs().max()) <= bound
