@@ -474,8 +474,8 @@ class CalibrationStats:
                     w_inv = m_vec @ torch.diag(m_val.rsqrt()) @ m_vec.T
                 rms = float((w.T @ cov[part, part] @ w).diagonal().mean().clamp_min(0).sqrt())
                 step = rel * (allocation.row_scale[layer_row] if allocation.row_scale else 1.0) * rms
-                if not step > 1e-30:  # a layer without spread: its channels decode to the mean, as per-layer rows
-                    continue  # drop every component of a layer whose step is 0 (whiten and unwhiten stay 0)
+                if not step > 1e-30:  # a layer without spread gets no components (its blocks stay 0): its
+                    continue  # channels decode to their mean, as a per-layer row's would with step 0
                 whiten[part, part] = w / step
                 unwhiten[part, part] = w_inv * step
             eigval, eigvec = torch.linalg.eigh(whiten.T @ cov @ whiten)  # in units of each layer's step
