@@ -404,14 +404,16 @@ class CalibrationStats:
         probe = self._probe
         n_layers, n_heads, head_dim, groups = probe.num_layers, probe.num_kv_heads, probe.head_dim, probe.groups
         n_rows, n_chan = probe.rows, probe.channels
-        if probe.layer_group > 1:
-            return self._grouped(allocation, metric, source, max_position)
         if allocation.sink_tokens != self.sink_tokens:
             raise ValueError(f"allocation.sink_tokens ({allocation.sink_tokens}) is not the {self.sink_tokens} "
                              f"the statistics left out")
-        if self.tokens < 2 * n_chan:
-            raise ValueError(f"calibrate needs at least {2 * n_chan} tokens for {n_chan}-channel rows, got "
-                             f"{self.tokens}; give it more text")
+        if self.tokens < self.needed_tokens:
+            grouped = f" ({probe.layer_group} layers each)" if probe.layer_group > 1 else ""
+            raise ValueError(f"calibrate needs at least {self.needed_tokens} tokens for {n_chan}-channel rows"
+                             f"{grouped}, got {self.tokens}; give it more text"
+                             + (" or group fewer layers" if grouped else ""))
+        if probe.layer_group > 1:
+            return self._grouped(allocation, metric, source, max_position)
         mean = self.total / self.tokens  # [B, C]
         cov = self.outer / self.tokens - mean[:, :, None] * mean[:, None, :]  # [B, C, C]
         if metric is None:
@@ -435,21 +437,15 @@ class CalibrationStats:
 
     def _grouped(self, allocation: Allocation, metric: torch.Tensor | None, source: str,
                  max_position: int) -> Calibration:
-        """`calibration` with rows over ``layer_group`` layers: each layer's channels whitened by its own
+        """`calibration` (its checks passed) with rows over ``layer_group`` layers: each layer's channels whitened by its own
         metric and divided by the step a per-layer row would get (``rel_step * rms(layer) * row_scale``),
         then one PCA per row; every kept component has step 1 in those units."""
         probe = self._probe
         lg, groups = probe.layer_group, probe.groups
         n_rows, n_chan, n_layer_rows = probe.rows, probe.channels, probe.layer_rows
         sub = n_chan // lg  # one layer's channels in a row
-        if allocation.sink_tokens != self.sink_tokens:
-            raise ValueError(f"allocation.sink_tokens ({allocation.sink_tokens}) is not the {self.sink_tokens} "
-                             f"the statistics left out")
         if allocation.row_scale and len(allocation.row_scale) != n_layer_rows:
             raise ValueError(f"allocation.row_scale has {len(allocation.row_scale)} factors for {n_layer_rows} rows")
-        if self.tokens < self.needed_tokens:
-            raise ValueError(f"calibrate needs at least {self.needed_tokens} tokens for {n_chan}-channel rows "
-                             f"({lg} layers each), got {self.tokens}; give it more text or group fewer layers")
         if metric is not None and tuple(metric.shape) != (n_layer_rows, sub, sub):
             raise ValueError(f"metric must be [{n_layer_rows}, {sub}, {sub}] (per layer row), got {tuple(metric.shape)}")
         mean = self.total / self.tokens  # [B, C]

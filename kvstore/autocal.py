@@ -97,11 +97,16 @@ def layout_tag(layout: KVLayout) -> str:
     return f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}-{layout.dtype}"
 
 
+def layer_channels(layout: KVLayout) -> int:
+    """Channels of one layer's row in the daemon's calibrations (its heads grouped by `groups_for`)."""
+    return layout.num_kv_heads // groups_for(layout.num_kv_heads, layout.head_dim) * layout.head_dim
+
+
 def calibration_bytes(layout: KVLayout, layer_group: int = 1) -> int:
     """About the bytes of a calibration of this layout (two [rows, C, C] float32 matrices; rows of
     ``layer_group`` layers are that many times a per-layer one's)."""
-    groups = groups_for(layout.num_kv_heads, layout.head_dim)
-    channels = layout.num_kv_heads // groups * layout.head_dim
+    channels = layer_channels(layout)
+    groups = layout.num_kv_heads * layout.head_dim // channels
     return 2 * layout.num_layers * 2 * groups * channels * channels * 4 * layer_group
 
 
@@ -110,7 +115,7 @@ def layer_group_for(layout: KVLayout, wanted: int, limit: int = MAX_CALIBRATION_
     """Layers per row for this layout: the largest divisor of its layers up to ``wanted`` whose rows
     stay within `MAX_GROUP_CHANNELS` channels, whose calibration stays within ``limit`` and whose
     rows' statistics a sample of ``sample_tokens`` can give (twice the channels at least); else 1."""
-    channels = layout.num_kv_heads // groups_for(layout.num_kv_heads, layout.head_dim) * layout.head_dim
+    channels = layer_channels(layout)
     for layer_group in range(min(wanted, layout.num_layers), 1, -1):
         width = layer_group * channels
         if layout.num_layers % layer_group == 0 and width <= MAX_GROUP_CHANNELS and 2 * width <= sample_tokens \
@@ -121,7 +126,7 @@ def layer_group_for(layout: KVLayout, wanted: int, limit: int = MAX_CALIBRATION_
 
 def unfit_layout(layout: KVLayout, limit: int = MAX_CALIBRATION_BYTES) -> str:
     """Why a layout is never calibrated automatically ("" if it can be)."""
-    channels = layout.num_kv_heads // groups_for(layout.num_kv_heads, layout.head_dim) * layout.head_dim
+    channels = layer_channels(layout)
     if layout.head_dim % 2:
         return f"head_dim {layout.head_dim} is odd"
     if channels > MAX_CHANNELS:
@@ -289,7 +294,7 @@ class AutoCalibrator:
                     if not self._room(getattr(owner, "name", ""), decide=True):
                         return None
                     layer_group = layer_group_for(layout, self.layer_group, self.max_calibration_bytes,
-                                                  self.sample_tokens - 256)  # (sinks of first blocks left out)
+                                                  self.sample_tokens)  # (a sample short of it waits: `_sample`)
                     memory = 0 if failed else 3 * calibration_bytes(layout, layer_group)
                     state = self._namespaces[key] = _Namespace(layout, owner, memory, layer_group, failed=failed,
                                                                checked=not made_before)
