@@ -13,7 +13,6 @@ level 3 adds under 0.02x at a third of the speed; a token-delta before the shuff
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import lz4.block
 import numpy as np
@@ -28,9 +27,15 @@ from compression.base import (
     LosslessStage,
     Section,
     check_block,
+    check_layout,
+    check_sections,
+    choice_param,
+    int_param,
+    param_dict,
     register_quantizer,
     register_stage,
     split_sections,
+    stage_size,
     tensor_bytes,
 )
 from kernels import quant_ref
@@ -42,19 +47,6 @@ FP16_META_LIMIT = 2.0**15  # blocks with |x| beyond this keep their scale/zero i
 # relative rounding of a stored scale or zero (half an ulp at 1.0)
 META_ROUNDING = {torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 META_ABS_FLOOR = 2.0**-24  # float16 subnormal spacing: rounding of tiny zeros and scales
-
-
-def _check_decode_args(shape: tuple[int, ...], dtype: torch.dtype, payload_len: int, expected: int) -> None:
-    if len(shape) != 5 or shape[1] != 2:
-        raise ValueError(f"shape must be [layers, 2, kv_heads, tokens, head_dim], got {tuple(shape)}")
-    if dtype not in DTYPE_EPS:
-        raise ValueError(f"dtype must be one of {list(DTYPE_EPS)}, got {dtype}")
-    if payload_len != expected:
-        raise ValueError(f"payload is {payload_len} bytes, shape {tuple(shape)} {dtype} needs {expected}")
-
-
-def _sections(params: dict[str, Any]) -> list[Section]:
-    return [(str(n), int(b), int(i)) for n, b, i in params["sections"]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,12 +65,15 @@ class RawCodec(Codec):
         payload = tensor_bytes(block)
         return EncodedBlock(payload, {"sections": [["block", len(payload), block.element_size()]]}, self.name)
 
-    def payload_bytes(self, shape, dtype, params) -> int:
-        return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    def check_params(self, params, shape, dtype) -> list[Section]:
+        """One section, the block itself; ``sections`` may be absent (a raw Put carries no params)."""
+        check_layout(shape, dtype)
+        itemsize = dtype.itemsize
+        expected = [("block", math.prod(shape) * itemsize, itemsize)]
+        return check_sections(params, self.name, expected) if "sections" in param_dict(params, self.name) else expected
 
     def decode(self, payload, params, shape, dtype, device="cpu") -> torch.Tensor:
-        _check_decode_args(shape, dtype, len(payload), self.payload_bytes(shape, dtype, params))
-        block = split_sections(payload, _sections(params))["block"]
+        block = split_sections(payload, self.check_params(params, shape, dtype))["block"]
         return block.view(dtype).view(shape).to(device)
 
     def error_bound(self, block: torch.Tensor) -> float:
@@ -105,13 +100,16 @@ class Int8Codec(Codec):
         sections = [["q", len(q_bytes), 1], ["scale", len(s_bytes), 4]]
         return EncodedBlock(q_bytes + s_bytes, {"sections": sections}, self.name)
 
-    def payload_bytes(self, shape, dtype, params) -> int:
-        return math.prod(shape[:-1]) * (shape[-1] + 4)
+    def check_params(self, params, shape, dtype) -> list[Section]:
+        """int8 values of every row, then a float32 scale per row."""
+        check_layout(shape, dtype)
+        n_rows = math.prod(shape[:-1])
+        expected = [("q", n_rows * shape[-1], 1), ("scale", n_rows * 4, 4)]
+        return check_sections(param_dict(params, self.name), self.name, expected)
 
     def decode(self, payload, params, shape, dtype, device="cpu") -> torch.Tensor:
         n_rows = math.prod(shape[:-1])
-        _check_decode_args(shape, dtype, len(payload), self.payload_bytes(shape, dtype, params))
-        parts = split_sections(payload, _sections(params))
+        parts = split_sections(payload, self.check_params(params, shape, dtype))
         q = parts["q"].view(torch.int8).view(n_rows, shape[-1]).to(device)  # [R, D]
         scale = parts["scale"].view(torch.float32).to(device)  # [R]
         return kernels.ops(q, self.kernels_choice).dequantize_int8(q, scale, dtype).view(shape)
@@ -167,23 +165,27 @@ class LowbitCodec(Codec):
         n_layers, _, n_heads, n_tokens, head_dim = shape
         return {"k": (n_layers * n_heads * head_dim, n_tokens), "v": (n_layers * n_heads * n_tokens, head_dim)}
 
-    def payload_bytes(self, shape, dtype, params) -> int:
-        bits, group_size = int(params["bits"]), int(params["group_size"])
-        quant_ref.check_lowbit_args(bits, group_size, torch.float16)  # (the params are the writer's)
-        meta = META_DTYPES[params["meta_dtype"]]
-        expected = 0
-        for n_rows, n_cols in self._row_shapes(shape).values():
-            n_grp = quant_ref.n_groups(n_cols, group_size)
-            expected += n_rows * (quant_ref.packed_cols(n_cols, bits, group_size) + 2 * n_grp * meta.itemsize)
-        return expected
+    def check_params(self, params, shape, dtype) -> list[Section]:
+        """``bits`` and ``group_size`` the codec's own (its name says them), ``meta_dtype`` one of
+        `META_DTYPES`; per k/v, packed codes, then a scale and a zero per group, in that dtype."""
+        check_layout(shape, dtype)
+        params = param_dict(params, self.name)
+        int_param(params, "bits", self.name, self.bits, self.bits, "the codec's")
+        int_param(params, "group_size", self.name, self.group_size, self.group_size, "the codec's")
+        meta = META_DTYPES[choice_param(params, "meta_dtype", self.name, META_DTYPES)]
+        expected = []
+        for kind, (n_rows, n_cols) in self._row_shapes(shape).items():
+            n_grp = quant_ref.n_groups(n_cols, self.group_size)
+            expected += [(f"{kind}_packed", n_rows * quant_ref.packed_cols(n_cols, self.bits, self.group_size), 1),
+                         (f"{kind}_scale", n_rows * n_grp * meta.itemsize, meta.itemsize),
+                         (f"{kind}_zero", n_rows * n_grp * meta.itemsize, meta.itemsize)]
+        return check_sections(params, self.name, expected)
 
     def decode(self, payload, params, shape, dtype, device="cpu") -> torch.Tensor:
-        bits, group_size = int(params["bits"]), int(params["group_size"])
-        meta = META_DTYPES[params["meta_dtype"]]
+        parts = split_sections(payload, self.check_params(params, shape, dtype))
+        bits, group_size, meta = self.bits, self.group_size, META_DTYPES[params["meta_dtype"]]
         n_layers, _, n_heads, n_tokens, head_dim = shape
         rows = self._row_shapes(shape)
-        _check_decode_args(shape, dtype, len(payload), self.payload_bytes(shape, dtype, params))
-        parts = split_sections(payload, _sections(params))
         out = {}
         for kind, (n_rows, n_cols) in rows.items():
             n_grp = quant_ref.n_groups(n_cols, group_size)
@@ -236,10 +238,16 @@ class ShuffleStage(LosslessStage):
         return self._apply(payload, sections, inverse=False), {}
 
     def decode(self, payload, params, sections):
+        self.check_params(params, sections)
         return self._apply(payload, sections, inverse=True)
 
     @staticmethod
     def _apply(payload: bytes, sections: list[Section], inverse: bool) -> bytes:
+        """Each section's planes swapped; ValueError unless the sections tile the payload in whole items."""
+        total = sum(n for _, n, _ in sections)
+        if total != len(payload) or not all(n >= 0 and size >= 1 and n % size == 0 for _, n, size in sections):
+            raise ValueError(f"shuffle: payload is {len(payload)} bytes; its sections {sections!r:.160} must tile it "
+                             "in whole items")
         buf = np.frombuffer(payload, dtype=np.uint8)
         out, offset = [], 0
         for _, n, itemsize in sections:
@@ -249,8 +257,6 @@ class ShuffleStage(LosslessStage):
                 shape = (itemsize, n // itemsize) if inverse else (n // itemsize, itemsize)
                 part = part.reshape(shape).T
             out.append(np.ascontiguousarray(part))
-        if offset != len(buf):
-            raise ValueError(f"payload is {len(buf)} bytes, its sections add up to {offset}")
         return b"".join(p.tobytes() for p in out)
 
 
@@ -262,8 +268,19 @@ class Lz4Stage(LosslessStage):
     def encode(self, payload, sections):
         return lz4.block.compress(payload, store_size=False), {"size": len(payload)}
 
+    def check_params(self, params, sections) -> None:
+        """``size``: what the block decompresses to, within `stage_bound` of the quantizer's payload."""
+        stage_size(params, self.name, sections)
+
     def decode(self, payload, params, sections):
-        return lz4.block.decompress(payload, uncompressed_size=int(params["size"]))
+        size = stage_size(params, self.name, sections)
+        try:
+            out = lz4.block.decompress(payload, uncompressed_size=size)
+        except lz4.block.LZ4BlockError as exc:
+            raise ValueError(f"lz4: the block does not decompress to its {size} bytes: {exc}") from None
+        if len(out) != size:
+            raise ValueError(f"lz4: the block decompresses to {len(out)} bytes; its size param says {size}")
+        return out
 
 
 class ZstdStage(LosslessStage):
@@ -276,14 +293,24 @@ class ZstdStage(LosslessStage):
     def encode(self, payload, sections):
         return zstandard.ZstdCompressor(level=self.level).compress(payload), {"level": self.level, "size": len(payload)}
 
+    def check_params(self, params, sections) -> None:
+        """``size``: what the frame decompresses to, within `stage_bound` of the quantizer's payload
+        (``level`` is the encoder's, not read)."""
+        stage_size(params, self.name, sections)
+
     def decode(self, payload, params, sections):
-        # the frame's own content size is what zstd allocates (it ignores max_output_size then)
-        declared = zstandard.frame_content_size(payload)
-        if declared != int(params["size"]):
-            raise ValueError(f"zstd frame holds {declared} bytes (-1: unknown), params say {params['size']}")
-        out = zstandard.ZstdDecompressor().decompress(payload, max_output_size=int(params["size"]))
-        if len(out) != int(params["size"]):
-            raise ValueError(f"zstd stage produced {len(out)} bytes, params say {params['size']}")
+        size = stage_size(params, self.name, sections)
+        try:
+            # the frame's own content size is what zstd allocates (it ignores max_output_size then)
+            declared = zstandard.frame_content_size(payload)
+            if declared != size:
+                raise ValueError(f"{self.name}: the frame holds {declared} bytes (-1: unknown); its size param says "
+                                 f"{size}")
+            out = zstandard.ZstdDecompressor().decompress(payload, max_output_size=size)
+        except zstandard.ZstdError as exc:
+            raise ValueError(f"{self.name}: the frame does not decompress: {exc}") from None
+        if len(out) != size:
+            raise ValueError(f"{self.name}: the frame decompresses to {len(out)} bytes; its size param says {size}")
         return out
 
 

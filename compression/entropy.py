@@ -177,14 +177,22 @@ def encode_rows(codes: np.ndarray, coder: str) -> bytes:
     return scales.tobytes() + ranges.astype("<u2").tobytes() + stream
 
 
+def stream_bound(n_rows: int, n_cols: int) -> int:
+    """The most bytes `encode_rows` writes for codes [n_rows, n_cols], any coder: 8 per code (``ans``
+    writes at most a word and an escape, 4; ``rans`` at most 24 bits; ``zstd`` 2 and its worst case),
+    the scale and range tables, and 64 KiB for lane states, counts and frame headers."""
+    return n_rows + 512 + 8 * n_rows * n_cols + (1 << 16)
+
+
 def decode_rows(raw: bytes, n_rows: int, n_cols: int, coder: str) -> np.ndarray:
-    """Inverse of `encode_rows` -> codes [n_rows, n_cols] int32."""
+    """Inverse of `encode_rows` -> codes [n_rows, n_cols] int32; ValueError for a damaged stream or one
+    that would decode to more or fewer codes (nothing larger than the codes is allocated)."""
     if coder not in ENTROPY_CODERS:
         raise ValueError(f"entropy coder must be one of {ENTROPY_CODERS}, got {coder!r}")
+    if not (type(n_rows) is int and type(n_cols) is int and n_rows >= 0 and n_cols >= 0):
+        raise ValueError(f"a stream codes [rows, tokens] of ints >= 0, got [{n_rows!r}, {n_cols!r}]")
     if coder == "zstd":
-        width = raw[0]
-        body = zstandard.ZstdDecompressor().decompress(raw[1:], max_output_size=n_rows * n_cols * width)
-        return np.frombuffer(body, dtype=np.int16 if width == 2 else np.int8).astype(np.int32).reshape(n_rows, n_cols)
+        return _decode_zstd(raw, n_rows, n_cols)
     if len(raw) < n_rows + 512:
         raise ValueError(f"{coder} stream of {len(raw)} bytes is shorter than its {n_rows + 512}-byte header")
     scales = np.frombuffer(raw, dtype=np.uint8, count=n_rows)
@@ -206,6 +214,24 @@ def decode_rows(raw: bytes, n_rows: int, n_cols: int, coder: str) -> np.ndarray:
         symbols = coder_.decode(model, len(rows) * n_cols)
         codes[rows] = symbols.reshape(len(rows), n_cols) - m
     return codes
+
+
+def _decode_zstd(raw: bytes, n_rows: int, n_cols: int) -> np.ndarray:
+    width = raw[0] if raw else 0
+    if width not in (1, 2):
+        raise ValueError(f"zstd stream's code width is {width}; must be 1 or 2 bytes")
+    size = n_rows * n_cols * width
+    try:
+        declared = zstandard.frame_content_size(raw[1:])  # what zstd would allocate
+        if declared != size:
+            raise ValueError(f"zstd stream holds {declared} bytes (-1: unknown); [{n_rows}, {n_cols}] codes are "
+                             f"{size}")
+        body = zstandard.ZstdDecompressor().decompress(raw[1:], max_output_size=size)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"zstd stream does not decompress: {exc}") from None
+    if len(body) != size:
+        raise ValueError(f"zstd stream decompresses to {len(body)} bytes; [{n_rows}, {n_cols}] codes are {size}")
+    return np.frombuffer(body, dtype=np.int16 if width == 2 else np.int8).astype(np.int32).reshape(n_rows, n_cols)
 
 
 def _decode_ans(raw: bytes, scales: np.ndarray, ranges: np.ndarray, at: int, n_rows: int, n_cols: int) -> np.ndarray:

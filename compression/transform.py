@@ -40,16 +40,17 @@ from typing import Any
 import torch
 
 import kernels
-from compression.base import (DTYPE_EPS, Codec, EncodedBlock, check_block, register_calibrated, split_sections,
-                              tensor_bytes)
+from compression.base import (DTYPE_EPS, Codec, EncodedBlock, Section, check_block, check_layout, check_sections,
+                              choice_param, int_param, param_dict, register_calibrated, split_sections, tensor_bytes)
 from compression.calibration import Calibration, turn_keys
 from compression.calibration_store import resolve
-from compression.entropy import DEFAULT_CODER, ENTROPY_CODERS, decode_rows, encode_rows
+from compression.entropy import DEFAULT_CODER, ENTROPY_CODERS, decode_rows, encode_rows, stream_bound
 from kernels import transform_ref
 
 SPEC_PREFIX = "kvtc"
 ID_DIGITS = 12  # calibration id digits in the canonical spec (the full id is in params)
 MAX_START = 1 << 17  # start positions `estimate_start` considers when the calibration names no max_position
+MAX_POSITION = 1 << 24  # the largest start a block may name (as a calibration's max_position: a context's length)
 
 
 def estimate_start(keys: torch.Tensor, calibration: Calibration) -> int:
@@ -130,7 +131,9 @@ class TransformCodec(Codec):
         x = block.to(torch.float32, copy=True)  # turn_keys turns in place
         if start is None:
             start = estimate_start(x[:, 0], cal)
-        n_raw = max(0, min(block.shape[3], cal.allocation.sink_tokens - start))
+        if not (type(start) is int and 0 <= start <= MAX_POSITION):
+            raise ValueError(f"kvtc: start is {start!r:.40}; must be an integer in 0..{MAX_POSITION}")
+        n_raw = sink_count(cal, start, block.shape[3])
         x = turn_keys(x, start, cal.rope_inv_freq, to_rope=False, kernels_choice=self.kernels_choice)
         return start, n_raw, cal.block_rows(x[:, :, :, n_raw:])
 
@@ -162,14 +165,27 @@ class TransformCodec(Codec):
             params.update(start=start, sink_tokens=n_raw)
         return EncodedBlock(b"".join(parts), params, self.name)
 
-    def decode(self, payload, params, shape, dtype, device="cpu") -> torch.Tensor:
-        wanted = str(params["calibration"])
-        if len(wanted) != 64:  # a block names the full id (a prefix could match another's calibration)
-            raise ValueError(f"block params name calibration {wanted[:80]!r}, not a 64-digit id")
+    def check_params(self, params, shape, dtype) -> list[Section]:
+        return self._checked(params, shape, dtype)[0]
+
+    def _checked(self, params, shape, dtype) -> tuple[list[Section], Calibration, int, int]:
+        """(sections, calibration, start, sink tokens) of a block's params, checked against its layout:
+        ``calibration`` a full id whose layout is the block's, ``entropy`` a known coder, ``start`` in
+        0..`MAX_POSITION` iff the calibration is RoPE-aware, ``sink_tokens`` what the calibration's sink
+        positions leave raw from that start (0..tokens), the sinks' exact bytes and a stream of at
+        most `stream_bound` of the kept codes."""
+        check_layout(shape, dtype)
+        params = param_dict(params, SPEC_PREFIX)
+        wanted = params.get("calibration")
+        if not (type(wanted) is str and len(wanted) == 64 and all(c in "0123456789abcdef" for c in wanted)):
+            # a block names the full id (a prefix could match another's calibration)
+            raise ValueError(f"kvtc: calibration is {wanted!r:.80}; must be a 64-digit lower-case hex id")
+        choice_param(params, "entropy", SPEC_PREFIX, ENTROPY_CODERS)
+        n_tokens = shape[3]
+        start = int_param(params, "start", SPEC_PREFIX, 0, MAX_POSITION, "a context's length at most", default=0)
+        n_raw = int_param(params, "sink_tokens", SPEC_PREFIX, 0, n_tokens, "the block's tokens", default=0)
         own = self._calibration
         cal = own if own is not None and own.id == wanted else resolve(wanted)
-        if len(shape) != 5 or shape[1] != 2:
-            raise ValueError(f"shape must be [layers, 2, kv_heads, tokens, head_dim], got {tuple(shape)}")
         if (shape[0], shape[2], shape[4]) != (cal.num_layers, cal.num_kv_heads, cal.head_dim):
             raise ValueError(f"shape {tuple(shape)} does not match calibration {cal.id[:12]} "
                              f"[{cal.num_layers}, 2, {cal.num_kv_heads}, T, {cal.head_dim}]")
@@ -177,14 +193,26 @@ class TransformCodec(Codec):
         if rope != ("start" in params):
             raise ValueError(f"block params {'lack' if rope else 'have'} a start position but calibration "
                              f"{cal.id[:12]} is {'RoPE-aware' if rope else 'post-RoPE'}: damaged header?")
-        n_tokens, n_raw = shape[3], int(params.get("sink_tokens", 0))
-        sections = [tuple(sec) for sec in params["sections"]]
+        if n_raw != sink_count(cal, start, n_tokens):
+            raise ValueError(f"kvtc: sink_tokens is {n_raw}; must be {sink_count(cal, start, n_tokens)} (the "
+                             f"calibration's {cal.allocation.sink_tokens} sink positions from start {start})")
+        itemsize = dtype.itemsize
+        expected = [("sinks", shape[0] * 2 * shape[2] * n_raw * shape[4] * itemsize, itemsize)] if n_raw else []
+        if n_tokens > n_raw:
+            expected.append(("stream", None, 1))
+        limit = stream_bound(int(cal.kept_counts.sum()), n_tokens - n_raw)
+        return check_sections(params, SPEC_PREFIX, expected, limit), cal, start, n_raw
+
+    def decode(self, payload, params, shape, dtype, device="cpu") -> torch.Tensor:
+        sections, cal, start, n_raw = self._checked(params, shape, dtype)
+        rope = cal.rope_inv_freq is not None
+        n_tokens = shape[3]
         views = split_sections(payload, sections)
         coded = n_tokens - n_raw
         if coded:
             kept_mask = cal.kept  # [B, C]
             stream = bytes(views["stream"].numpy())
-            kept = decode_rows(stream, int(kept_mask.sum()), coded, str(params["entropy"]))  # [R, T']
+            kept = decode_rows(stream, int(kept_mask.sum()), coded, params["entropy"])  # [R, T']
             kept = torch.from_numpy(kept).to(device)
             out_dtype = torch.float32 if rope else dtype
             if kernels.backend(kept, self.kernels_choice) == "torch":
@@ -202,7 +230,7 @@ class TransformCodec(Codec):
             body = cal.rows_block(rows)  # [L, 2, H, T', D]
             if not rope:
                 return body
-            body = turn_keys(body.contiguous(), int(params["start"]) + n_raw, cal.rope_inv_freq, to_rope=True,
+            body = turn_keys(body.contiguous(), start + n_raw, cal.rope_inv_freq, to_rope=True,
                              kernels_choice=self.kernels_choice).to(dtype)
         if not n_raw:
             return body
@@ -235,6 +263,11 @@ class TransformCodec(Codec):
             x_amax = x_amax * math.sqrt(2)  # the decoded keys' magnitude after the turn, at most
         bound = err * (1 + 1e-5) + fp32 + (x_amax + err) * DTYPE_EPS[block.dtype]
         return float(bound.max())
+
+
+def sink_count(calibration: Calibration, start: int, n_tokens: int) -> int:
+    """Tokens of a block at positions start..start+T-1 that the calibration's sink positions keep raw."""
+    return max(0, min(n_tokens, calibration.allocation.sink_tokens - start))
 
 
 def parse_spec(head: str) -> TransformCodec:

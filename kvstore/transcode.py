@@ -34,6 +34,20 @@ def payload_tensor(payload: bytes | memoryview, codec: str, codec_params: dict, 
     return get_codec(codec).decode(bytes(payload), codec_params, shape, dtype)
 
 
+def check_codec_params(header: BlockHeader) -> None:
+    """ValueError naming the parameter when a block's codec params do not fit its layout, tokens and
+    payload length (the checks every decoder makes before it allocates, `Codec.check_params`), so a
+    Put of such a block is refused at the door. Blocks of a codec this daemon does not know, or of a
+    calibrated one (its calibration may live with the client only), are checked when decoded."""
+    if header.codec == "raw" or "@" in header.codec or header.codec.startswith("kvtc"):
+        return
+    try:
+        codec = get_codec(header.codec)
+    except ValueError:
+        return
+    codec.check_params(header.codec_params, header.layout.block_shape(header.tokens), TORCH_DTYPES[header.layout.dtype])
+
+
 def decode_payload(header: BlockHeader, payload: bytes | memoryview) -> torch.Tensor:
     """A stored block as a tensor (see `payload_tensor`)."""
     return payload_tensor(payload, header.codec, header.codec_params, header.layout, header.tokens)
