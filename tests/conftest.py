@@ -35,7 +35,8 @@ class DaemonProcess(SpawnedDaemon):
         super().__init__({"listen": f"unix:{self.socket}", "cpu_capacity": "64MiB",
                           "disk_path": str(folder / "disk"), "disk_capacity": "256MiB",
                           "disk_fsync": "false", "log_level": "WARNING",
-                          "tenant_secret_file": str(folder / "tenant-secret"), **settings},
+                          # one secret for a test's daemons: hosts sharing a bucket share it
+                          "tenant_secret_file": str(folder.parent / "tenant-secret"), **settings},
                          log_path=folder / "daemon.log")
         self.log = self.log_path
 

@@ -144,11 +144,17 @@ class Tier(ABC):
         call, for the store to adopt into its LRU. Thread-safe."""
         return []
 
-    def discover(self, keys: list[bytes], timeout_s: float) -> list[bytes]:
+    def discover(self, keys: list[bytes], timeout_s: float, stop_at_absent: bool = False) -> list[bytes]:
         """Find ``keys`` that other writers stored since this tier's index was built, waiting at
-        most about ``timeout_s``; index and return those found. Called from a worker thread.
-        Never raises for an unreachable tier (it finds nothing then)."""
+        most about ``timeout_s``; index and return those found (``stop_at_absent``: none after the
+        first key absent, as a Lookup's hit run needs). Called from a worker thread. Never raises
+        for an unreachable tier (it finds nothing then)."""
         return []
+
+    def take_refused(self) -> int:
+        """Objects the tier refused to index since the last call (a shared tier: forged, or made
+        under another secret), for the store to count as corrupt. Thread-safe."""
+        return 0
 
     def clear(self) -> None:
         for key in list(self.keys()):

@@ -14,108 +14,50 @@ break the property that makes sharing across hosts free: a key names exactly one
 Reads and writes::
 
     read   GET object (or concurrent ranged GETs of ``part_bytes`` when larger), streamed into the
-           caller's buffer, header compared byte for byte with the indexed one, payload xxh3 checked
+           caller's buffer, header compared byte for byte with the indexed one, payload xxh3 and
+           the object's block MAC checked before the read returns
     write  PUT object (or a multipart upload with concurrent parts when larger than ``part_bytes``)
+           with both MACs in its metadata (tiers/s3_auth.py)
     index  in memory; filled in the background at start by listing PREFIX and reading each
-           object's header with a ranged GET; keys other hosts store later are found by
-           :meth:`S3Tier.discover` (a ranged GET of the header, negatively cached for a few seconds)
+           object's header with a ranged GET (indexed only when its head MAC checks); keys other
+           hosts store later are found by :meth:`S3Tier.discover` (ranged GETs of headers, in key
+           order, a few at a time, for a Lookup none after the first absent key; absent keys
+           negatively cached for a few seconds)
 
-Faults: every request has connect and read timeouts and is retried with jittered exponential
-backoff; connection errors, timeouts and 5xx answers feed a :class:`CircuitBreaker`. While it is
-open every call fails at once with :class:`TierUnavailableError` (the store turns that into a miss),
-so a dead endpoint costs the engine misses, never stalls; after ``breaker_cooldown_s`` one request
-is let through as a probe and its outcome closes or reopens the breaker.
+Trust: the bucket is not trusted. Every object carries keyed MACs under a key the hosts derive from
+their shared server secret (tiers/s3_auth.py); an object without them, or whose MACs do not check,
+is never indexed or served: it is a counted miss.
+
+    s3.py            the tier: index, put, read, delete (this file)
+    s3_endpoint.py   settings, the boto3 client, retries, backoff and the circuit breaker
+    s3_auth.py       the objects' MACs
+    s3_discovery.py  asking about keys other hosts stored, bounded per call
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
-import os
-import random
-import socket
 import threading
-import time
-from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from typing import Iterator
 
 import xxhash
 
 from kvstore.block import FIXED_BYTES, MAX_PARAMS_BYTES, BlockHeader, CorruptBlockError
 from kvstore.keys import KEY_BYTES
-from tiers.base import Tier, TierError, TierFullError, TierUnavailableError
-from tiers.breaker import CircuitBreaker
+from tiers.base import Tier, TierError, TierFullError
+from tiers.breaker import CircuitBreaker  # noqa: F401  (callers import it from here, as S3Config)
+from tiers.s3_auth import ObjectMac
+from tiers.s3_discovery import DISCOVER_THREADS, Discovery
+from tiers.s3_endpoint import STREAM_CHUNK, Endpoint, S3Config, stream_body
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 SUFFIX = ".kvb"
 #: Bytes of an object's start read to learn its header (headers are 128 bytes unless a codec has
 #: long params; a longer header costs a second ranged GET).
 HEADER_PROBE_BYTES = 512
-#: Chunk size while streaming a GET body into the destination (hashed while still in cache).
-STREAM_CHUNK = 256 * 1024
-#: S3's smallest multipart part (all but the last).
-MIN_PART_BYTES = 5 * 2**20
-
-
-@dataclass(frozen=True)
-class S3Config:
-    bucket: str
-    #: Key prefix inside the bucket; several caches (or tenants) may share a bucket under different prefixes.
-    prefix: str = "kvstore"
-    #: ``http(s)://host:port`` of an S3-compatible service; "" for AWS S3 itself.
-    endpoint_url: str = ""
-    #: "" takes the region from boto3's chain (AWS_REGION, ~/.aws/config), else us-east-1.
-    region: str = ""
-    #: Bytes this daemon may keep in the bucket; 0 = unbounded (use a bucket lifecycle rule).
-    capacity_bytes: int = 0
-    #: Objects larger than this are written as multipart uploads and read as concurrent ranged GETs.
-    part_bytes: int = 8 * 2**20
-    #: Requests in flight at once (connection pool size; ranged parts, probes and uploads share it).
-    concurrency: int = 16
-    #: Seconds a request may take to connect / between bytes of a response.
-    connect_timeout_s: float = 1.0
-    read_timeout_s: float = 5.0
-    #: Retries after a failed attempt (connection error, timeout, 5xx); backoff starts at 50 ms.
-    retries: int = 2
-    #: Consecutive failed attempts that open the breaker, and seconds it stays open.
-    breaker_failures: int = 3
-    breaker_cooldown_s: float = 2.0
-    #: Seconds a key found absent by discover() is not asked about again.
-    negative_ttl_s: float = 3.0
-
-    def __post_init__(self) -> None:
-        if not self.bucket:
-            raise ValueError("s3 bucket name is empty: set s3_bucket (--s3-bucket)")
-        if self.endpoint_url and not self.endpoint_url.startswith(("http://", "https://")):
-            raise ValueError(f"s3 endpoint must start with http:// or https://, got {self.endpoint_url!r}")
-        if self.capacity_bytes < 0:
-            raise ValueError(f"s3 capacity must be 0 (unbounded) or positive, got {self.capacity_bytes}")
-        if self.part_bytes < MIN_PART_BYTES:
-            raise ValueError(f"s3 part size must be at least {MIN_PART_BYTES} bytes (S3's multipart minimum), "
-                             f"got {self.part_bytes}")
-        if self.concurrency < 1 or self.retries < 0 or self.breaker_failures < 1:
-            raise ValueError("s3 concurrency and breaker_failures must be >= 1 and retries >= 0")
-        if min(self.connect_timeout_s, self.read_timeout_s, self.breaker_cooldown_s) <= 0:
-            raise ValueError("s3 timeouts and breaker cooldown must be positive seconds")
-
-    @property
-    def key_prefix(self) -> str:
-        return self.prefix.strip("/") + "/" if self.prefix.strip("/") else ""
-
-
-def _network_errors() -> tuple[type[BaseException], ...]:
-    from botocore import exceptions as bx
-    from urllib3 import exceptions as ux
-
-    return (bx.EndpointConnectionError, bx.ConnectionError, bx.HTTPClientError, bx.ReadTimeoutError,
-            bx.ConnectTimeoutError, bx.ResponseStreamingError, bx.IncompleteReadError,
-            ux.HTTPError, ConnectionError, socket.timeout, TimeoutError)
-
-
-class _Retryable(Exception):
-    """An attempt failed in a way another attempt might not (network, timeout, 5xx)."""
 
 
 class S3Tier(Tier):
@@ -124,47 +66,40 @@ class S3Tier(Tier):
     #: Several daemons may write the same bucket: keys may appear that this one did not put.
     shared = True
 
-    def __init__(self, config: S3Config, name: str = "s3", list_on_start: bool = True) -> None:
-        import boto3
-        from botocore.config import Config
+    def __init__(self, config: S3Config, name: str = "s3", list_on_start: bool = True,
+                 mac_key: bytes | None = None) -> None:
+        """``mac_key``: the key objects' MACs are made and checked under, shared by every host
+        using the bucket (the daemon derives it from its server secret: kvstore.auth.s3_mac_key);
+        None: derived from this user's default server secret file."""
+        if mac_key is None:
+            from kvstore.auth import s3_mac_key
 
+            mac_key = s3_mac_key("")
+        self.mac = ObjectMac(mac_key)
         self.config = config
         self.name = name
         self.capacity_bytes = config.capacity_bytes
         self.io_threads = config.concurrency
         self._prefix = config.key_prefix
-        region = config.region or boto3.session.Session().region_name or "us-east-1"
-        client_config = Config(
-            region_name=region,
-            connect_timeout=config.connect_timeout_s,
-            read_timeout=config.read_timeout_s,
-            retries={"total_max_attempts": 1},  # retries are ours: they must see the breaker
-            max_pool_connections=config.concurrency + 4,
-            tcp_keepalive=True,
-            # Every block carries its own xxh3 checksum, verified on each read; S3's CRCs would
-            # hash every byte a second time.
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-            # MinIO and Ceph serve path-style by default; AWS accepts both.
-            s3={"addressing_style": "path"} if config.endpoint_url else {},
-        )
-        self._s3 = boto3.session.Session().client("s3", endpoint_url=config.endpoint_url or None, config=client_config)
-        self._network_errors = _network_errors()
-        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s, name="s3 endpoint")
+        self.endpoint = Endpoint(config, name, connections=config.concurrency + DISCOVER_THREADS + 4)
+        self._s3 = self.endpoint.client
+        self._call = self.endpoint.call
+        self.breaker = self.endpoint.breaker
         self._lock = threading.Lock()  # guards the index below
         self._blocks: dict[bytes, BlockHeader] = {}
         self._packed: dict[bytes, bytes] = {}
         self._used = 0
         self._new_keys: list[bytes] = []  # indexed by listing/discovery, not yet taken by the store
-        self._absent_until: dict[bytes, float] = {}  # negative cache of discover()
         self._pool = concurrent.futures.ThreadPoolExecutor(config.concurrency, thread_name_prefix=f"kvstore-{name}")
+        self._discovery = Discovery(self._index_remote, self.__contains__, config.negative_ttl_s, name)
         self._closed = threading.Event()
         #: Deletes that failed at the endpoint (the object may linger).
         self.delete_errors = 0
-        #: Objects found unreadable while listing (skipped, not deleted: another host may own them).
+        #: Objects refused while listing: unreadable, or without a valid MAC (skipped, not deleted:
+        #: another host may own them).
         self.corrupt_on_start = 0
         self.listed = threading.Event()
-        self._check_bucket()
+        self.endpoint.check_bucket()  # TierError saying what to fix
         if list_on_start:
             threading.Thread(target=self._list_prefix, name=f"kvstore-{name}-list", daemon=True).start()
         else:
@@ -173,36 +108,7 @@ class S3Tier(Tier):
     # -- start ------------------------------------------------------------------------------
 
     def _where(self) -> str:
-        return f"s3://{self.config.bucket}/{self._prefix} at {self.config.endpoint_url or 'AWS S3'}"
-
-    def _check_bucket(self) -> None:
-        """Fail at start, with what to fix, when the bucket is missing, unreachable or not ours to write."""
-        from botocore.exceptions import ClientError, NoCredentialsError
-
-        probe_key = f"{self._prefix}.probe-{socket.gethostname()}-{os.getpid()}"
-        try:
-            self._s3.head_bucket(Bucket=self.config.bucket)
-            self._s3.put_object(Bucket=self.config.bucket, Key=probe_key, Body=b"")
-            self._s3.delete_object(Bucket=self.config.bucket, Key=probe_key)
-        except NoCredentialsError:
-            raise TierError(f"{self.name}: no AWS credentials found for {self._where()}: set AWS_ACCESS_KEY_ID and "
-                            f"AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run with an instance/pod role") from None
-        except ClientError as exc:
-            code = str(exc.response.get("Error", {}).get("Code", ""))
-            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            if code in ("404", "NoSuchBucket") or status == 404:
-                raise TierError(f"{self.name}: bucket {self.config.bucket!r} does not exist at "
-                                f"{self.config.endpoint_url or 'AWS S3'}: create it (e.g. `aws s3 mb "
-                                f"s3://{self.config.bucket}`) or fix --s3-bucket / --s3-endpoint") from None
-            if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden") \
-                    or status in (401, 403):
-                raise TierError(f"{self.name}: access to {self._where()} denied ({code or status}): check the "
-                                f"credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and that "
-                                f"they may list, read, write and delete in the bucket") from None
-            raise TierError(f"{self.name}: checking {self._where()} failed: {exc}") from None
-        except self._network_errors as exc:
-            raise TierError(f"{self.name}: cannot reach {self.config.endpoint_url or 'AWS S3'} ({exc}): "
-                            f"check --s3-endpoint and that the service is up") from None
+        return self.endpoint.where()
 
     def _list_prefix(self) -> None:
         """Index every block object under the prefix (background thread at start)."""
@@ -213,7 +119,7 @@ class S3Tier(Tier):
                 for entry in page.get("Contents", []):
                     key = self._key_of(entry["Key"])
                     if key is not None and key not in self._blocks:
-                        pending.append(self._pool.submit(self._index_remote, key, entry["Size"]))
+                        pending.append(self._pool.submit(self._index_listed, key, entry["Size"]))
                 if self._closed.is_set():
                     return
             for future in pending:
@@ -238,23 +144,25 @@ class S3Tier(Tier):
         hexkey = key.hex()
         return f"{self._prefix}{hexkey[:2]}/{hexkey}{SUFFIX}"
 
-    def _index_remote(self, key: bytes, size: int | None = None) -> bool:
-        """Read the header of ``key``'s object and index it. False if absent; raises on endpoint trouble."""
+    def _index_listed(self, key: bytes, size: int) -> None:
+        """Index a listed object of ``size`` bytes, or count and skip it when it is refused."""
         try:
-            head = self._get_range(key, 0, HEADER_PROBE_BYTES)
+            self._index_remote(key, size)
+        except CorruptBlockError as exc:
+            log.warning("%s: skipping object %s: %s", self.name, self._object_key(key), exc)
+            self.corrupt_on_start += 1
+
+    def _index_remote(self, key: bytes, size: int | None = None) -> bool:
+        """Read the header of ``key``'s object, check its head MAC and index it. False if absent;
+        CorruptBlockError when refused (unreadable, MAC missing or wrong, ``size`` not the
+        header's); raises TierError on endpoint trouble."""
+        try:
+            head, metadata = self._get_range(key, 0, HEADER_PROBE_BYTES)
         except KeyError:
             return False
-        try:
-            header = self._parse_header(key, head)
-        except CorruptBlockError as exc:
-            log.warning("%s: skipping unreadable object %s: %s", self.name, self._object_key(key), exc)
-            self.corrupt_on_start += 1
-            return False
+        header = self._parse_header(key, head, metadata)
         if size is not None and size != header.block_len:
-            log.warning("%s: skipping %s: %d bytes, header says %d", self.name, self._object_key(key), size,
-                        header.block_len)
-            self.corrupt_on_start += 1
-            return False
+            raise CorruptBlockError(f"{size} bytes, header says {header.block_len}")
         with self._lock:
             if key not in self._blocks:
                 self._blocks[key] = header
@@ -263,64 +171,24 @@ class S3Tier(Tier):
                 self._new_keys.append(key)
         return True
 
-    def _parse_header(self, key: bytes, head: bytes) -> BlockHeader:
-        if len(head) >= FIXED_BYTES:
-            header_len = int.from_bytes(head[6:8], "little")
-            if header_len > len(head) and header_len <= FIXED_BYTES + MAX_PARAMS_BYTES + 64:
-                head = self._get_range(key, 0, header_len)
+    def _parse_header(self, key: bytes, head: bytes, metadata: dict[str, str]) -> BlockHeader:
+        """The header at the start of ``head`` (read further when longer), once the head MAC in
+        ``metadata`` checks. Raises CorruptBlockError."""
+        if len(head) < FIXED_BYTES:
+            raise CorruptBlockError(f"object of {len(head)} bytes is shorter than a header")
+        header_len = int.from_bytes(head[6:8], "little")
+        if header_len > FIXED_BYTES + MAX_PARAMS_BYTES + 64:
+            raise CorruptBlockError(f"header of {header_len} bytes is longer than any header")
+        if header_len > len(head):
+            head, metadata = self._get_range(key, 0, header_len)
+        self.mac.check_head(memoryview(head)[:header_len], metadata)  # nothing of it is trusted before
         header = BlockHeader.unpack(head)
         if header.key != key:
             raise CorruptBlockError(f"object name says key {key.hex()}, header says {header.key.hex()}")
         return header
 
-    # -- requests ---------------------------------------------------------------------------
-
-    def _call(self, what: str, attempt_fn: Callable[[], T]) -> T:
-        """Run one request with retries, backoff and the breaker. KeyError for a missing object."""
-        from botocore.exceptions import ClientError
-
-        last: BaseException | None = None
-        for attempt in range(self.config.retries + 1):
-            if not self.breaker.allow():
-                raise TierUnavailableError(f"{self.name}: {what} skipped: {self.config.endpoint_url or 'S3'} is failing "
-                                           f"(circuit open; retried every {self.config.breaker_cooldown_s:g}s)")
-            try:
-                result = attempt_fn()
-            except ClientError as exc:
-                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-                code = str(exc.response.get("Error", {}).get("Code", ""))
-                if status >= 500 or code in ("SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError"):
-                    self.breaker.record_failure()
-                    last = exc
-                else:
-                    self.breaker.record_success()  # the endpoint answered
-                    if status == 404 or code in ("404", "NoSuchKey", "NotFound"):
-                        raise KeyError(what) from None
-                    if status == 416 or code == "InvalidRange":
-                        raise CorruptBlockError(f"{self.name}: {what}: object shorter than its index says") from None
-                    raise TierError(f"{self.name}: {what}: {code or status}: {exc}") from None
-            except self._network_errors as exc:
-                self.breaker.record_failure()
-                last = exc
-            except _Retryable as exc:
-                self.breaker.record_failure()
-                last = exc
-            else:
-                self.breaker.record_success()
-                return result
-            if attempt < self.config.retries:
-                time.sleep(min(0.05 * 2**attempt, 1.0) * random.uniform(0.5, 1.0))
-        raise TierUnavailableError(f"{self.name}: {what} failed after {self.config.retries + 1} attempts: {last}")
-
-    def _get_range(self, key: bytes, start: int, length: int) -> bytes:
-        object_key = self._object_key(key)
-
-        def attempt() -> bytes:
-            response = self._s3.get_object(Bucket=self.config.bucket, Key=object_key,
-                                           Range=f"bytes={start}-{start + length - 1}")
-            return response["Body"].read()
-
-        return self._call(f"GET {object_key} [{start}:{start + length}]", attempt)
+    def _get_range(self, key: bytes, start: int, length: int) -> tuple[bytes, dict[str, str]]:
+        return self.endpoint.get_range(self._object_key(key), start, length)
 
     # -- Tier -------------------------------------------------------------------------------
 
@@ -353,33 +221,70 @@ class S3Tier(Tier):
             keys, self._new_keys = self._new_keys, []
         return [k for k in keys if k in self._blocks]
 
+    def take_refused(self) -> int:
+        """Objects discover() refused since the last call (forged, unMAC'd or unreadable), for the
+        store to count as corrupt. Thread-safe."""
+        return self._discovery.take_refused()
+
+    @property
+    def _absent_until(self) -> dict[bytes, float]:
+        return self._discovery.absent_until
+
     def put(self, header: BlockHeader, payload: memoryview) -> None:
+        self._put(header, memoryview(payload).cast("B"), hash_payload=False)
+
+    def put_checksummed(self, header: BlockHeader, payload: memoryview) -> BlockHeader:
+        return self._put(header, memoryview(payload).cast("B"), hash_payload=True)
+
+    def _put(self, header: BlockHeader, payload: memoryview, hash_payload: bool) -> BlockHeader:
+        """PUT ``header || payload`` with both MACs in its metadata. One pass over the payload
+        makes the block MAC (and the checksum when ``hash_payload``) and, for a single PUT, copies
+        it into the body, each chunk hashed from the copy just made:
+
+            body  | header (packed last: it holds the checksum) | payload: copy, hash | copy, hash | ... |
+        """
         if len(payload) != header.payload_len:
             raise ValueError(f"payload is {len(payload)} bytes, header says {header.payload_len}")
         previous = self._blocks.get(header.key)
         growth = header.block_len - (previous.block_len if previous else 0)
         if self.capacity_bytes and self._used + growth > self.capacity_bytes:
             raise TierFullError(f"{self.name}: {header.block_len} bytes do not fit")
+        hlen = header.header_len
+        body = bytearray(header.block_len) if header.block_len <= self.config.part_bytes else None
+        mac = self.mac.block_hasher()
+        checksum = xxhash.xxh3_64() if hash_payload else None
+        for at in range(0, len(payload), STREAM_CHUNK):
+            chunk = payload[at : at + STREAM_CHUNK]
+            if body is not None:
+                body[hlen + at : hlen + at + len(chunk)] = chunk
+                chunk = memoryview(body)[hlen + at : hlen + at + len(chunk)]
+            mac.update(chunk)
+            if checksum is not None:
+                checksum.update(chunk)
+        if checksum is not None:
+            header = dataclasses.replace(header, checksum=checksum.intdigest())
         packed = header.pack()
+        metadata = self.mac.metadata(packed, self.mac.block(mac, packed, len(payload)))
         object_key = self._object_key(header.key)
-        if header.block_len > self.config.part_bytes:
-            self._put_multipart(object_key, packed, memoryview(payload).cast("B"))
+        if body is None:
+            self._put_multipart(object_key, packed, payload, metadata)
         else:
-            body = b"".join((packed, memoryview(payload).cast("B")))
+            body[:hlen] = packed
             self._call(f"PUT {object_key}", lambda: self._s3.put_object(Bucket=self.config.bucket, Key=object_key,
-                                                                        Body=body))
+                                                                        Body=body, Metadata=metadata))
         with self._lock:
             self._packed[header.key] = packed
             self._blocks[header.key] = header
             self._used += growth
-            self._absent_until.pop(header.key, None)
+            self._discovery.forget(header.key)
+        return header
 
-    def _put_multipart(self, object_key: str, packed: bytes, payload: memoryview) -> None:
+    def _put_multipart(self, object_key: str, packed: bytes, payload: memoryview, metadata: dict[str, str]) -> None:
         """Upload ``packed || payload`` in ``part_bytes`` parts, in parallel; abort on failure."""
         bucket, part = self.config.bucket, self.config.part_bytes
         total = len(packed) + len(payload)
         upload_id = self._call(f"start multipart {object_key}", lambda: self._s3.create_multipart_upload(
-            Bucket=bucket, Key=object_key)["UploadId"])
+            Bucket=bucket, Key=object_key, Metadata=metadata)["UploadId"])
 
         def body_of(start: int) -> bytes:
             # object bytes [start, start + part): the header only ever falls in part 1
@@ -407,6 +312,8 @@ class S3Tier(Tier):
             raise
 
     def read_payload_into(self, key: bytes, dest: memoryview) -> BlockHeader:
+        """Read ``key``'s payload into ``dest``; the header, checksum and block MAC are checked
+        before it returns (CorruptBlockError otherwise: the bytes in ``dest`` are not the block's)."""
         header = self._blocks[key]
         packed = self._packed[key]
         if len(dest) < header.payload_len:
@@ -416,63 +323,74 @@ class S3Tier(Tier):
         payload = memoryview(dest).cast("B")[: header.payload_len]
         try:
             if header.block_len <= self.config.part_bytes:
-                checksum = self._get_whole(object_key, memoryview(head), payload)
+                got = self._get_whole(object_key, memoryview(head), payload)
             else:
-                checksum = self._get_ranged(object_key, memoryview(head), payload)
+                got = self._get_ranged(object_key, memoryview(head), payload)
+            if bytes(head) != packed:
+                raise CorruptBlockError("header differs from the indexed one")
+            if got.checksum.intdigest() != header.checksum:
+                raise CorruptBlockError("payload checksum mismatch")
+            self.mac.check_block(self.mac.block(got.mac, head, len(payload)), got.metadata)
         except KeyError:
             self._forget(key)  # deleted underneath us (another host, a lifecycle rule)
             raise KeyError(key) from None
         except CorruptBlockError as exc:
             raise CorruptBlockError(f"{self.name}: {object_key}: {exc}") from None
-        if bytes(head) != packed:
-            raise CorruptBlockError(f"{self.name}: header of {object_key} differs from the indexed one")
-        if checksum != header.checksum:
-            raise CorruptBlockError(f"{self.name}: {object_key}: payload checksum mismatch")
         return header
 
-    def _get_whole(self, object_key: str, head: memoryview, payload: memoryview) -> int:
-        """One GET of the whole object; returns the payload checksum computed while streaming."""
+    def _get_whole(self, object_key: str, head: memoryview, payload: memoryview) -> _Read:
+        """One GET of the whole object, its payload hashed (checksum and MAC) as it streams in."""
         total = len(head) + len(payload)
-        digest: list[int] = []
+        read: list[_Read] = []
 
         def attempt() -> None:
             response = self._s3.get_object(Bucket=self.config.bucket, Key=object_key)
             if response["ContentLength"] != total:
                 response["Body"].close()
                 raise CorruptBlockError(f"object is {response['ContentLength']} bytes, index says {total}")
-            digest[:] = [_stream_body(response["Body"], head, payload, hashed=True)]
+            got = _Read(xxhash.xxh3_64(), self.mac.block_hasher(), response.get("Metadata", {}))
+            stream_body(response["Body"], head, payload, (got.checksum, got.mac))
+            read[:] = [got]
 
         self._call(f"GET {object_key}", attempt)
-        return digest[0]
+        return read[0]
 
-    def _get_ranged(self, object_key: str, head: memoryview, payload: memoryview) -> int:
-        """Concurrent ranged GETs of ``part_bytes`` each, then one hash pass over the payload.
+    def _get_ranged(self, object_key: str, head: memoryview, payload: memoryview) -> _Read:
+        """Concurrent ranged GETs of ``part_bytes`` each, then one pass over the payload that
+        makes both its checksum and its MAC (each ``STREAM_CHUNK`` hashed twice while in cache).
 
             object: | header | payload ........................................... |
             ranges: |<-- part 0 -->|<-- part 1 -->|<-- part 2 -->| ... |<- last ->|
         """
         total, part = len(head) + len(payload), self.config.part_bytes
 
-        def fetch(start: int) -> None:
+        def fetch(start: int) -> dict[str, str]:
             end = min(start + part, total)
             h = head[start:min(end, len(head))] if start < len(head) else head[0:0]
             p_start, p_end = max(start, len(head)) - len(head), end - len(head)
             p = payload[p_start:p_end]
 
-            def attempt() -> None:
+            def attempt() -> dict[str, str]:
                 response = self._s3.get_object(Bucket=self.config.bucket, Key=object_key,
                                                Range=f"bytes={start}-{end - 1}")
                 if response["ContentLength"] != end - start:
                     response["Body"].close()
                     raise CorruptBlockError(f"range {start}-{end - 1} came back with {response['ContentLength']} bytes")
-                _stream_body(response["Body"], h, p, hashed=False)
+                stream_body(response["Body"], h, p, ())
+                return response.get("Metadata", {})
 
-            self._call(f"GET {object_key} [{start}:{end}]", attempt)
+            return self._call(f"GET {object_key} [{start}:{end}]", attempt)
 
         futures = [self._pool.submit(fetch, start) for start in range(0, total, part)]
-        for future in futures:
-            future.result()
-        return xxhash.xxh3_64_intdigest(payload)
+        metadata = [future.result() for future in futures]
+        if any(m != metadata[0] for m in metadata):
+            raise CorruptBlockError("object was replaced while its parts were read")
+        got = _Read(xxhash.xxh3_64(), self.mac.block_hasher(), metadata[0])
+        for at in range(0, len(payload), STREAM_CHUNK):
+            chunk = payload[at : at + STREAM_CHUNK]
+            got.checksum.update(chunk)
+            got.mac.update(chunk)
+        return got
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
@@ -496,37 +414,17 @@ class S3Tier(Tier):
         self._forget(key)
         return header.block_len
 
-    def discover(self, keys: list[bytes], timeout_s: float) -> list[bytes]:
-        """Look in the bucket for ``keys`` this daemon has not indexed (stored by another host).
-
-        One ranged GET of each object's first bytes, all in parallel, waiting at most ``timeout_s``:
-        it proves the object exists and yields the header the index needs in the same round trip
-        (a HEAD would need a second request for the header). Keys found absent are not asked about
-        again for ``negative_ttl_s``. Returns the keys found; never raises for endpoint trouble.
-        """
-        now = time.monotonic()
-        ask = [k for k in dict.fromkeys(keys) if k not in self._blocks and self._absent_until.get(k, 0.0) <= now]
-        if not ask or not self.available:
+    def discover(self, keys: list[bytes], timeout_s: float, stop_at_absent: bool = False) -> list[bytes]:
+        """Look in the bucket for ``keys`` this daemon has not indexed (stored by another host):
+        in order, at most ``DISCOVER_MAX_KEYS`` a call and a window of requests at once; with
+        ``stop_at_absent`` (a Lookup's hit run) none after the first absent one
+        (tiers/s3_discovery.py). Each request is a ranged GET of the object's first bytes: it
+        proves the object exists and yields the header and its MAC in one round trip (a HEAD would
+        need a second request for the header). Returns the keys found; never raises for endpoint
+        trouble."""
+        if not self.available:
             return []
-
-        def probe(key: bytes) -> bool:
-            found = self._index_remote(key)
-            if not found:
-                self._absent_until[key] = time.monotonic() + self.config.negative_ttl_s
-            return found
-
-        futures = {self._pool.submit(probe, key): key for key in ask}
-        done, _ = concurrent.futures.wait(futures, timeout=timeout_s)
-        found = []
-        for future in done:
-            try:
-                if future.result():
-                    found.append(futures[future])
-            except (TierError, CorruptBlockError) as exc:
-                log.debug("%s: discover %s: %s", self.name, futures[future].hex(), exc)
-        if len(self._absent_until) > 65536:  # forget expired entries now and then
-            self._absent_until = {k: t for k, t in self._absent_until.items() if t > now}
-        return found
+        return self._discovery.ask(keys, timeout_s, stop_at_absent)
 
     def check_integrity(self) -> None:
         with self._lock:
@@ -552,33 +450,13 @@ class S3Tier(Tier):
     def close(self) -> None:
         self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._discovery.close()
 
 
-def _stream_body(body, head: memoryview, payload: memoryview, hashed: bool) -> int:
-    """Copy a GET body into ``head`` then ``payload`` (chunk by chunk, hashing payload chunks while
-    they are in cache when ``hashed``); returns the payload checksum (0 unless ``hashed``).
+@dataclasses.dataclass
+class _Read:
+    """A GET of a whole block: hashers fed its payload as it arrived, and the object's metadata."""
 
-        body:  | head (len(head)) | payload (len(payload)) |
-    """
-    hasher = xxhash.xxh3_64() if hashed else None
-    total, pos, hlen = len(head) + len(payload), 0, len(head)
-    try:
-        for chunk in body.iter_chunks(STREAM_CHUNK):
-            n = len(chunk)
-            if pos + n > total:
-                raise CorruptBlockError("object is longer than its header says")
-            chunk = memoryview(chunk)
-            split = max(0, min(hlen - pos, n))  # leading bytes of this chunk that are header
-            if split:
-                head[pos : pos + split] = chunk[:split]
-            if split < n:
-                at = pos + split - hlen
-                payload[at : at + n - split] = chunk[split:]
-                if hasher is not None:
-                    hasher.update(chunk[split:])
-            pos += n
-    finally:
-        body.close()
-    if pos != total:
-        raise _Retryable(f"connection closed after {pos} of {total} bytes")
-    return hasher.intdigest() if hasher is not None else 0
+    checksum: "xxhash.xxh3_64"
+    mac: "hashlib._Hash"
+    metadata: dict[str, str]
