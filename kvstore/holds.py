@@ -6,6 +6,14 @@
     hold     while a layer-wise read streams the block, renewed at each layer, STREAM_HOLD_S at most
     busy     the tier's own: a worker thread is copying the block now (``Tier.busy``)
 
+Pins and leases belong to the tenant that took them, and each tenant's pinned and leased bytes are
+bounded (``bound(owner)``, set by the store from quotas and the tiers' sizes): a pin or lease past
+the bound is refused, so what every tenant holds together always leaves room for anyone's Put::
+
+    owner's held bytes = sum of block_len over its keys pinned or leased (each key once)
+    pin(keys)   all or nothing: HoldRefused when held + new > bound
+    lease(key)  False (not leased) when held + its bytes > bound, after dropping expired leases
+
 Runs on the store's event loop; no lock (no await anywhere here).
 """
 
@@ -21,55 +29,141 @@ from tiers.base import Tier
 STREAM_HOLD_S = 10.0
 
 
+class HoldRefused(Exception):
+    """A pin that would take its tenant past its bound of pinned and leased bytes."""
+
+
 class Holds:
-    def __init__(self) -> None:
-        self.pinned: set[bytes] = set()
-        #: Blocks handed to a client by reference (gpu_direct Get) -> lease expiry (monotonic s).
-        self._leases: dict[bytes, float] = {}
+    def __init__(self, bound: Callable[[str], int] | None = None) -> None:
+        #: Most bytes ``owner`` may hold pinned or leased (None: no bound).
+        self.bound = bound
+        #: Pinned key -> its owner (tenant name, "" for the anonymous tenant).
+        self.pinned: dict[bytes, str] = {}
+        #: Leased key -> (expiry, monotonic s; owner).
+        self._leases: dict[bytes, tuple[float, str]] = {}
+        self._prune_at = 4096
+        #: Owner -> its keys pinned or leased -> block bytes counted for it; and their sum.
+        self._held: dict[str, dict[bytes, int]] = {}
+        self._held_bytes: dict[str, int] = {}
         #: Blocks layer-wise reads are streaming -> [streams, expiry of the hold (monotonic s)].
         self._streaming: dict[bytes, list] = {}
 
     def evictable(self, tier: Tier, key: bytes) -> bool:
         """Not pinned, not handed out by reference, not being streamed or copied by a reader."""
-        return key not in self.pinned and not self._leased(key) and not self._held(key) and not tier.busy(key)
+        return key not in self.pinned and not self._leased(key) and not self._held_stream(key) \
+            and not tier.busy(key)
+
+    def held_bytes(self, owner: str) -> int:
+        """Bytes ``owner`` holds pinned or leased (leases seen expired are no longer counted)."""
+        return self._held_bytes.get(owner, 0)
 
     # -- pins ---------------------------------------------------------------------------------
 
-    def pin(self, keys: Iterable[bytes]) -> int:
-        before = len(self.pinned)
-        self.pinned.update(keys)
-        return len(self.pinned) - before
+    def pin(self, blocks: Iterable[tuple[bytes, int]], owner: str = "") -> int:
+        """Pin ``(key, block bytes)`` for ``owner``, all or none; returns how many were not pinned
+        before. HoldRefused, pinning nothing, when the owner would pass its bound."""
+        new = {key: size for key, size in blocks if key not in self.pinned}
+        adding = sum(size for key, size in new.items() if key not in self._held.get(owner, ()))
+        if not self._fits(owner, adding):
+            raise HoldRefused(f"{_who(owner)} would hold {self.held_bytes(owner) + adding} bytes pinned or "
+                              f"leased; its bound is {self.bound(owner)} (unpin some first)")
+        for key, size in new.items():
+            self.pinned[key] = owner
+            self._count(owner, key, size)
+        return len(new)
 
     def unpin(self, keys: Iterable[bytes]) -> int:
-        before = len(self.pinned)
-        self.pinned.difference_update(keys)
-        return before - len(self.pinned)
+        unpinned = 0
+        for key in keys:
+            owner = self.pinned.pop(key, None)
+            if owner is not None:
+                unpinned += 1
+                if not self._leased(key):
+                    self._uncount(owner, key)
+        return unpinned
+
+    def forget(self, key: bytes) -> None:
+        """``key`` is stored nowhere any more (deleted, dropped): its pin goes; a lease stays
+        until it expires (a client may be reading it)."""
+        self.unpin([key])
 
     def keep_pins_of(self, stored: Callable[[bytes], bool]) -> None:
         """Drop the pins of keys no tier holds any more."""
-        self.pinned = {k for k in self.pinned if stored(k)}
+        self.unpin([k for k in self.pinned if not stored(k)])
 
     # -- leases -------------------------------------------------------------------------------
 
-    def lease(self, key: bytes, seconds: float, blocks: int) -> None:
-        """Lease ``key`` for ``seconds``; ``blocks`` stored now bounds the leases kept (those of
-        keys deleted while leased are dropped once expired)."""
+    def lease(self, key: bytes, seconds: float, size: int, owner: str = "") -> bool:
+        """Lease ``key`` (``size`` bytes) for ``seconds``; an existing longer lease stays. False,
+        and nothing leased, when ``owner`` would pass its bound."""
         now = time.monotonic()
-        if len(self._leases) > 4 * max(blocks, 1024):
-            self._leases = {k: t for k, t in self._leases.items() if t > now}
-        self._leases[key] = max(self._leases.get(key, 0.0), now + seconds)
+        if len(self._leases) > self._prune_at:  # leases of keys nobody evicts or reads again
+            self.release([k for k, (expiry, _) in self._leases.items() if expiry < now])
+            self._prune_at = max(4096, 2 * len(self._leases))
+        if key not in self._held.get(owner, ()) and not self._fits(owner, size):
+            return False
+        expiry, _ = self._leases.get(key, (0.0, owner))
+        self._leases[key] = (max(expiry, now + seconds), owner)
+        self._count(owner, key, size)
+        return True
 
     def release(self, keys: Iterable[bytes]) -> int:
-        return sum(self._leases.pop(k, None) is not None for k in keys)
+        released = 0
+        for key in keys:
+            lease = self._leases.pop(key, None)
+            if lease is not None:
+                released += 1
+                if key not in self.pinned:
+                    self._uncount(lease[1], key)
+        return released
 
     def _leased(self, key: bytes) -> bool:
-        expiry = self._leases.get(key)
-        if expiry is None:
+        lease = self._leases.get(key)
+        if lease is None:
             return False
-        if expiry < time.monotonic():
-            del self._leases[key]
+        if lease[0] < time.monotonic():
+            self.release([key])
             return False
         return True
+
+    # -- accounting ---------------------------------------------------------------------------
+
+    def _fits(self, owner: str, nbytes: int) -> bool:
+        """``nbytes`` more fit in ``owner``'s bound; expired leases are dropped before saying no."""
+        if self.bound is None or nbytes == 0:
+            return True
+        bound = self.bound(owner)
+        if self.held_bytes(owner) + nbytes <= bound:
+            return True
+        now = time.monotonic()
+        self.release([k for k in self._held.get(owner, ()) if k in self._leases and self._leases[k][0] < now])
+        return self.held_bytes(owner) + nbytes <= bound
+
+    def _count(self, owner: str, key: bytes, size: int) -> None:
+        held = self._held.setdefault(owner, {})
+        if key not in held:
+            held[key] = size
+            self._held_bytes[owner] = self._held_bytes.get(owner, 0) + size
+
+    def _uncount(self, owner: str, key: bytes) -> None:
+        held = self._held.get(owner)
+        if held is None or key not in held:
+            return
+        self._held_bytes[owner] -= held.pop(key)
+        if not held:
+            del self._held[owner], self._held_bytes[owner]
+
+    def check_integrity(self) -> None:
+        for owner, held in self._held.items():
+            if sum(held.values()) != self._held_bytes[owner]:
+                raise RuntimeError(f"holds of {owner!r}: kept byte count {self._held_bytes[owner]} differs "
+                                   f"from its keys' {sum(held.values())}")
+            stray = [k for k in held if self.pinned.get(k) != owner and self._leases.get(k, (0, None))[1] != owner]
+            if stray:
+                raise RuntimeError(f"holds of {owner!r}: {len(stray)} keys counted that it neither pins nor leases")
+        for key, owner in self.pinned.items():
+            if key not in self._held.get(owner, ()):
+                raise RuntimeError(f"a pin of {owner!r} is not counted in its held bytes")
 
     # -- layer-wise reads ---------------------------------------------------------------------
 
@@ -90,6 +184,10 @@ class Holds:
             if entry[0] <= 0:
                 del self._streaming[key]
 
-    def _held(self, key: bytes) -> bool:
+    def _held_stream(self, key: bytes) -> bool:
         entry = self._streaming.get(key)
         return entry is not None and entry[1] > time.monotonic()
+
+
+def _who(owner: str) -> str:
+    return f"tenant {owner!r}" if owner else "this daemon's clients"

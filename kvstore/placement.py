@@ -35,7 +35,7 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator
 
 from kvstore.block import BlockHeader, CorruptBlockError, payload_checksum
-from kvstore.holds import STREAM_HOLD_S, Holds
+from kvstore.holds import STREAM_HOLD_S, HoldRefused, Holds
 from kvstore.keys import KVLayout, LookupResult
 from kvstore.metrics import Metrics
 from kvstore.promotion import Promoter
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from kvstore.events import EventPublisher
 
 __all__ = ["BUSY_WAIT_S", "DISCOVER_TIMEOUT_S", "OFFLOAD_GET_BYTES", "READER_THREADS", "STREAM_HOLD_S",
-           "BlockGoneError", "BlockStore", "GetResult", "LookupResult"]
+           "BlockGoneError", "BlockStore", "GetResult", "HoldRefused", "LookupResult"]
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ class BlockStore:
     def __init__(self, tiers: list[Tier], metrics: Metrics | None = None, write_through: bool = True,
                  queue_depth: int = 256, promote_on_get: bool = True, codecs: list[str | None] | None = None,
                  discover_timeout_s: float = DISCOVER_TIMEOUT_S, key_index: KeyIndexWriter | None = None,
-                 events: EventPublisher | None = None) -> None:
+                 events: EventPublisher | None = None, quotas: dict[str, int] | None = None,
+                 hold_share: float | None = None, tenants: int = 1) -> None:
         if not tiers:
             raise ValueError("BlockStore needs at least one tier")
         names = [t.name for t in tiers]
@@ -87,7 +88,15 @@ class BlockStore:
         self.lock = asyncio.Lock()
         self.io = TierIO(tiers)
         self.residency = Residency(tiers, self.io, key_index, events)
-        self.holds = Holds()
+        #: Tenant -> most bytes it may hold in each tier it is charged in (0 or absent: no quota).
+        self.quotas = dict(quotas or {})
+        #: Share of the smallest bounded tier that all tenants' pins and leases may take together,
+        #: split equally among ``tenants`` (None: holds are not bounded).
+        self.hold_share, self.tenants = hold_share, max(1, tenants)
+        self.holds = Holds(self.hold_bound if hold_share is not None else None)
+        #: One discovery in flight per tenant: a tenant's flood of Lookups waits behind itself.
+        self._discovering: dict[str, asyncio.Lock] = {}
+        self._error_log = _ErrorLog()
         self.reads = Reader(self)
         self.promoter = Promoter(self)
         self.write_behind = WriteBehind(self, queue_depth)
@@ -168,26 +177,44 @@ class BlockStore:
         self.metrics.misses.inc(len(keys) - len(tiers))
         return LookupResult(len(tiers), tuple(tiers))
 
-    async def discover(self, keys: list[bytes]) -> int:
+    async def discover(self, keys: list[bytes], owner: str = "", stop_at_absent: bool = False) -> int:
         """Ask shared tiers (S3) about the keys no tier here holds, from the first such key on:
         another host may have stored them since this daemon indexed the bucket. Waits at most
-        ``discover_timeout_s``; returns how many were found (now indexed, so a Lookup hits)."""
+        ``discover_timeout_s``; returns how many were found (now indexed, so a Lookup hits).
+
+        ``stop_at_absent``: ask no key after the first one absent (a Lookup's hit run ends there;
+        a Get wants every key). One discovery per ``owner`` runs at a time (a tenant's next one waits for it, within the
+        same timeout, and finds nothing if it cannot start): a tenant that floods Lookups of
+        unknown keys delays its own, never another tenant's."""
         shared = [(level, t) for level, t in enumerate(self.tiers) if t.shared and t.available]
         first = next((i for i, k in enumerate(keys) if self.locate(k) is None), None)
         if not shared or first is None:
             return 0
-        missing = [k for k in keys[first:] if self.locate(k) is None]
-        loop = asyncio.get_running_loop()
-        found = 0
-        for level, tier in shared:
-            try:
-                keys_found = await asyncio.wait_for(
-                    loop.run_in_executor(None, tier.discover, missing, self.discover_timeout_s),
-                    self.discover_timeout_s + 0.25)
-            except asyncio.TimeoutError:
-                continue
-            found += len(keys_found)
-            self.metrics.discovered.labels(tier.name).inc(len(keys_found))
+        deadline = time.monotonic() + self.discover_timeout_s
+        gate = self._discovering.setdefault(owner, asyncio.Lock())
+        try:
+            await asyncio.wait_for(gate.acquire(), self.discover_timeout_s)
+        except asyncio.TimeoutError:
+            return 0
+        try:
+            missing = [k for k in keys[first:] if self.locate(k) is None]
+            loop = asyncio.get_running_loop()
+            found = 0
+            for level, tier in shared:
+                left = deadline - time.monotonic()
+                if left <= 0 or not missing:
+                    break
+                try:
+                    keys_found = await asyncio.wait_for(
+                        loop.run_in_executor(None, tier.discover, missing, left, stop_at_absent), left + 0.25)
+                except asyncio.TimeoutError:
+                    continue
+                found += len(keys_found)
+                self.metrics.discovered.labels(tier.name).inc(len(keys_found))
+        finally:
+            gate.release()
+            if not gate.locked() and not gate._waiters:  # noqa: SLF001 - drop idle tenants' locks
+                self._discovering.pop(owner, None)
         self._adopt_shared()  # at once: the key index and KV events show them when Lookup answers
         return found
 
@@ -195,6 +222,11 @@ class BlockStore:
         """Keys shared tiers indexed on their own join the LRU (the tick, a discovery, a check)."""
         for tier, key in self.residency.adopt_shared():
             self._note_layout(tier.header(key))
+        for tier in self.tiers:
+            if tier.shared:
+                refused = tier.take_refused()  # forged objects, or made under another secret
+                if refused:
+                    self.metrics.corrupt.labels(tier.name).inc(refused)
 
     def publish_availability(self) -> None:
         """Tell the shared key index which tiers can be read now (after each call that may have
@@ -260,12 +292,10 @@ class BlockStore:
         """
         self.check_namespace(header)
         durable_level = self._durable_level() if durable else 0
+        if quota:
+            self.quotas[owner] = quota
         async with self.lock:
-            if quota:
-                await self._enforce_quota(owner, quota, header.block_len)
-            header = await self.store_in(0, header, payload, hash_payload)
-            if quota:
-                self.residency[0].set_owner(header.key, owner, header.block_len)
+            header = await self.store_in(0, header, payload, hash_payload, owner=owner)
             self._note_layout(header)
         for level in range(1, durable_level + 1):
             if not await self.write_behind.copy(level, header.key):
@@ -281,26 +311,43 @@ class BlockStore:
             raise ValueError("a durable put needs a durable tier: a disk tier with disk_fsync on, or S3")
         return level
 
-    async def _enforce_quota(self, owner: str, quota: int, nbytes: int) -> None:
-        """Evict ``owner``'s LRU top-tier blocks until ``nbytes`` more fit in its quota. Holds ``lock``.
-        The owner's bytes are kept by the top tier's LRU: nothing is scanned unless it is over."""
+    def hold_bound(self, owner: str) -> int:
+        """Most bytes ``owner`` may hold pinned or leased: its share of ``hold_share`` of the
+        smallest bounded tier, and never more than its quota."""
+        sizes = [t.capacity_bytes for t in self.tiers if t.capacity_bytes and not t.shared]
+        share = int((self.hold_share or 0) * min(sizes, default=0) / self.tenants) if sizes else 1 << 62
+        quota = self.quotas.get(owner, 0)
+        return min(share, quota) if quota else share
+
+    async def _enforce_quota(self, level: int, owner: str, nbytes: int) -> None:
+        """Evict ``owner``'s LRU blocks of tier ``level`` until ``nbytes`` more fit in its quota
+        there. A quota bounds a tenant's bytes in each memory tier (GPU, CPU), however they got
+        there (Put, promotion, Prefetch); in disk and S3 its bytes are counted but share the tier's
+        LRU with everyone's. Holds ``lock``. The owner's bytes are kept by the tier's LRU: nothing
+        is scanned unless it is over."""
+        quota = self.quotas.get(owner, 0) if owner else 0
+        if not quota or self.tiers[level].blocking_io:
+            return
         if nbytes > quota:
             raise TierFullError(f"a {nbytes}-byte block exceeds tenant {owner!r}'s quota of {quota} bytes")
-        top = self.residency[0]
-        while top.owned_bytes(owner) + nbytes > quota:
+        lru = self.residency[level]
+        while lru.owned_bytes(owner) + nbytes > quota:
             # the same blocks eviction spares: pinned, leased, streamed or being copied by a reader
-            victim = next((k for k in top.owned(owner) if self.holds.evictable(self.tiers[0], k)), None)
+            victim = next((k for k in lru.owned(owner) if self.holds.evictable(self.tiers[level], k)), None)
             if victim is None:
-                raise TierFullError(f"tenant {owner!r} holds {top.owned_bytes(owner)} bytes (pinned or in use) "
-                                    f"of its {quota}-byte quota")
-            await self._evict(0, victim)
+                raise TierFullError(f"tenant {owner!r} holds {lru.owned_bytes(owner)} bytes (pinned or in use) "
+                                    f"of its {quota}-byte quota in {self.tiers[level].name}")
+            await self._evict(level, victim)
 
     async def store_in(self, level: int, header: BlockHeader, payload: memoryview,
-                       hash_payload: bool = False) -> BlockHeader:
+                       hash_payload: bool = False, owner: str | None = None) -> BlockHeader:
         """Write one block into tier ``level``, evicting LRU blocks to make room; returns the
         header stored (``hash_payload``: with the checksum computed from ``payload``, see
-        :meth:`put`). Holds ``lock``."""
+        :meth:`put`). The block's bytes are charged to ``owner`` (None: the key's owner in
+        another tier), within its quota there. Holds ``lock``."""
         tier = self.tiers[level]
+        if owner is None:
+            owner = self.residency.owner(header.key)
         if header.key in tier:
             if hash_payload:  # the stored copy's checksum is compared before anything is copied
                 header, hash_payload = dataclasses.replace(header, checksum=payload_checksum(payload)), False
@@ -309,13 +356,13 @@ class BlockStore:
                 self.residency.touch(level, header.key)
                 return header
             await self.residency.delete(level, header.key)
-        await self.make_room(level, header.block_len)
+        await self.make_room(level, header.block_len, owner)
         for attempt in range(8):
             try:
                 if hash_payload:
-                    header = await self.residency.put_checksummed(level, header, payload)
+                    header = await self.residency.put_checksummed(level, header, payload, owner)
                 else:
-                    await self.residency.put(level, header, payload)
+                    await self.residency.put(level, header, payload, owner)
                 break
             except TierFullError:
                 # The device filled up before our byte count said so (disk full): evict and retry.
@@ -326,9 +373,11 @@ class BlockStore:
         self.metrics.bytes_in.labels(tier.name).inc(header.block_len)
         return header
 
-    async def make_room(self, level: int, nbytes: int) -> None:
-        """Evict LRU blocks of tier ``level`` until ``nbytes`` fit. Holds ``lock``. TierFullError
-        when every block left is pinned, leased or held (after waiting for reads in flight)."""
+    async def make_room(self, level: int, nbytes: int, owner: str = "") -> None:
+        """Evict ``owner``'s LRU blocks of tier ``level`` until ``nbytes`` fit in its quota there,
+        then anyone's LRU blocks until they fit in the tier. Holds ``lock``. TierFullError when
+        every block left is pinned, leased or held (after waiting for reads in flight)."""
+        await self._enforce_quota(level, owner, nbytes)
         tier = self.tiers[level]
         deadline = time.monotonic() + BUSY_WAIT_S
         while not tier.can_fit(nbytes):
@@ -359,33 +408,55 @@ class BlockStore:
             header, payload = await self.io.read_whole(source, key)
             header, payload = await self.io.encoded(self.codecs[level + 1], header, payload)
             await self.store_in(level + 1, header, payload)
-        except (TierError, CorruptBlockError, KeyError) as exc:
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad block (a forged codec parameter, a layout
+            # the target's codec cannot take) is not demoted, and eviction goes on for everyone
             self.count_write_error(target, f"demoting {key.hex()} from {source.name}", exc)
             return False
         return True
 
     def count_write_error(self, target: Tier, what: str, exc: Exception) -> None:
+        """A copy into ``target`` failed: counted; logged at most once a minute per tier and kind of
+        error, with how many more there were (a flood of bad blocks writes no flood of lines)."""
         self.write_errors += 1
         self.metrics.write_errors.labels(target.name).inc()
         if isinstance(exc, TierUnavailableError):
             self.metrics.unavailable.labels(target.name).inc()
             log.debug("%s to %s failed: %s", what, target.name, exc)
-        else:
-            log.warning("%s to %s failed: %s", what, target.name, exc)
+            return
+        suppressed = self._error_log.admit((target.name, type(exc).__name__))
+        if suppressed is not None:
+            more = f" ({suppressed} more like it in the last minute)" if suppressed else ""
+            log.warning("%s to %s failed: %s: %s%s", what, target.name, type(exc).__name__, exc, more)
 
     # -- holds (holds.py) ---------------------------------------------------------------------
 
-    def pin(self, keys: list[bytes]) -> int:
-        """Keep blocks from eviction in every tier holding them. Caller checks they exist."""
-        return self.holds.pin(keys)
+    def pin(self, keys: list[bytes], owner: str = "") -> int:
+        """Keep blocks from eviction in every tier holding them, all or none; HoldRefused when
+        ``owner`` would pass its bound (:meth:`hold_bound`). Caller checks they exist."""
+        return self.holds.pin([(k, self.header(k).block_len) for k in keys], owner)
 
     def unpin(self, keys: list[bytes]) -> int:
         return self.holds.unpin(keys)
 
-    def lease(self, key: bytes, seconds: float) -> None:
+    def lease(self, key: bytes, seconds: float, owner: str = "") -> bool:
         """Keep ``key`` from eviction and demotion for ``seconds`` (a client is copying it by
-        reference, or will load it soon); an existing longer lease stays."""
-        self.holds.lease(key, seconds, self.residency.blocks)
+        reference, or will load it soon); an existing longer lease stays. False (not leased) for a
+        key no tier holds or when ``owner`` would pass its bound."""
+        header = self.header(key)
+        if header is None:
+            return False
+        if self.holds.lease(key, seconds, header.block_len, owner):
+            return True
+        self.metrics.holds_refused.labels("lease").inc()
+        return False
+
+    def claim(self, keys: list[bytes], owner: str) -> None:
+        """``owner`` named these keys: charge it for copies nobody is charged for (found at start)."""
+        if owner:
+            for key in keys:
+                self.residency.claim(key, owner)
 
     def release(self, keys: list[bytes]) -> int:
         return self.holds.release(keys)
@@ -406,7 +477,7 @@ class BlockStore:
                     if key in tier:
                         await self.residency.delete(level, key)
                         found = True
-                self.holds.pinned.discard(key)
+                self.holds.forget(key)
                 self.write_behind.cancel(key)
                 deleted += found
         self.refresh_gauges()
@@ -435,6 +506,7 @@ class BlockStore:
         for tier in self.tiers:
             tier.check_integrity()
         self.residency.check_integrity()
+        self.holds.check_integrity()
         stray = [k for k in self.holds.pinned if self.locate(k) is None]
         if stray:
             raise RuntimeError(f"{len(stray)} pinned keys are stored in no tier")
@@ -449,3 +521,25 @@ class BlockStore:
             self.metrics.used_bytes.labels(tier.name).set(tier.used_bytes)
             self.metrics.blocks.labels(tier.name).set(len(tier))
         self.write_behind.refresh_gauges()
+
+
+class _ErrorLog:
+    """Admits one log line per kind a minute and counts the rest (see ``count_write_error``)."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self) -> None:
+        self._kinds: dict[tuple, list] = {}  # kind -> [window start (monotonic s), suppressed]
+
+    def admit(self, kind: tuple) -> int | None:
+        """None: stay silent; else log now, saying how many were suppressed since the last line."""
+        now = time.monotonic()
+        entry = self._kinds.get(kind)
+        if entry is None or now - entry[0] >= self.WINDOW_S:
+            if len(self._kinds) > 1024:
+                self._kinds.clear()
+            suppressed = entry[1] if entry is not None else 0
+            self._kinds[kind] = [now, 0]
+            return suppressed
+        entry[1] += 1
+        return None

@@ -6,12 +6,19 @@
 
 A failure costs only the promotion: an unreachable tier is counted against the tier that failed
 (``kvstore_tier_unavailable``), a full top tier is logged.
+
+Memory is bounded: promotions in flight hold at most ``MAX_PROMOTING_BYTES`` of blocks (each reads
+its block into a buffer of its own); the rest wait, at most ``MAX_WAITING`` keys, in order, and
+what does not fit there is not promoted (a later hit asks again). A Prefetch of a terabyte of
+disk blocks so costs the daemon no more memory than one of a few blocks. The promoted copy is
+charged to the block's owner within its quota, like a Put of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from kvstore.block import BlockHeader
@@ -20,28 +27,57 @@ from tiers.base import TierError, TierFullError, TierUnavailableError
 if TYPE_CHECKING:
     from kvstore.placement import BlockStore
 
-log = logging.getLogger("kvstore.placement")
+log = logging.getLogger("kvstore.promotion")
+
+#: Block bytes that promotions in flight may hold at once (one larger block may run alone).
+MAX_PROMOTING_BYTES = 128 * 2**20
+#: Keys that may wait for a promotion slot; past that, a request to promote is declined.
+MAX_WAITING = 4096
 
 
 class Promoter:
-    def __init__(self, store: BlockStore) -> None:
+    def __init__(self, store: BlockStore, max_bytes: int = MAX_PROMOTING_BYTES, max_waiting: int = MAX_WAITING) -> None:
         self._store = store
-        self._promoting: set[bytes] = set()
+        self.max_bytes, self.max_waiting = max_bytes, max_waiting
+        #: Keys promoting now -> the bytes counted for them.
+        self._promoting: dict[bytes, int] = {}
+        self._promoting_bytes = 0
+        #: Keys waiting for room in ``max_bytes``, oldest first -> their bytes.
+        self._waiting: OrderedDict[bytes, int] = OrderedDict()
         #: Promotions running now (the store cancels them on close).
         self.tasks: set[asyncio.Task] = set()
 
+    @property
+    def promoting_bytes(self) -> int:
+        """Bytes of the blocks being promoted now (never above ``max_bytes`` but for one block)."""
+        return self._promoting_bytes
+
     def schedule(self, key: bytes) -> bool:
-        """Copy a lower-tier block into the top tier in the background. False if nothing to do."""
+        """Copy a lower-tier block into the top tier in the background, now or once promotions in
+        flight leave room. False if there is nothing to do or no room to wait."""
         level = self._store.locate(key)
-        if level is None or level == 0 or key in self._promoting:
+        if level is None or level == 0 or key in self._promoting or key in self._waiting:
             return False
-        self._promoting.add(key)
-        task = asyncio.get_running_loop().create_task(self._promote(key))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        if len(self._waiting) >= self.max_waiting:
+            return False
+        self._waiting[key] = self._store.tiers[level].header(key).block_len
+        self._start_waiting()
         return True
 
+    def _start_waiting(self) -> None:
+        while self._waiting:
+            key, nbytes = next(iter(self._waiting.items()))
+            if self._promoting and self._promoting_bytes + nbytes > self.max_bytes:
+                return
+            del self._waiting[key]
+            self._promoting[key] = nbytes
+            self._promoting_bytes += nbytes
+            task = asyncio.get_running_loop().create_task(self._promote(key))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
     async def cancel(self) -> None:
+        self._waiting.clear()
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -80,8 +116,9 @@ class Promoter:
         except TierError as exc:  # e.g. an I/O error: logged, and the block stays where it is
             log.warning("promotion of %s failed: %s", key.hex(), exc)
         finally:
-            self._promoting.discard(key)
+            self._promoting_bytes -= self._promoting.pop(key)
             store.refresh_gauges()
+            self._start_waiting()
 
     async def _read(self, level: int, key: bytes) -> tuple[BlockHeader, memoryview] | None:
         """The whole block from tier ``level``, or None: dropped as corrupt, vanished, or the tier

@@ -217,7 +217,7 @@ class Reader:
         store.metrics.corrupt.labels(tier.name).inc()
         await store.residency.delete(level, key)
         if store.locate(key) is None:
-            store.holds.pinned.discard(key)
+            store.holds.forget(key)
 
     def forget_vanished(self, level: int, key: bytes) -> None:
         """A block its tier no longer holds (removed underneath, e.g. by another host): unindex it."""

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 
 class TierLRU:
-    """One tier's keys, least recently used first, and for blocks put under a quota their owner
-    (tenant) and the bytes each owner holds, kept as blocks come and go (no scan per put)."""
+    """One tier's keys, least recently used first, and for blocks of a named tenant their owner and
+    the bytes each owner holds, kept as blocks come and go (no scan per put)."""
 
     def __init__(self) -> None:
         self._order: OrderedDict[bytes, None] = OrderedDict()
@@ -73,12 +73,14 @@ class TierLRU:
         return True
 
     def set_owner(self, key: bytes, owner: str, nbytes: int) -> None:
-        """``owner`` holds the recorded ``key`` of ``nbytes`` now (a quota put; a put by another
-        owner takes it over)."""
+        """``owner`` holds the recorded ``key`` of ``nbytes`` now (a put by another owner takes it over)."""
         self._disown(key)
         self._owner[key] = owner
         self._owned.setdefault(owner, OrderedDict())[key] = nbytes
         self._owned_bytes[owner] = self._owned_bytes.get(owner, 0) + nbytes
+
+    def owner_of(self, key: bytes) -> str:
+        return self._owner.get(key, "")
 
     def owned_bytes(self, owner: str) -> int:
         return self._owned_bytes.get(owner, 0)
@@ -142,23 +144,47 @@ class Residency:
 
     # -- changes ------------------------------------------------------------------------------
 
-    async def put(self, level: int, header: BlockHeader, payload: memoryview) -> None:
-        """Write a block into tier ``level`` and record it as most recently used. Raises what the
-        tier's ``put`` raises (TierFullError, TierError), recording nothing then."""
+    async def put(self, level: int, header: BlockHeader, payload: memoryview, owner: str | None = None) -> None:
+        """Write a block into tier ``level`` and record it as most recently used, charged to
+        ``owner`` (None: whoever owns the key in another tier). Raises what the tier's ``put``
+        raises (TierFullError, TierError), recording nothing then."""
         tier = self.tiers[level]
         await self._io.run(tier, tier.put, header, payload)
-        self.record(level, header.key)
+        self.record(level, header.key, owner)
 
-    async def put_checksummed(self, level: int, header: BlockHeader, payload: memoryview) -> BlockHeader:
+    async def put_checksummed(self, level: int, header: BlockHeader, payload: memoryview,
+                              owner: str | None = None) -> BlockHeader:
         """:meth:`put` with the checksum computed as the tier stores the payload; returns the header stored."""
         tier = self.tiers[level]
         header = await self._io.run(tier, tier.put_checksummed, header, payload)
-        self.record(level, header.key)
+        self.record(level, header.key, owner)
         return header
 
-    def record(self, level: int, key: bytes) -> None:
-        """Tier ``level`` holds ``key`` now (most recently used): a copy written outside the lock."""
+    def record(self, level: int, key: bytes, owner: str | None = None) -> None:
+        """Tier ``level`` holds ``key`` now (most recently used): a copy written outside the lock.
+        Its bytes there are charged to ``owner`` (None: the key's owner in another tier, if any)."""
+        if owner is None:
+            owner = self.owner(key)
         self._added(level, key, oldest=False)
+        if owner:
+            self._lru[level].set_owner(key, owner, self.tiers[level].header(key).block_len)
+
+    def owner(self, key: bytes) -> str:
+        """The tenant ``key``'s bytes are charged to ("": none known, e.g. found on disk at start)."""
+        for lru in self._lru:
+            owner = lru.owner_of(key)
+            if owner:
+                return owner
+        return ""
+
+    def claim(self, key: bytes, owner: str) -> None:
+        """``owner`` named ``key`` (only its tenant can: stored keys are derived from the tenant's
+        name): charge its copies that nobody is charged for yet (blocks found at start)."""
+        if not owner:
+            return
+        for level, lru in enumerate(self._lru):
+            if key in lru and not lru.owner_of(key):
+                lru.set_owner(key, owner, self.tiers[level].header(key).block_len)
 
     def touch(self, level: int, key: bytes) -> None:
         self._lru[level].touch(key)

@@ -24,11 +24,13 @@ import grpc
 from kvstore.arenas import ArenaNotFound, ArenaRegistry
 from kvstore.auth import ANONYMOUS, Tenant, TenantDirectory
 from kvstore.block import BlockHeader
+from kvstore.budget import BudgetExhausted, ByteBudget
 from kvstore.keys import KEY_BYTES
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYER_COPIES, MAX_LAYERS, MAX_LEASE_MS
-from kvstore.placement import STREAM_HOLD_S, BlockGoneError, BlockStore, GetResult
+from kvstore.placement import STREAM_HOLD_S, BlockGoneError, BlockStore, GetResult, HoldRefused
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.transcode import check_codec_params
 from kvstore.wire import layout_from_message, layout_message
 from tiers.base import TierError, TierFullError
 
@@ -37,6 +39,8 @@ log = logging.getLogger("kvstore.server")
 #: Bytes a reply needs beyond its payloads, per result (metadata, field tags); a generous bound.
 RESULT_OVERHEAD = 512
 GPU_LEASE_SECONDS = 30.0
+#: Longest a Get waits for inline reply bytes to come free before RESOURCE_EXHAUSTED.
+INLINE_WAIT_S = 10.0
 SERVICE_NAME = "kvstore.v1.KVStore"
 
 
@@ -63,7 +67,7 @@ def _rpc(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
             await context.abort(exc.code, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except TierFullError as exc:
+        except (TierFullError, HoldRefused, BudgetExhausted) as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except TierError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -142,7 +146,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     def __init__(self, store: BlockStore, tenants: TenantDirectory | None = None,
                  arenas: ArenaRegistry | None = None, max_message_bytes: int = 256 * 2**20,
-                 autocal=None) -> None:
+                 autocal=None, max_inline_bytes: int = 0) -> None:
         self.store = store
         #: kvtc@auto's calibrator (kvstore/autocal.py), told which tenant Puts each namespace
         self.autocal = autocal
@@ -150,7 +154,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         #: Arenas handed out on the arena socket (kvstore/arenas.py); empty without one.
         self.arenas = arenas if arenas is not None else ArenaRegistry(max_arena_bytes=0, max_arenas_per_client=0)
         self.max_message_bytes = max_message_bytes
+        #: Inline Get reply bytes in flight, all calls together (default: one message's worth).
+        self.inline = ByteBudget(max_inline_bytes or max_message_bytes, "inline Get replies")
         self._usage: dict[str, _Usage] = defaultdict(_Usage)
+        self._refusals = _Refusals()
 
     def _tenant(self, context) -> Tenant:
         tenant = self.tenants.resolve(context.invocation_metadata())
@@ -198,12 +205,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         tenant = self._tenant(context)
         keys = self._stored_keys(tenant, request.keys)
-        await self.store.discover(keys)  # blocks other hosts put in a shared tier since we looked
+        # blocks other hosts put in a shared tier since we looked, up to the first absent one
+        await self.store.discover(keys, tenant.name, stop_at_absent=True)
         result = self.store.lookup(keys)
+        self.store.claim(keys[: result.hits], tenant.name)
         if request.lease_ms and result.hits:
             seconds = min(request.lease_ms, MAX_LEASE_MS) / 1000
-            for key in keys[: result.hits]:
-                self.store.lease(key, seconds)
+            refused = sum(not self.store.lease(key, seconds, tenant.name) for key in keys[: result.hits])
+            if refused:
+                self._refusals.say(tenant, f"{refused} of {result.hits} leases refused: they would take it past "
+                                           f"its bound of {self.store.hold_bound(tenant.name)} pinned and leased bytes")
         if tenant.name:
             usage = self._usage[tenant.name]
             usage.requested += len(keys)
@@ -212,8 +223,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Prefetch(self, request: pb.KeysRequest, context) -> pb.CountResponse:
-        keys = self._stored_keys(self._tenant(context), request.keys)
-        await self.store.discover(keys)
+        tenant = self._tenant(context)
+        keys = self._stored_keys(tenant, request.keys)
+        await self.store.discover(keys, tenant.name)
+        self.store.claim(keys, tenant.name)  # promoted copies are charged to it, within its quota
         return pb.CountResponse(count=sum(self.store.schedule_promotion(k) for k in keys))
 
     @_rpc
@@ -239,6 +252,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             except ValueError as exc:
                 raise ValueError(f"items[{i}]: {exc}") from None
             self.store.check_namespace(header)
+            try:
+                check_codec_params(header)
+            except ValueError as exc:
+                raise ValueError(f"items[{i}]: {exc}") from None
             if header.codec != "raw" and header.layout.block_bytes(header.tokens) > self.max_message_bytes:
                 # a coded block decodes to its layout's size wherever the daemon re-encodes it
                 raise ValueError(f"items[{i}]: a {header.codec} block of {header.tokens} tokens decodes to "
@@ -261,11 +278,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.PutResponse(stored=len(prepared))
 
     async def _plan_get(self, request: pb.GetRequest, tenant: Tenant, need_dest: bool
-                        ) -> tuple[list[bytes], list[tuple[bytes, BlockHeader | None, memoryview | None]]]:
-        """Stored keys and, per item, the header found and the validated destination slice; the
-        bytes the call would move are checked against its limits before anything is copied."""
+                        ) -> tuple[list[bytes], list[tuple[bytes, BlockHeader | None, memoryview | None]], int]:
+        """Stored keys; per item, the header found and the validated destination slice; and the
+        inline bytes the reply needs. The bytes the call would move are checked against its limits
+        before anything is copied."""
         keys = self._stored_keys(tenant, [item.key for item in request.items], "items")
-        await self.store.discover(keys)
+        await self.store.discover(keys, tenant.name)
+        self.store.claim(keys, tenant.name)
         if not request.allow_missing:
             missing = self.store.missing(keys)
             if missing:
@@ -294,13 +313,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     shared += header.payload_len
             plan.append((key, header, dest))
         self._check_bytes(tenant, "this Get", inline, shared, arena_ids)
-        return keys, plan
+        return keys, plan, inline
 
     @_rpc
     async def Get(self, request: pb.GetRequest, context) -> pb.GetResponse | bytes:
         tenant = self._tenant(context)
-        keys, plan = await self._plan_get(request, tenant, need_dest=False)
-        by_reference = self._gpu_direct(request, plan) if request.gpu_direct else {}
+        keys, plan, inline = await self._plan_get(request, tenant, need_dest=False)
+        if inline:
+            # Replies' buffers in flight are bounded across calls; they are freed once gRPC sent them.
+            await self.inline.acquire(inline, INLINE_WAIT_S)
+            context.add_done_callback(lambda _: self.inline.release(inline))
+        by_reference = self._gpu_direct(request, plan, tenant) if request.gpu_direct else {}
         # Read every other found block in one batch (disk reads overlap; GPU runs copy once).
         # Inline payloads are read into buffers that go into the reply as they are (_encode_get).
         found_at = [i for i, (_, header, _) in enumerate(plan) if header is not None and i not in by_reference]
@@ -316,13 +339,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                    for i, (item, found) in enumerate(zip(request.items, results))]
         return _encode_get(replies) if buffers else pb.GetResponse(results=[r for r, _ in replies])
 
-    def _gpu_direct(self, request: pb.GetRequest, plan) -> dict[int, tuple[pb.GetResult, GetResult]]:
-        """Blocks in the GPU tier, by reference: their offsets in the exported pool, no copy."""
+    def _gpu_direct(self, request: pb.GetRequest, plan, tenant: Tenant) -> dict[int, tuple[pb.GetResult, GetResult]]:
+        """Blocks in the GPU tier, by reference: their offsets in the exported pool, no copy. Only
+        blocks the tenant may lease (within its bound) go by reference; the others are copied."""
         out = {}
         for i, (key, header, _) in enumerate(plan):
             offset = self.store.gpu_offset(key) if header is not None else None
-            if offset is not None:  # stays put until Release or the lease ends
-                self.store.lease(key, GPU_LEASE_SECONDS)
+            # stays put until Release or the lease ends
+            if offset is not None and self.store.lease(key, GPU_LEASE_SECONDS, tenant.name):
                 meta = meta_from_header(header)
                 meta.key = request.items[i].key
                 out[i] = (pb.GetResult(found=True, meta=meta, tier="gpu", gpu_offset=offset, on_gpu=True),
@@ -336,7 +360,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         stream = None
         try:
             tenant = self._tenant(context)
-            _, plan = await self._plan_get(request, tenant, need_dest=True)
+            _, plan, _ = await self._plan_get(request, tenant, need_dest=True)
             copies = sum(header.layout.num_layers for _, header, _ in plan if header is not None)
             if copies > MAX_LAYER_COPIES:
                 raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -396,12 +420,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Pin(self, request: pb.KeysRequest, context) -> pb.CountResponse:
-        keys = self._stored_keys(self._tenant(context), request.keys)
+        tenant = self._tenant(context)
+        keys = self._stored_keys(tenant, request.keys)
         missing = self.store.missing(keys)
         if missing:
             raise BadRequest(grpc.StatusCode.NOT_FOUND, f"cannot pin {len(missing)} keys that are not stored "
                                                         f"(first: keys[{keys.index(missing[0])}])")
-        return pb.CountResponse(count=self.store.pin(keys))
+        self.store.claim(keys, tenant.name)
+        try:
+            return pb.CountResponse(count=self.store.pin(keys, tenant.name))
+        except HoldRefused:
+            self.store.metrics.holds_refused.labels("pin").inc()
+            raise
 
     @_rpc
     async def Unpin(self, request: pb.KeysRequest, context) -> pb.CountResponse:
@@ -457,6 +487,22 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         except ArenaNotFound as exc:
             raise BadRequest(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         return pb.CountResponse(count=1)
+
+
+class _Refusals:
+    """One log line per tenant a minute for holds refused (a client renewing leases in a loop
+    writes no flood of lines)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def say(self, tenant: Tenant, what: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(tenant.name, -60.0) >= 60.0:
+            if len(self._last) > 4096:
+                self._last.clear()
+            self._last[tenant.name] = now
+            log.warning("%s: %s", f"tenant {tenant.name!r}" if tenant.name else "anonymous client", what)
 
 
 async def _write(context, message) -> None:

@@ -123,7 +123,7 @@ class WriteBehind:
                 header, payload = await store.io.read_whole(store.tiers[source], key)
                 if not store.tiers[source].blocking_io:
                     payload = memoryview(bytes(payload))  # arena bytes are reused once the lock is free
-                await store.make_room(level, header.block_len)
+                await store.make_room(level, header.block_len, store.residency.owner(key))
             except (TierError, CorruptBlockError, KeyError) as exc:
                 store.count_write_error(target, f"write-behind of {key.hex()}", exc)
                 return False
@@ -131,7 +131,10 @@ class WriteBehind:
         try:
             header, payload = await store.io.encoded(store.codecs[level], header, payload)
             await store.io.run(target, target.put, header, payload)
-        except (TierError, CorruptBlockError, ValueError) as exc:
+        except asyncio.CancelledError:
+            self._inflight.pop(key, None)
+            raise
+        except Exception as exc:  # noqa: BLE001 - a block the codec cannot take is not copied; others go on
             self._inflight.pop(key, None)
             store.count_write_error(target, f"write-behind of {key.hex()}", exc)
             return False
