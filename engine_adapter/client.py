@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -35,6 +36,8 @@ from kvstore.arena import Arena, ArenaLease, arena_socket_path
 from kvstore.config import default_listen
 from kvstore.keys import KEY_BYTES, KVLayout, LookupResult, Namespace
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS
+from kvstore.locate import (PYTHON_OPTIONS, OptionNames, client_tls, explain, is_unix, open_channel,
+                            plaintext_token_refusal, resolve_token)
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.shm_index import KeyIndexReader
@@ -76,19 +79,30 @@ def payload_view(payload: Any) -> memoryview:
 
 class KVStoreClient:
     def __init__(self, address: str | None = None, *, shared_memory: bool | None = None,
-                 arena_bytes: int = 256 * 2**20, token: str | None = None, timeout: float = 60.0,
+                 arena_bytes: int = 256 * 2**20, token: str | None = None,
+                 token_file: str | os.PathLike | None = None, timeout: float = 60.0,
                  max_message_bytes: int = 256 * 2**20, tls_ca: str | bytes | None = None,
-                 local_lookup: bool = True) -> None:
+                 tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None,
+                 tls_server_name: str = "", insecure: bool = False, local_lookup: bool = True) -> None:
+        """Connect to the daemon at ``address`` (default: the socket ``kvstore serve`` listens on).
+
+        Token: ``token``, else ``token_file``'s (one token, or one per address: `kvstore.locate.TokenBook`),
+        else ``KVSTORE_AUTH_TOKEN``. TLS, for TCP addresses (a unix socket is always plaintext):
+        ``tls_ca`` (PEM path or bytes: the CA of the daemon's certificate), optionally a client
+        certificate ``tls_cert`` + ``tls_key``, and ``tls_server_name`` when the certificate names
+        the host otherwise. A token over plaintext TCP to an address that is not loopback is
+        refused (ValueError) unless ``insecure``.
+        """
         self.address = address or default_listen()
         self.timeout = timeout
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
-        if tls_ca is not None:
-            ca = tls_ca if isinstance(tls_ca, bytes) else open(tls_ca, "rb").read()
-            self._channel = grpc.secure_channel(self.address, grpc.ssl_channel_credentials(root_certificates=ca),
-                                                options=options)
-        else:
-            self._channel = grpc.insecure_channel(self.address, options=options)
+        token = resolve_token(token, token_file, self.address)
+        self.tls = None if is_unix(self.address) else client_tls(tls_ca, tls_cert, tls_key, tls_server_name)
+        refusal = plaintext_token_refusal(self.address, self.tls, token, insecure)
+        if refusal:
+            raise ValueError(refusal)
+        self._channel = open_channel(self.address, self.tls, options)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._arena: Arena | None = None
@@ -131,6 +145,23 @@ class KVStoreClient:
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    def check(self, timeout: float = 5.0, names: OptionNames = PYTHON_OPTIONS) -> None:
+        """Ask the daemon once (an empty Lookup: it checks the token too); ConnectionError with one
+        line saying what is wrong and the fix ("no daemon at ...", "... speaks TLS: ...", a refused
+        token) when it cannot be used. ``names``: how the fix spells the settings."""
+        try:
+            self._stub.Lookup(pb.LookupRequest(), timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED,
+                            grpc.StatusCode.DEADLINE_EXCEEDED):
+                return  # it answered: the daemon is there and took the token
+            reason = explain(exc, self.address, self.tls, self._token, probe_timeout=min(timeout, 2.0), names=names)
+            if reason is None and code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                reason = f"{self.address} did not answer within {timeout:g} s"
+            raise ConnectionError(reason or f"{self.address}: {code.name}: {' '.join((exc.details() or '').split())}") \
+                from None
 
     def close(self) -> None:
         if self._lease is not None:

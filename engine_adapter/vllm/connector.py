@@ -133,6 +133,13 @@ class ConnectorSettings:
                                     # (prefix<sep>passage<sep>...<sep>query, e.g. "<|chunk|>"); "": off
                                     # (opt in: quality is below kv_transfer_params', docs/vllm.md)
     blend_max_passages: int = 128   # a request marking more is served as a plain prompt
+    token_file: str = ""         # the daemon's bearer token (or one per address, kvstore.locate.TokenBook);
+                                 # default: KVSTORE_AUTH_TOKEN
+    tls_ca: str = ""             # TLS to a TCP daemon: PEM of the CA that signed its certificate
+    tls_cert: str = ""           # client certificate (PEM, with tls_key) for a daemon that asks for one
+    tls_key: str = ""
+    tls_server_name: str = ""    # the name the daemon's certificate carries, when the address names it otherwise
+    insecure: bool = False       # allow the token over plaintext TCP to an address that is not loopback
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":
@@ -391,8 +398,17 @@ class KVStoreConnector(KVConnectorBase_V1):
         arena_bytes = settings.arena_bytes if worker else 2**20
 
         def connect() -> KVStoreClient:
-            return KVStoreClient(address, shared_memory=True if worker else None, arena_bytes=arena_bytes,
-                                 timeout=settings.timeout_s)
+            client = KVStoreClient(address, shared_memory=True if worker else None, arena_bytes=arena_bytes,
+                                   timeout=settings.timeout_s, token_file=settings.token_file or None,
+                                   tls_ca=settings.tls_ca or None, tls_cert=settings.tls_cert or None,
+                                   tls_key=settings.tls_key or None, tls_server_name=settings.tls_server_name,
+                                   insecure=settings.insecure)
+            try:
+                client.check(timeout=settings.timeout_s)  # why it cannot be used, in the outage's one line
+            except BaseException:
+                client.close()
+                raise
+            return client
 
         return PrefixCache(None, self.namespace, connect=connect, retry_s=settings.retry_s, address=address,
                            max_queued=settings.save_queue_chunks, logger=log)
