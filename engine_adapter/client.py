@@ -34,10 +34,10 @@ import numpy as np
 
 from kvstore.arena import Arena, ArenaLease, arena_socket_path
 from kvstore.config import default_listen
+from kvstore.connect import (PYTHON_OPTIONS, OptionNames, client_tls, explain, is_unix, open_channel,
+                             plaintext_token_refusal, resolve_token)
 from kvstore.keys import KEY_BYTES, KVLayout, LookupResult, Namespace
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS
-from kvstore.locate import (PYTHON_OPTIONS, OptionNames, client_tls, explain, is_unix, open_channel,
-                            plaintext_token_refusal, resolve_token)
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.shm_index import KeyIndexReader
@@ -86,7 +86,7 @@ class KVStoreClient:
                  tls_server_name: str = "", insecure: bool = False, local_lookup: bool = True) -> None:
         """Connect to the daemon at ``address`` (default: the socket ``kvstore serve`` listens on).
 
-        Token: ``token``, else ``token_file``'s (one token, or one per address: `kvstore.locate.TokenBook`),
+        Token: ``token``, else ``token_file``'s (one token, or one per address: `kvstore.connect.TokenBook`),
         else ``KVSTORE_AUTH_TOKEN``. TLS, for TCP addresses (a unix socket is always plaintext):
         ``tls_ca`` (PEM path or bytes: the CA of the daemon's certificate), optionally a client
         certificate ``tls_cert`` + ``tls_key``, and ``tls_server_name`` when the certificate names

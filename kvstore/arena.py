@@ -37,6 +37,7 @@ import json
 import mmap
 import os
 import socket
+import time
 from pathlib import Path
 
 from tiers.memory import populate, prefault
@@ -120,6 +121,26 @@ class Arena:
             pass
 
 
+def _connect(path: str | os.PathLike, timeout: float) -> socket.socket:
+    """A connection to the arena socket ``path`` (timeout set). A full accept queue (others
+    flooding the socket with connections, which the daemon drops) is waited out, up to ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.settimeout(timeout)
+        try:
+            connection.connect(str(path))
+            return connection
+        except BlockingIOError:
+            connection.close()
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.005)
+        except BaseException:
+            connection.close()
+            raise
+
+
 class ArenaLease:
     """The client side of one arena: its mapping, its id, and the connection that keeps it alive
     (closing it, or exiting, releases the arena in the daemon)."""
@@ -133,14 +154,13 @@ class ArenaLease:
                 timeout: float = 30.0) -> "ArenaLease":
         """Ask the daemon at arena socket ``path`` for a ``size``-byte arena. Raises ConnectionError
         with the daemon's reason when it refuses, OSError when it cannot be reached."""
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection = _connect(path, timeout)
         try:
-            connection.settimeout(timeout)
-            connection.connect(str(path))
             connection.sendall(json.dumps({"size": size, "token": token or ""}).encode() + b"\n")
             data, fds, _, _ = socket.recv_fds(connection, MAX_LINE, 1)
             try:
-                reply = json.loads(data.decode()) if data.endswith(b"\n") else {"error": "no reply"}
+                reply = json.loads(data.decode()) if data.endswith(b"\n") else \
+                    {"error": "it closed the connection without a reply"}
                 if "error" in reply or len(fds) != 1:
                     raise ConnectionError(f"the daemon refused an arena: {reply.get('error', 'no memory handed over')}")
                 arena = Arena.from_fd(fds.pop(), size)

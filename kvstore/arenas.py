@@ -5,21 +5,30 @@ See kvstore/arena.py for the protocol and why arenas are sealed memfds. Here:
 - ``ArenaRegistry``: arena id -> (arena, tenant, peer pid). A slice is resolved only for the
   tenant that registered the arena; any other caller gets exactly the "not registered" error of an
   unknown id (so an id's existence tells nobody anything). Caps: ``max_arena_bytes`` per arena,
-  ``max_arenas_per_client`` per peer process (from SO_PEERCRED), ``max_arena_total_bytes`` in all
-  and, with named tenants, an equal share of it per tenant (a process that forks to get around the
-  per-process cap still cannot starve another tenant), and ``MAX_ARENAS`` in all (each holds two
-  fds). Refusals name the caller's own cap, never what others hold.
+  one arena per arena-socket connection (the protocol), ``max_arenas_per_client`` per peer process
+  (from SO_PEERCRED), ``max_arena_total_bytes`` and ``MAX_ARENAS`` (each holds two fds) in all
+  and, with named tenants, an equal share of both per tenant: a tenant that forks to get around
+  the per-process cap, or holds many small arenas, still cannot leave another tenant without one.
+  An arena counts against every cap from the check that admits it, while its pages are still
+  being allocated, so requests in flight together cannot overshoot a cap. Refusals name the
+  caller's own cap, never what others hold; the daemon logs each tenant's first refusal per cap.
 - ``ArenaSocket``: a unix socket beside the gRPC one (mode 0600), on the daemon's event loop. A
   request is one JSON line; the reply one JSON line with the memfd attached. The connection then
   stays open: when it closes (the client exited or crashed), the arena is unmapped. A client that
   closes in order sends a byte first and waits for EOF: the daemon unmaps the arena before it
   closes the connection, so the client's mapping goes last and the client, not the daemon, pays
   for freeing the pages (~10 ms of CPU per 118 MB here, once taken from other clients' Gets).
+  Connections that have not sent their request yet are bounded: ``MAX_PENDING`` in all,
+  ``MAX_PENDING_PER_PEER`` per process, each dropped after ``REQUEST_TIMEOUT_S``; when all are
+  taken, a new connection displaces the oldest of the process holding the most. A client sends its
+  request as it connects, so it is read at once: idle connections, however many a local process
+  opens, cannot keep a tenant's client from its arena.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -37,8 +46,10 @@ log = logging.getLogger("kvstore.arenas")
 
 #: Arenas registered at once, all clients together (each holds the connection's fd and the mapping's).
 MAX_ARENAS = 256
-#: Connections still sending their request (a client that connects and says nothing is dropped).
-MAX_PENDING = 256
+#: Connections still sending their request, all peers together and per peer process (a client
+#: that connects and says nothing is dropped after REQUEST_TIMEOUT_S, or displaced: see the module doc).
+MAX_PENDING = 64
+MAX_PENDING_PER_PEER = 4
 #: Seconds a connection may take to send its request (a local client sends it at once).
 REQUEST_TIMEOUT_S = 1.0
 
@@ -47,11 +58,22 @@ class ArenaNotFound(ValueError):
     """The id names no arena of the caller's (unknown, released, or another tenant's)."""
 
 
+class ArenaRefused(PermissionError):
+    """A new arena would break ``cap`` (a setting's name, or "arenas"); the message names the
+    caller's own limit."""
+
+    def __init__(self, cap: str, message: str) -> None:
+        super().__init__(message)
+        self.cap = cap
+
+
 @dataclass
 class _Entry:
-    arena: Arena
+    size: int
     tenant: str
     pid: int
+    #: None while its pages are being allocated: it counts against every cap, resolves for nobody.
+    arena: Arena | None = None
     released: asyncio.Event = field(default_factory=asyncio.Event)
     #: Released, its unmapping under way: resolves for nobody, still counts against every cap.
     closing: bool = False
@@ -65,8 +87,10 @@ class ArenaRegistry:
         self.max_arena_bytes = max_arena_bytes
         self.max_arenas_per_client = max_arenas_per_client
         self.max_total_bytes = max_total_bytes or max_arena_bytes * max_arenas_per_client
-        #: Bytes one tenant may hold: an equal share of the total when tenants are named.
-        self.max_tenant_bytes = self.max_total_bytes // max(1, tenants)
+        self.tenants = max(1, tenants)
+        #: Bytes and arenas one tenant may hold: equal shares of the totals when tenants are named.
+        self.max_tenant_bytes = self.max_total_bytes // self.tenants
+        self.max_tenant_arenas = MAX_ARENAS // self.tenants
         self._entries: dict[int, _Entry] = {}
 
     def __len__(self) -> int:
@@ -77,7 +101,8 @@ class ArenaRegistry:
 
     def _entry(self, arena_id: int, tenant: Tenant) -> _Entry:
         entry = self._entries.get(arena_id)
-        if entry is None or entry.closing or not secrets.compare_digest(entry.tenant.encode(), tenant.name.encode()):
+        if entry is None or entry.closing or entry.arena is None or \
+                not secrets.compare_digest(entry.tenant.encode(), tenant.name.encode()):
             raise ArenaNotFound(f"arena {arena_id} is not registered (arenas come from the arena socket)")
         return entry
 
@@ -89,38 +114,55 @@ class ArenaRegistry:
         return self._entry(arena_id, tenant).arena.size
 
     def check(self, size: int, pid: int, tenant: Tenant) -> None:
-        """Raise PermissionError naming the cap a new ``size``-byte arena of ``tenant``'s process
+        """Raise ArenaRefused naming the cap a new ``size``-byte arena of ``tenant``'s process
         ``pid`` would break."""
         if not 0 < size <= self.max_arena_bytes:
-            raise PermissionError(f"an arena of {size} bytes is outside 1..{self.max_arena_bytes} "
-                                  f"(max_arena_bytes)")
-        held = sum(e.arena.size for e in self._entries.values() if e.tenant == tenant.name)
+            raise ArenaRefused("max_arena_bytes", f"an arena of {size} bytes is outside 1..{self.max_arena_bytes} "
+                                                  f"(max_arena_bytes)")
+        mine = [e for e in self._entries.values() if e.tenant == tenant.name]
+        held = sum(e.size for e in mine)
         if held + size > self.max_tenant_bytes:
-            raise PermissionError(f"your arenas would hold {held + size} bytes; your share is "
-                                  f"{self.max_tenant_bytes} (max_arena_total_bytes)")
+            raise ArenaRefused("max_arena_total_bytes", f"your arenas would hold {held + size} bytes; your share is "
+                                                        f"{self.max_tenant_bytes} (max_arena_total_bytes)")
+        if len(mine) >= self.max_tenant_arenas:
+            limit = f"your share is {self.max_tenant_arenas} ({MAX_ARENAS} split among {self.tenants} tenants)" \
+                if self.tenants > 1 else f"the daemon holds at most {MAX_ARENAS}"
+            raise ArenaRefused("arenas", f"you hold {len(mine)} arenas; {limit}: close some clients")
         if len(self._entries) >= MAX_ARENAS or \
-                sum(e.arena.size for e in self._entries.values()) + size > self.max_total_bytes:
-            raise PermissionError("the daemon has no room for another arena now; try again later")
+                sum(e.size for e in self._entries.values()) + size > self.max_total_bytes:
+            raise ArenaRefused("daemon", "the daemon has no room for another arena now; try again later")
         if sum(e.pid == pid for e in self._entries.values()) >= self.max_arenas_per_client:
-            raise PermissionError(f"process {pid} holds {self.max_arenas_per_client} arenas already "
-                                  f"(max_arenas_per_client)")
+            raise ArenaRefused("max_arenas_per_client", f"process {pid} holds {self.max_arenas_per_client} arenas "
+                                                        f"already (max_arenas_per_client)")
 
-    def add(self, arena: Arena, tenant: Tenant, pid: int) -> tuple[int, _Entry]:
-        """Register a new arena of ``tenant``'s process ``pid`` (caps checked again: another
-        registration may have landed while this one was being made)."""
-        self.check(arena.size, pid, tenant)
+    def reserve(self, size: int, tenant: Tenant, pid: int) -> tuple[int, _Entry]:
+        """Admit a new ``size``-byte arena of ``tenant``'s process ``pid`` (ArenaRefused if a cap
+        forbids it): from now on it counts against every cap. Give it its pages with
+        :meth:`attach`, or take it back with :meth:`cancel`."""
+        self.check(size, pid, tenant)
         arena_id = 0
         while arena_id == 0 or arena_id in self._entries:
             arena_id = secrets.randbits(64)
-        entry = _Entry(arena, tenant.name, pid)
+        entry = _Entry(size, tenant.name, pid)
         self._entries[arena_id] = entry
         return arena_id, entry
+
+    def attach(self, arena_id: int, arena: Arena) -> None:
+        """The reserved arena's pages: it resolves for its tenant from now on."""
+        self._entries[arena_id].arena = arena
+
+    def cancel(self, arena_id: int) -> None:
+        """Forget a reservation that got no pages."""
+        entry = self._entries.get(arena_id)
+        if entry is not None and entry.arena is None:
+            del self._entries[arena_id]
 
     def remove(self, arena_id: int, tenant: Tenant | None = None) -> None:
         """Unmap an arena; ``tenant`` given: only if it is theirs (else ArenaNotFound)."""
         entry = self._detach(arena_id, tenant)
         if entry is not None:
-            entry.arena.close()
+            if entry.arena is not None:
+                entry.arena.close()
             del self._entries[arena_id]
 
     async def release(self, arena_id: int, tenant: Tenant | None = None) -> None:
@@ -134,6 +176,9 @@ class ArenaRegistry:
             unmapped = pending.unmapped if pending is not None else None
             if unmapped is None:
                 return
+        elif entry.arena is None:  # reserved, never mapped
+            del self._entries[arena_id]
+            return
         else:
             loop = asyncio.get_running_loop()
             try:
@@ -181,7 +226,10 @@ class ArenaSocket:
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
-        self._pending = 0
+        #: Connections whose request has not arrived yet, oldest first: task -> peer pid.
+        self._pending: dict[asyncio.Task, int] = {}
+        #: (tenant, cap) pairs whose first refusal was logged.
+        self._refusals_logged: set[tuple[str, str]] = set()
 
     def start(self) -> None:
         """Bind and listen (the caller holds the socket's lock file: a stale file is ours to remove)."""
@@ -192,7 +240,7 @@ class ArenaSocket:
             listener.bind(str(self.path))
         finally:
             os.umask(old_umask)
-        listener.listen(128)
+        listener.listen(1024)  # a flood of connections (dropped at once) leaves room for clients' own
         listener.setblocking(False)
         self._listener = listener
         self._accept_task = asyncio.get_running_loop().create_task(self._accept())
@@ -216,24 +264,44 @@ class ArenaSocket:
                 log.warning("arena socket: accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            if self._pending >= MAX_PENDING:
+            try:
+                pid, uid, _ = peer_credentials(connection)
+            except OSError:
                 connection.close()
                 continue
-            task = loop.create_task(self._serve(connection))
+            if not self._admit(pid):
+                connection.close()
+                continue
+            task = loop.create_task(self._serve(connection, pid, uid))
+            self._pending[task] = pid
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
+            task.add_done_callback(lambda _, c=connection: c.close())  # also when dropped before it ran
+            await asyncio.sleep(0)  # the task reads a request already sent before the next accept
 
-    async def _serve(self, connection: socket.socket) -> None:
+    def _admit(self, pid: int) -> bool:
+        """Whether a new connection of process ``pid`` may wait for its request: not beyond
+        MAX_PENDING_PER_PEER of its own; beyond MAX_PENDING in all, the oldest connection of the
+        process holding the most is dropped to make room (module doc)."""
+        held = collections.Counter(self._pending.values())
+        if held[pid] >= MAX_PENDING_PER_PEER:
+            return False
+        if len(self._pending) >= MAX_PENDING:
+            most = max(held.values())
+            oldest = next(task for task, peer in self._pending.items() if held[peer] == most)
+            del self._pending[oldest]
+            oldest.cancel()
+        return True
+
+    async def _serve(self, connection: socket.socket, pid: int, uid: int) -> None:
         loop = asyncio.get_running_loop()
         arena_id = None
         try:
             connection.setblocking(False)
-            pid, uid, _ = peer_credentials(connection)
-            self._pending += 1
             try:
                 request = await asyncio.wait_for(self._read_line(connection), REQUEST_TIMEOUT_S)
             finally:
-                self._pending -= 1
+                self._pending.pop(asyncio.current_task(), None)
             fd = -1
             try:
                 arena_id, fd, entry = await self._register(request, pid, uid)
@@ -275,17 +343,24 @@ class ArenaSocket:
         tenant = self.tenants.resolve([("authorization", f"Bearer {token}")] if token else [])
         if tenant is None:
             raise PermissionError("missing or wrong bearer token")
-        self.registry.check(size, pid, tenant)
+        try:
+            arena_id, entry = self.registry.reserve(size, tenant, pid)
+        except ArenaRefused as exc:
+            if (tenant.name, exc.cap) not in self._refusals_logged:
+                self._refusals_logged.add((tenant.name, exc.cap))
+                log.warning("arena refused to %s (process %d): %s; its clients move block bytes inline "
+                            "(logged once per tenant and cap)", f"tenant {tenant.name!r}" if tenant.name else "a client",
+                            pid, exc)
+            raise
         try:  # allocating the pages takes a while: in a worker thread (without the GIL, see arena.py)
             arena, fd = await asyncio.get_running_loop().run_in_executor(None, Arena.create_sealed, size)
         except OSError as exc:
+            self.registry.cancel(arena_id)
             raise MemoryError(f"no memory for a {size}-byte arena: {exc}") from None
-        try:
-            arena_id, entry = self.registry.add(arena, tenant, pid)
-        except PermissionError:
-            arena.close()
-            os.close(fd)
+        except BaseException:
+            self.registry.cancel(arena_id)
             raise
+        self.registry.attach(arena_id, arena)
         return arena_id, fd, entry
 
     @staticmethod

@@ -23,27 +23,35 @@ Tenants come from a TOML file (``tenants_file``)::
     quota = "4GiB"        # bytes this tenant may hold in the top tier (optional)
 
 With a tenants file every call must carry ``authorization: Bearer TOKEN`` of a known tenant; with
-only ``auth_token`` set, that token names the empty tenant. Tokens are compared in constant time.
+only ``auth_token`` set, that token names the empty tenant. Tokens are compared in constant time
+and have at least ``MIN_TOKEN_CHARS`` (16) characters. A tenants file others may read is used,
+with a warning at start (a Kubernetes secret is mounted 0644 unless told otherwise).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import stat
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from kvstore.config import parse_size
+from kvstore.config import default_cache_dir, parse_size, read_toml
 from kvstore.keys import KEY_BYTES
 
 
+log = logging.getLogger("kvstore.auth")
+
 #: Bytes of a generated server secret; a given one must have at least this many.
 SECRET_BYTES = 32
+#: Fewest characters of a bearer token (a tenant's, or the single auth_token).
+MIN_TOKEN_CHARS = 16
+#: Keys of a ``[[tenant]]`` table.
+TENANT_KEYS = ("name", "token", "quota")
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,15 @@ class Tenant:
 
 def tenant_key(secret: bytes, name: str) -> bytes:
     return hashlib.blake2b(name.encode(), digest_size=32, key=secret[:64], person=b"kvs-tenant-key").digest()
+
+
+def s3_mac_key(secret_file: str | os.PathLike) -> bytes:
+    """The key S3 objects' MACs are made under (tiers/s3_auth.py), from the server secret in
+    ``secret_file`` ("": the default one, created when missing): every host sharing a bucket must
+    share the file. Derived apart from tenants' keys (its own personalisation), so neither tells
+    anything about the other."""
+    secret = load_secret(secret_file or default_cache_dir() / "tenant-secret")
+    return hashlib.blake2b(b"s3 object mac", digest_size=32, key=secret[:64], person=b"kvstore-s3-mac").digest()
 
 
 def load_secret(path: str | os.PathLike) -> bytes:
@@ -94,6 +111,71 @@ def load_secret(path: str | os.PathLike) -> bytes:
 ANONYMOUS = Tenant("")
 
 
+def token_too_short(token: str) -> str | None:
+    """Why ``token`` may not be a bearer token, or None (the message never shows the token)."""
+    if len(token) >= MIN_TOKEN_CHARS:
+        return None
+    return (f"the token has {len(token)} characters; tokens need at least {MIN_TOKEN_CHARS} "
+            f"(make one with: openssl rand -hex 16)")
+
+
+def readable_by_others(path: str | os.PathLike) -> str | None:
+    """A warning when group or others may read ``path`` (a file of tokens), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if not mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return None
+    return f"{path}: group or others may read it (mode {stat.S_IMODE(mode):04o}), tokens included: chmod 600 it"
+
+
+def read_tenants(path: str | os.PathLike) -> list[tuple[str, str, int]]:
+    """(name, token, quota bytes) of each ``[[tenant]]`` in the tenants file ``path``. Raises
+    ValueError naming the file, the tenant and the key: a missing or unknown key, a value of the
+    wrong kind, a bad size, a short token, a name or token given twice."""
+    where = f"tenants file {path}"
+    table = read_toml(path, "tenants file")
+    if set(table) - {"tenant"}:
+        raise ValueError(f"{where}: unknown keys {sorted(set(table) - {'tenant'})}; it holds [[tenant]] tables only")
+    entries = table.get("tenant")
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"{where}: no [[tenant]] tables (each with name, token and optionally quota)")
+    tenants: list[tuple[str, str, int]] = []
+    for number, entry in enumerate(entries, 1):
+        name = entry.get("name")
+        at = f"{where}: tenant #{number}" + (f" ({name!r})" if isinstance(name, str) and name else "")
+        unknown = sorted(set(entry) - set(TENANT_KEYS))
+        if unknown:
+            raise ValueError(f"{at}: unknown keys {unknown}; a tenant has name, token and optionally quota")
+        for key in ("name", "token"):
+            if key not in entry:
+                raise ValueError(f"{at}: {key} is missing")
+            if not isinstance(entry[key], str) or not entry[key]:
+                raise ValueError(f"{at}: {key} must be a non-empty string, got {entry[key]!r}"
+                                 if key == "name" else f"{at}: token must be a non-empty string")
+        short = token_too_short(entry["token"])
+        if short:
+            raise ValueError(f"{at}: token: {short}")
+        quota = entry.get("quota", 0)
+        try:
+            if isinstance(quota, bool) or not isinstance(quota, (int, str)):
+                raise ValueError(f"not a size: {quota!r} (use e.g. 512MiB, 2GiB or a byte count)")
+            quota = parse_size(quota)
+            if quota < 0:
+                raise ValueError(f"not a size: {quota!r} (use e.g. 512MiB, 2GiB, a byte count, or 0 for none)")
+        except ValueError as exc:
+            raise ValueError(f"{at}: quota: {exc}") from None
+        for other, (other_name, other_token, _) in enumerate(tenants, 1):
+            if other_name == name:
+                raise ValueError(f"{where}: tenants #{other} and #{number} are both named {name!r}; names must be unique")
+            if hmac.compare_digest(other_token.encode(), entry["token"].encode()):
+                raise ValueError(f"{where}: tenants #{other} ({other_name!r}) and #{number} ({name!r}) have the same "
+                                 f"token; each needs its own")
+        tenants.append((name, entry["token"], quota))
+    return tenants
+
+
 class TenantDirectory:
     """Maps bearer tokens to tenants. ``required`` is False only for an open daemon."""
 
@@ -113,23 +195,17 @@ class TenantDirectory:
         if tenants_file:
             if not secret_file:
                 raise ValueError("a tenants_file needs a tenant_secret_file (created when missing)")
+            entries = read_tenants(tenants_file)  # first: a bad file is named before the secret is made
             secret = load_secret(secret_file)
-            with open(tenants_file, "rb") as f:
-                table = tomllib.load(f)
-            entries = table.get("tenant", [])
-            if not entries:
-                raise ValueError(f"{tenants_file}: no [[tenant]] entries")
-            tenants = []
-            for i, entry in enumerate(entries):
-                unknown = set(entry) - {"name", "token", "quota"}
-                if unknown or not entry.get("name") or not entry.get("token"):
-                    raise ValueError(f"{tenants_file}: tenant #{i + 1} needs name and token "
-                                     f"(and optionally quota); unknown keys: {sorted(unknown)}")
-                name = str(entry["name"])
-                tenants.append(Tenant(name, str(entry["token"]), parse_size(entry.get("quota", 0)),
-                                      tenant_key(secret, name)))
-            return cls(tenants, required=True)
+            warning = readable_by_others(tenants_file)
+            if warning:
+                log.warning("tenants file %s", warning)
+            return cls([Tenant(name, token, quota, tenant_key(secret, name)) for name, token, quota in entries],
+                       required=True)
         if auth_token:
+            short = token_too_short(auth_token)
+            if short:
+                raise ValueError(f"auth_token: {short}")
             return cls([Tenant("", auth_token)], required=True)
         return cls([ANONYMOUS], required=False)
 

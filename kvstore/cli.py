@@ -4,6 +4,10 @@
     kvstore stats [--address ADDR] [--json]
     kvstore clear [--address ADDR] [--tier cpu] [--tier disk]
     kvstore locate --hosts ADDR,ADDR,... FILE [--tokens]
+
+Client commands (stats, clear, ingest, locate) take the token from --token, --token-file or
+KVSTORE_AUTH_TOKEN, and TLS from --tls-ca (or KVSTORE_TLS_CA), --tls-cert/--tls-key and
+--tls-server-name; they check the daemon before any work and say in one line why it cannot be used.
 """
 
 from __future__ import annotations
@@ -49,11 +53,23 @@ _FIELD_HELP = {
     "queue_depth": "bound of each lower tier's write-behind queue (full: the copy waits for eviction)",
     "promote_on_get": "copy lower-tier hits up to the top tier (true/false)",
     "max_message_bytes": "largest gRPC message, e.g. 256MiB",
-    "metrics_listen": "Prometheus /metrics address host:port ('' disables it)",
-    "events_listen": "publish tier changes as vLLM KV events (ZMQ PUB) on tcp://HOST:PORT ('' disables; none with tenants)",
-    "events_replay": "ZMQ ROUTER address answering KV-event replay requests, tcp://HOST:PORT",
+    "max_inline_bytes": "inline Get reply bytes held at once, all calls together (0: max_message_bytes); a Get "
+                        "waits for room, then gets RESOURCE_EXHAUSTED",
+    "hold_share": "share of the smallest tier all pins and leases may hold together, split among named "
+                  "tenants (each also within its quota); the rest stays free for any Put",
+    "metrics_listen": "Prometheus /metrics address host:port, loopback unless metrics_public ('' disables it; "
+                      "':9464' is 127.0.0.1)",
+    "events_listen": "publish tier changes as vLLM KV events (ZMQ PUB) on tcp://LOOPBACK-IP:PORT or ipc:///path "
+                     "('' disables; none with tenants; see events_public)",
+    "events_replay": "ZMQ ROUTER address answering KV-event replay requests, tcp://LOOPBACK-IP:PORT or ipc:///path",
     "events_topic": "topic of every KV-event message, e.g. kv@POD@MODEL for llm-d",
-    "auth_token": "bearer token every client must send (required for non-loopback TCP)",
+    "events_public": "allow KV events on a TCP host that is not loopback, or on TCP at all with an auth token "
+                     "(they carry every stored key and no authentication; ipc:// sockets are 0600)",
+    "metrics_public": "allow a metrics_listen host that is not loopback (whoever reaches it reads the totals)",
+    "auth_token": "bearer token every client must send, 16+ characters (required for TCP unless "
+                  "--allow-anonymous-loopback)",
+    "allow_anonymous_loopback": "allow TCP without a token on a loopback address; every local user may then read, "
+                                "store and clear blocks (true/false)",
     "tenants_file": "TOML file of [[tenant]] name/token/quota: isolated tenants with byte quotas",
     "tenant_secret_file": "server secret tenants' stored keys derive from (created 0600 when missing; share it between hosts sharing a bucket)",
     "max_arena_bytes": "largest shared-memory arena a client may map, e.g. 4GiB",
@@ -77,10 +93,67 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                             help=f"{_FIELD_HELP.get(f.name, f.name)}; env {ENV_PREFIX}{f.name.upper()}{shown}")
 
 
-def _client(args):
-    from engine_adapter.client import KVStoreClient
+#: The commands that call a running daemon and take `_connection_arguments`.
+CLIENT_COMMANDS = ("stats", "clear", "ingest", "locate")
 
-    return KVStoreClient(args.address, shared_memory=False, token=args.token)
+
+def _connection_arguments(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    """How a client command reaches its daemon(s): address, token, TLS."""
+    if not several:
+        parser.add_argument("--address", default=None, help="daemon address, unix:/path or host:port "
+                                                            "(default: the serve default socket)")
+    whom = "the daemons require" if several else "the daemon requires"
+    token_env, ca_env = ENV_PREFIX + "AUTH_TOKEN", ENV_PREFIX + "TLS_CA"  # kvstore.connect's, without importing grpc
+    parser.add_argument("--token", default=None,
+                        help=f"bearer token, when {whom} one; visible to other users in `ps`: prefer "
+                             f"--token-file or {token_env}")
+    parser.add_argument("--token-file", metavar="FILE", default=None,
+                        help="file holding the bearer token (mode 0600), or one per daemon: lines "
+                             "'HOST:PORT TOKEN', or TOML [hosts.\"HOST:PORT\"] token = \"...\" (default: "
+                             f"{token_env})")
+    parser.add_argument("--tls-ca", metavar="PEM", default=None,
+                        help=f"TLS to TCP daemons: the CA certificate that signed theirs; env {ca_env} "
+                             "(a unix socket is always plaintext)")
+    parser.add_argument("--tls-cert", metavar="PEM", default=None,
+                        help="client certificate for daemons that ask for one (with --tls-key)")
+    parser.add_argument("--tls-key", metavar="PEM", default=None, help="private key of --tls-cert")
+    parser.add_argument("--tls-server-name", metavar="NAME", default="",
+                        help="the name the daemon's certificate carries, when the address names the host "
+                             "otherwise (e.g. by IP)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow sending the token over plaintext TCP to a host that is not loopback "
+                             "(only on a network you trust)")
+
+
+def _tls(args: argparse.Namespace):
+    from kvstore.connect import CLI_OPTIONS, client_tls
+
+    return client_tls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name, environ=os.environ,
+                      names=CLI_OPTIONS)
+
+
+def _client(args: argparse.Namespace, shared_memory: bool | None = False, check: bool = True):
+    """A client of ``args``' daemon; with ``check``, the daemon is asked once first, and a problem
+    (no daemon, TLS or not, the token) is a one-line error before any work."""
+    from engine_adapter.client import KVStoreClient
+    from kvstore.connect import CLI_OPTIONS, is_unix, resolve_token
+    from kvstore.locate import refuse_plaintext_tokens
+
+    address = args.address or default_listen()
+    token = resolve_token(args.token, args.token_file, address)
+    tls = None if is_unix(address) else _tls(args)
+    refuse_plaintext_tokens({address: token}, tls, args.insecure, CLI_OPTIONS)
+    tls_settings = {} if tls is None else dict(tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key,
+                                                 tls_server_name=tls.server_name)
+    client = KVStoreClient(address, shared_memory=shared_memory, token=token, insecure=args.insecure,
+                           **tls_settings)
+    if check:
+        try:
+            client.check(names=CLI_OPTIONS)
+        except BaseException:
+            client.close()
+            raise
+    return client
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -132,13 +205,13 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from engine_adapter.cached import CachedEngine
-    from engine_adapter.client import KVStoreClient
     from engine_adapter.loader import find_smollm2_gguf, load_gguf
     from engine_adapter.prompts import document_prompt
 
     texts = {path: read_text(path) for path in args.files}  # every file, before the model loads
+    _client(args).close()  # the daemon, the token and TLS are checked before the model loads
     model, tokenizer = load_gguf(args.model or find_smollm2_gguf(), dtype=getattr(torch, args.dtype))
-    with KVStoreClient(args.address, token=args.token) as client:
+    with _client(args, shared_memory=None, check=False) as client:
         engine = CachedEngine(model, tokenizer, client, tenant=args.tenant)
         for path, text in texts.items():
             context_ids, _ = document_prompt(tokenizer, text, "")
@@ -160,11 +233,15 @@ def cmd_locate(args: argparse.Namespace) -> int:
     from engine_adapter.loader import find_smollm2_gguf, gguf_config
     from engine_adapter.prompts import document_prompt
     from kvstore.keys import prefix_keys
-    from kvstore.locate import locate
+    from kvstore.connect import CLI_OPTIONS, TokenBook
+    from kvstore.locate import locate, refuse_plaintext_tokens, tokens_for
 
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
     if not hosts:
         raise ValueError("--hosts: give daemon addresses, e.g. 10.0.0.5:7070,10.0.0.6:7070")
+    book = TokenBook.read(args.token_file) if args.token_file else None
+    tls = _tls(args)
+    refuse_plaintext_tokens(tokens_for(hosts, args.token, book), tls, args.insecure, CLI_OPTIONS)  # before any work
     text = read_text(args.file)
     config, tokenizer = gguf_config(args.model or find_smollm2_gguf())
     if args.tokens:
@@ -178,7 +255,8 @@ def cmd_locate(args: argparse.Namespace) -> int:
         token_ids, _ = document_prompt(tokenizer, text, "")  # as `kvstore ingest` stores it
     namespace = config_namespace(config, args.dtype, args.tenant)
     keys = prefix_keys(namespace, token_ids)
-    result = locate(hosts, keys, deadline_s=args.deadline, token=args.token)
+    result = locate(hosts, keys, deadline_s=args.deadline, token=args.token, tokens=book, tls=tls,
+                    insecure=args.insecure, names=CLI_OPTIONS)
     if args.json:
         print(json.dumps({"keys": result.keys, "chunk_tokens": namespace.chunk_tokens,
                           "best": result.best.address if result.best else None,
@@ -274,8 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext, fn in (("stats", "print a running daemon's tiers and counters", cmd_stats),
                                ("clear", "delete every block (or those in the named tiers)", cmd_clear)):
         p = sub.add_parser(name, help=helptext, description=helptext)
-        p.add_argument("--address", default=None, help="daemon address (default: the serve default socket)")
-        p.add_argument("--token", default=None, help="bearer token, when the daemon requires one")
+        _connection_arguments(p)
         if name == "stats":
             p.add_argument("--json", action="store_true", help="print JSON")
         else:
@@ -298,8 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "full chunk in the daemon, with a progress bar. Later questions about "
                                         "the document reuse it.")
     ingest.add_argument("files", nargs="+", metavar="FILE")
-    ingest.add_argument("--address", default=None, help="daemon address (default: the serve default socket)")
-    ingest.add_argument("--token", default=None, help="bearer token, when the daemon requires one")
+    _connection_arguments(ingest)
     _namespace_arguments(ingest)
     ingest.set_defaults(run=cmd_ingest)
 
@@ -312,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     loc.add_argument("--hosts", required=True, help="comma-separated daemon addresses (host:port or unix:/path)")
     loc.add_argument("--tokens", action="store_true", help="FILE is a JSON list of token ids")
     loc.add_argument("--deadline", type=float, default=1.0, help="seconds each host may take (default 1)")
-    loc.add_argument("--token", default=None, help="bearer token, when the daemons require one")
+    _connection_arguments(loc, several=True)
     _namespace_arguments(loc)
     loc.add_argument("--json", action="store_true", help="print JSON")
     loc.set_defaults(run=cmd_locate)
@@ -329,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run a command. A failure the user can fix (a bad setting or file, a tier that cannot start,
     a busy socket, port or folder) is one line on stderr, ``kvstore: ...``, and exit status 1."""
     args = build_parser().parse_args(argv)
+    if args.command in CLIENT_COMMANDS:  # gRPC's own log lines would come before (or instead of) ours
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         return args.run(args)
     except (ValueError, TierError) as exc:  # the message names the setting, file or tier to fix

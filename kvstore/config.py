@@ -20,6 +20,7 @@ A bad value is a ValueError naming where it came from, so ``kvstore serve`` can 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import tomllib
@@ -81,6 +82,25 @@ def read_toml(path: str | os.PathLike, what: str) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{what} {path}: not valid TOML: {exc}") from None
+
+
+def is_loopback_host(host: str) -> bool:
+    """True when ``host`` is a loopback IP address (``127.0.0.1``, ``[::1]``), or a name every
+    address of which is loopback: decided by the addresses, so ``localhost.example.com`` is not
+    loopback unless it resolves there. ``*``, ``0.0.0.0`` and names that do not resolve are not."""
+    import ipaddress
+    import socket
+
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        found = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError, ValueError):
+        return False
+    return bool(found) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in found)
 
 
 def default_cache_dir() -> Path:
@@ -154,8 +174,18 @@ class DaemonConfig:
     shm_index: bool = True
     #: Largest request or response message (inline payloads included).
     max_message_bytes: int = 256 * 2**20
-    #: Prometheus /metrics address ``host:port``; "" disables it.
+    #: Inline Get reply bytes the daemon holds at once, all calls together (a Get waits for room,
+    #: then gets RESOURCE_EXHAUSTED); 0: max_message_bytes.
+    max_inline_bytes: int = 0
+    #: Share of the smallest bounded tier that all pins and leases together may hold, split equally
+    #: among named tenants (each also within its quota): the rest is always free for anyone's Put.
+    hold_share: float = 0.5
+    #: Prometheus /metrics address ``host:port``; "" disables it; an empty host is 127.0.0.1.
+    #: /metrics shows the daemon's totals, never a tenant's name, key or traffic of its own
+    #: (docs/operations.md).
     metrics_listen: str = ""
+    #: Allow a metrics_listen host that is not loopback: whoever reaches it reads the totals.
+    metrics_public: bool = False
     #: KV events for routers (llm-d, Dynamo) in vLLM's wire format: the ZMQ PUB address the daemon
     #: binds, ``tcp://HOST:PORT`` (or ``ipc:///path``); "" publishes none (kvstore/events.py).
     #: Not published when tenants are configured. The sockets carry no authentication.
@@ -164,8 +194,16 @@ class DaemonConfig:
     events_replay: str = ""
     #: Topic of every published message (llm-d's indexer reads e.g. ``kv@POD@MODEL``).
     events_topic: str = ""
-    #: When set, every call must carry ``authorization: Bearer TOKEN``.
+    #: Allow events on TCP that others can read: a host that is not loopback, or TCP at all on a
+    #: daemon with an auth_token (every local user reaches loopback; ``ipc://`` sockets are 0600).
+    #: Events carry every stored key and no authentication.
+    events_public: bool = False
+    #: When set, every call must carry ``authorization: Bearer TOKEN`` (16 characters or more).
     auth_token: str = field(default="", repr=False)
+    #: TCP without auth_token or tenants_file, allowed on a loopback address only, and only when
+    #: this is set: every local user may then read, store and clear blocks. (A unix socket is
+    #: mode 0600 and needs no token.)
+    allow_anonymous_loopback: bool = False
     #: TOML file of tenants (name, token, quota); every call then needs a tenant's token and sees
     #: only that tenant's blocks (kvstore/auth.py).
     tenants_file: str = ""
@@ -196,6 +234,10 @@ class DaemonConfig:
             raise ValueError("no tier configured: set cpu_capacity > 0, a disk_path or an s3_bucket")
         if self.s3_bucket:
             self.s3_config  # ValueError naming the bad S3 setting
+        if not 0.0 <= self.hold_share <= 0.9:
+            raise ValueError(f"hold_share must be between 0 and 0.9 (a share of the smallest tier), got {self.hold_share}")
+        if self.max_inline_bytes < 0:
+            raise ValueError(f"max_inline_bytes must be 0 (max_message_bytes) or a size, got {self.max_inline_bytes}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         for codec in (self.disk_codec, self.s3_codec):
@@ -221,16 +263,40 @@ class DaemonConfig:
             raise ValueError("events_replay needs events_listen (replay serves the batches published there)")
         if self.events_listen and self.events_listen == self.events_replay:
             raise ValueError(f"events_listen and events_replay must differ, both are {self.events_listen!r}")
+        for name in ("events_listen", "events_replay"):  # events carry every stored key and no token
+            value = getattr(self, name)
+            if not value.startswith("tcp://") or self.events_public:
+                continue
+            if not is_loopback_host(value[len("tcp://"):].rpartition(":")[0]):
+                raise ValueError(f"{name} {value} is not a loopback address: anyone who reaches it would read every "
+                                 f"stored key; set events_public to publish there anyway")
+            if self.auth_token:
+                raise ValueError(f"{name} {value}: this daemon has an auth_token, and every local user can read "
+                                 f"loopback TCP; use ipc:///path (created 0600), or set events_public")
+        metrics_host = self.metrics_listen.rpartition(":")[0]
+        if metrics_host and not self.metrics_public and not is_loopback_host(metrics_host):
+            raise ValueError(f"metrics_listen {self.metrics_listen} is not a loopback address: set metrics_public to "
+                             f"serve the daemon's traffic totals there")
         socket_path = self.socket_path
         if socket_path is not None and len(os.fsencode(socket_path)) > MAX_SOCKET_PATH_BYTES:
             raise ValueError(f"listen: the unix socket path {socket_path} is {len(os.fsencode(socket_path))} bytes; "
                              f"the limit is {MAX_SOCKET_PATH_BYTES}: choose a shorter path")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
-        if not self.listen.startswith("unix:") and not self.listen.startswith(("127.", "localhost", "[::1]")) \
-                and not (self.auth_token or self.tenants_file):
-            raise ValueError(f"listening on {self.listen} (not loopback) needs auth_token or tenants_file: set "
-                             f"KVSTORE_AUTH_TOKEN or --auth-token, or listen on a unix socket")
+        if not self.listen.startswith("unix:") and not (self.auth_token or self.tenants_file):
+            if not is_loopback_host(self.listen.rpartition(":")[0]):
+                raise ValueError(f"listening on {self.listen} (not loopback) needs auth_token or tenants_file: set "
+                                 f"KVSTORE_AUTH_TOKEN or --auth-token, or listen on a unix socket")
+            if not self.allow_anonymous_loopback:
+                raise ValueError(f"listening on {self.listen} without a token lets every local user read, store and "
+                                 f"clear blocks: set KVSTORE_AUTH_TOKEN, or --allow-anonymous-loopback true, or listen "
+                                 f"on a unix socket")
+        if self.auth_token:
+            from kvstore.auth import token_too_short
+
+            short = token_too_short(self.auth_token)
+            if short:
+                raise ValueError(f"auth_token: {short}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both tls_cert and tls_key (PEM files)")
         if self.tls_cert and self.listen.startswith("unix:"):
@@ -263,7 +329,7 @@ def _coerce(name: str, value: Any) -> Any:
         try:
             return float(value)
         except ValueError:
-            raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+            raise ValueError(f"{name} must be a number, got {value!r}") from None
     return str(value)
 
 
@@ -277,7 +343,8 @@ def load_config(file: str | os.PathLike | None = None, overrides: Mapping[str, A
 
     Raises ValueError naming the source of a bad value: the file and key, the variable, or the flag
     (see the module docstring). A ``tenants_file`` is read here once too, so that a missing,
-    non-UTF-8 or malformed one is named before the daemon starts (kvstore/auth.py parses it).
+    non-UTF-8 or malformed one, or a bad tenant in it, is named before the daemon starts
+    (kvstore/auth.py parses it). A ``file`` holding an auth_token that others may read is a warning.
     """
     values: dict[str, Any] = {}
     #: Where each value came from, as the error messages name it.
@@ -313,5 +380,13 @@ def load_config(file: str | os.PathLike | None = None, overrides: Mapping[str, A
         named = next((n for n in sorted(sources, key=len, reverse=True) if str(exc).startswith(n)), None)
         raise ValueError(f"{exc} (from {sources[named]})" if named else str(exc)) from None
     if config.tenants_file:
-        read_toml(config.tenants_file, "tenants file")
+        from kvstore.auth import read_tenants
+
+        read_tenants(config.tenants_file)  # ValueError naming the file, the tenant and the key
+    if file and "auth_token" in table:
+        from kvstore.auth import readable_by_others
+
+        warning = readable_by_others(file)  # as for a tenants file: a warning at start (kvstore/auth.py)
+        if warning:
+            logging.getLogger("kvstore.config").warning("config file %s", warning)
     return config

@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from compression.calibration_store import CALIBRATION_DIR_ENV
 from kvstore.arena import arena_socket_path
 from kvstore.arenas import ArenaRegistry, ArenaSocket
-from kvstore.auth import TenantDirectory
+from kvstore.auth import TenantDirectory, s3_mac_key
 from kvstore.autocal import AUTO_SPEC, MAX_CALIBRATION_BYTES, AutoCalibrator, CalibrationTooLarge
 from kvstore.block import BlockHeader, payload_checksum
 from kvstore.config import DaemonConfig
@@ -39,21 +39,42 @@ log = logging.getLogger("kvstore.daemon")
 
 
 class _BearerToken(grpc.aio.ServerInterceptor):
-    """Refuse every call but health checks unless it carries a known tenant's bearer token."""
+    """Refuse every call without a known tenant's bearer token before reading its request.
+
+    The refusing handlers take the request as a stream they never read: gRPC then fetches no
+    message, HTTP/2 flow control holds the rest in the sender, and a peer without a token makes the
+    daemon buffer its metadata and at most a flow-control window per call, never a message (a
+    unary refusal received and parsed the whole message first: four 200 MiB Puts without a token
+    took 1.3 GB). Health checks stay open without a token, answered the same way: for the kvstore
+    service as a whole, whatever service the unread request names."""
 
     def __init__(self, tenants: TenantDirectory) -> None:
         self._tenants = tenants
 
-        async def deny(request, context):
+        async def deny(unread, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny = grpc.stream_unary_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation, details):
-        if details.method.startswith("/grpc.health.v1.Health/"):
-            return await continuation(details)
         if self._tenants.resolve(details.invocation_metadata) is not None:
             return await continuation(details)
+        if details.method == "/grpc.health.v1.Health/Check":
+            check = (await continuation(details)).unary_unary
+
+            async def answer(unread, context):
+                return await check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                answer, response_serializer=health_pb2.HealthCheckResponse.SerializeToString)
+        if details.method == "/grpc.health.v1.Health/Watch":
+            watch = (await continuation(details)).unary_stream
+
+            async def updates(unread, context):
+                await watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), context)
+
+            return grpc.stream_stream_rpc_method_handler(
+                updates, response_serializer=health_pb2.HealthCheckResponse.SerializeToString)
         return self._deny
 
 
@@ -67,7 +88,8 @@ def build_tiers(config: DaemonConfig) -> list[Tier]:
         tiers.append(DiskTier(config.disk_path, config.disk_capacity, fsync=config.disk_fsync,
                               o_direct=config.disk_o_direct))
     if config.s3_bucket:
-        tiers.append(S3Tier(config.s3_config))  # TierError saying what to fix when unusable
+        mac_key = s3_mac_key(config.tenant_secret_file)  # objects are MAC'd under the hosts' shared secret
+        tiers.append(S3Tier(config.s3_config, mac_key=mac_key))  # TierError saying what to fix when unusable
     return tiers
 
 
@@ -99,11 +121,14 @@ class Daemon:
         self.events = self._events(tiers)
         self.store = BlockStore(tiers, self.metrics, write_through=config.write_policy == "write-through",
                                 queue_depth=config.queue_depth, promote_on_get=config.promote_on_get,
-                                codecs=codecs, key_index=self._key_index(tiers), events=self.events)
+                                codecs=codecs, key_index=self._key_index(tiers), events=self.events,
+                                quotas={t.name: t.quota_bytes for t in self.tenants.tenants if t.name and t.quota_bytes},
+                                hold_share=config.hold_share,
+                                tenants=sum(1 for t in self.tenants.tenants if t.name))
         self.arenas = ArenaRegistry(config.max_arena_bytes, config.max_arenas_per_client,
                                     config.max_arena_total_bytes, len(self.tenants.tenants))
         self.service = KVStoreService(self.store, self.tenants, self.arenas, config.max_message_bytes,
-                                      autocal=self.autocal)
+                                      autocal=self.autocal, max_inline_bytes=config.max_inline_bytes)
         self.server: grpc.aio.Server | None = None
         #: Shared memory is offered on unix sockets only (kvstore/arena.py).
         self.arena_socket: ArenaSocket | None = None
@@ -154,6 +179,10 @@ class Daemon:
             log.warning("KV events are not published (events_listen %s): tenants are configured, and events "
                         "would show one tenant's keys to every subscriber", self.config.events_listen)
             return None
+        if self.config.socket_path is not None and not self.config.events_public and "tcp://" in (
+                self.config.events_listen + self.config.events_replay):  # kvstore/config.py refuses wider ones
+            log.warning("KV events on %s are readable by every local user, unlike the unix socket: use ipc:///path "
+                        "(created 0600) to keep them to this user, or set events_public", self.config.events_listen)
         return EventPublisher(self.config.events_listen, [(t.name, t.shared) for t in tiers],
                               replay_endpoint=self.config.events_replay, topic=self.config.events_topic,
                               metrics=self.metrics)

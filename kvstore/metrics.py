@@ -1,4 +1,10 @@
-"""Prometheus metrics of one daemon, in a registry of its own (several daemons per test process)."""
+"""Prometheus metrics of one daemon, in a registry of its own (several daemons per test process).
+
+What /metrics shows is the daemon's totals, labelled by tier, RPC method or outcome only: never a
+tenant's name, a key, a namespace, or one tenant's share of the traffic (Stats gives a named tenant
+its own counts; these sum everyone's). The daemon serves it on loopback unless ``metrics_public``
+(kvstore/config.py), so reaching it takes a local account; see docs/operations.md.
+"""
 
 from __future__ import annotations
 
@@ -34,11 +40,19 @@ class Metrics:
         self.auto_calibration = Counter(
             "kvstore_auto_calibration", "kvtc@auto: blocks sampled, coded, or stored as they are (over_error, busy, "
             "not_finite, unreadable), and calibrations made", ["outcome"], registry=r)
+        self.holds_refused = Counter("kvstore_holds_refused",
+                                     "Pins and leases refused: the tenant would pass its bound of held bytes",
+                                     ["kind"], registry=r)
         self.discovered = Counter("kvstore_discovered", "Blocks found in a shared tier that another host stored",
                                   ["tier"], registry=r)
         self.events_published = Counter("kvstore_events_published", "KV events published for routers", registry=r)
         self.events_dropped = Counter("kvstore_events_dropped",
-                                      "KV events dropped because the publisher's queue was full", registry=r)
+                                      "KV events dropped because the publisher's queue was full (subscribers see a "
+                                      "seq gap)", registry=r)
+        self.events_replays = Counter("kvstore_events_replays",
+                                      "KV-event replay requests served, refused (over the rate or the replies at once) "
+                                      "or malformed, and replies abandoned (the peer read nothing or left)",
+                                      ["outcome"], registry=r)
         self.used_bytes = Gauge("kvstore_used_bytes", "Bytes stored, by tier", ["tier"], registry=r)
         self.blocks = Gauge("kvstore_blocks", "Blocks stored, by tier", ["tier"], registry=r)
         self.capacity_bytes = Gauge("kvstore_capacity_bytes", "Bytes a tier may hold (0: unbounded)", ["tier"],

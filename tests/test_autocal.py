@@ -237,15 +237,16 @@ def test_tenants_get_calibrations_of_their_own(daemon_factory, short_tmp):
     from kvstore.block import parse_block
 
     tenants = short_tmp / "tenants.toml"
-    tenants.write_text('[[tenant]]\nname = "a"\ntoken = "token-a"\n\n[[tenant]]\nname = "b"\ntoken = "token-b"\n')
+    tenants.write_text('[[tenant]]\nname = "a"\ntoken = "token-a-0123456789"\n\n'
+                       '[[tenant]]\nname = "b"\ntoken = "token-b-0123456789"\n')
     d = auto_daemon(daemon_factory, short_tmp, tenants_file=str(tenants))
     for name, seed in (("a", 3), ("b", 4)):
         keys, blocks = prefix_blocks(6, seed=seed)
-        with KVStoreClient(d.address, token=f"token-{name}") as client:
+        with KVStoreClient(d.address, token=f"token-{name}-0123456789") as client:
             client.put(AUTO_NS, [(k, 256, b) for k, b in zip(keys[:4], blocks[:4])])
             wait_for(lambda: published(client, short_tmp))
             client.put(AUTO_NS, [(k, 256, b) for k, b in zip(keys[4:], blocks[4:])])
-    secret = load_secret(d.folder / "tenant-secret")
+    secret = load_secret(d.folder.parent / "tenant-secret")
     stored_ns = {name: Tenant(name, key=tenant_key(secret, name)).stored_key(AUTO_NS.id) for name in "ab"}
     ids = {name: (short_tmp / "calibrations" / "auto" / f"{ns.hex()}-{AUTO_LAYOUT.num_layers}x{HEADS}x{HEAD_DIM}-"
                   f"float16").read_text().strip() for name, ns in stored_ns.items()}
@@ -259,7 +260,7 @@ def test_tenants_get_calibrations_of_their_own(daemon_factory, short_tmp):
             coded.setdefault(header.namespace, set()).add(header.codec_params["calibration"])
     assert coded == {stored_ns["a"]: {ids["a"]}, stored_ns["b"]: {ids["b"]}}
     for name, other in (("a", "b"), ("b", "a")):
-        with KVStoreClient(d.address, token=f"token-{name}") as client:
+        with KVStoreClient(d.address, token=f"token-{name}-0123456789") as client:
             own, theirs = client.get([calibration_store.calibration_key(ids[t]) for t in (name, other)], 64 << 20,
                                      inline=True)
         assert own is not None and theirs is None

@@ -15,7 +15,8 @@ import pytest
 
 from engine_adapter.client import KVStoreClient
 from kvstore.keys import prefix_keys
-from kvstore.locate import TokenBook, locate
+from kvstore.connect import TokenBook
+from kvstore.locate import locate
 from tests.conftest import free_port
 from tests.test_daemon import NS, make_blocks
 from tests.test_security import _self_signed

@@ -229,9 +229,9 @@ def test_tcp_with_bearer_token(daemon_factory):
     with _socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = daemon_factory(listen=f"127.0.0.1:{port}", auth_token="s3cret")
+    d = daemon_factory(listen=f"127.0.0.1:{port}", auth_token="s3cret-0123456789ab")
     keys, payloads = make_blocks(1, seed=7)
-    with KVStoreClient(f"127.0.0.1:{port}", token="s3cret") as client:
+    with KVStoreClient(f"127.0.0.1:{port}", token="s3cret-0123456789ab") as client:
         assert not client.shared_memory
         client.put(NS, [(keys[0], 64, payloads[0])])
         assert client.get(keys, BLOCK) == [payloads[0].tobytes()]

@@ -37,7 +37,8 @@ def _code(call):
 
 def _tenants(folder):
     path = folder / "tenants.toml"
-    path.write_text('[[tenant]]\nname = "a"\ntoken = "token-a"\n\n[[tenant]]\nname = "b"\ntoken = "token-b"\n')
+    path.write_text('[[tenant]]\nname = "a"\ntoken = "token-a-0123456789"\n\n'
+                    '[[tenant]]\nname = "b"\ntoken = "token-b-0123456789"\n')
     return path
 
 
@@ -59,7 +60,8 @@ def test_an_arena_is_usable_only_by_the_tenant_that_registered_it(daemon_factory
     """guarantees: Isolation — an arena id is the registering tenant's alone."""
     d = daemon_factory(tenants_file=_tenants(short_tmp))
     keys, payloads = make_blocks(2, seed=60)
-    with KVStoreClient(d.address, token="token-a") as a, KVStoreClient(d.address, token="token-b") as b:
+    with KVStoreClient(d.address, token="token-a-0123456789") as a, \
+            KVStoreClient(d.address, token="token-b-0123456789") as b:
         a.put(NS, [(keys[0], 64, payloads[0])])
         a._arena.buffer[:BLOCK] = payloads[1].tobytes()  # A's secret bytes in its arena
         stolen = pb.ArenaSlice(arena_id=a._arena_id, offset=0, length=BLOCK)
@@ -85,7 +87,7 @@ def test_an_arena_is_usable_only_by_the_tenant_that_registered_it(daemon_factory
         a.put(NS, [(keys[1], 64, payloads[1])])
         assert b.lookup(keys).hits == 0
     # Arenas are never mapped from a name: not a client's file, not the key index.
-    with KVStoreClient(d.address, token="token-a", shared_memory=False) as c:
+    with KVStoreClient(d.address, token="token-a-0123456789", shared_memory=False) as c:
         code, _ = _code(lambda: c._stub.RegisterArena(pb.RegisterArenaRequest(name="kvstore-index-1-aa", size=4096),
                                                        metadata=c._metadata))
         assert code == grpc.StatusCode.FAILED_PRECONDITION
@@ -280,7 +282,8 @@ def test_tenants_share_no_namespace_stats_or_predictable_keys(daemon_factory, sh
     d = daemon_factory(tenants_file=_tenants(short_tmp))
     keys, payloads = make_blocks(3, seed=66)
     wrong = pb.Layout(num_layers=2, num_kv_heads=3, head_dim=64, dtype="float16")
-    with KVStoreClient(d.address, token="token-a") as a, KVStoreClient(d.address, token="token-b") as b:
+    with KVStoreClient(d.address, token="token-a-0123456789") as a, \
+            KVStoreClient(d.address, token="token-b-0123456789") as b:
         # A stores under B's (public) namespace id with a wrong layout: B never notices.
         code, _ = _code(lambda: a._stub.Put(pb.PutRequest(items=[pb.PutItem(
             meta=pb.BlockMeta(key=b"x" * 16, namespace=NS.id, layout=wrong, tokens=64, payload_len=2 * 3 * 64 * 64 * 2 * 2),
@@ -309,7 +312,7 @@ def test_tenants_share_no_namespace_stats_or_predictable_keys(daemon_factory, sh
         assert stats_a["misses"] >= 1 and stats_b["misses"] == 0
         assert stats_a["tiers"]["cpu"]["used_bytes"] == 0 and stats_a["tiers"]["cpu"]["blocks"] == 0
     # Stored keys: a keyed hash of the whole name under the server secret.
-    secret_path = short_tmp / "d0" / "tenant-secret"
+    secret_path = short_tmp / "tenant-secret"
     assert secret_path.stat().st_mode & 0o777 == 0o600 and len(load_secret(secret_path)) == 32
     long_a, long_b = "t" * 64 + "-a", "t" * 64 + "-b"
     secret = load_secret(secret_path)
@@ -376,12 +379,12 @@ def test_arena_requests_fail_in_one_line_and_tenants_keep_their_share(daemon_fac
     # Two tenants share 8 MiB: A gets its 4 MiB half and no more, whatever it does; B still gets its half.
     held = []
     while True:
-        connection, reply, fds = _raw_arena(d, 1 << 20, token="token-a")
+        connection, reply, fds = _raw_arena(d, 1 << 20, token="token-a-0123456789")
         held.append((connection, fds))
         if "error" in reply:
             break
     assert len(held) == 5 and "your share" in reply["error"] and "4194304" in reply["error"]
-    connection, reply, fds = _raw_arena(d, 4 << 20, token="token-b")
+    connection, reply, fds = _raw_arena(d, 4 << 20, token="token-b-0123456789")
     assert "arena_id" in reply
     held.append((connection, fds))
     for connection, fds in held:

@@ -205,8 +205,10 @@ def test_a_busy_tcp_port_is_refused_in_one_line(short_tmp):
         taken.listen()
         busy = taken.getsockname()[1]
         port = free_port()
-        with SpawnedDaemon.in_folder(short_tmp / "first", listen=f"127.0.0.1:{port}", disk_path="", **SMALL):
-            procs = [kvstore(*serve(listen=f"127.0.0.1:{p}", disk_path="")) for p in (busy, port)]
+        token = "busy-port-0123456789"
+        with SpawnedDaemon.in_folder(short_tmp / "first", listen=f"127.0.0.1:{port}", disk_path="", auth_token=token,
+                                     **SMALL):
+            procs = [kvstore(*serve(listen=f"127.0.0.1:{p}", disk_path="", auth_token=token)) for p in (busy, port)]
             for p, number in zip(procs, (busy, port)):
                 one_line_error(finish(p), f"kvstore: cannot listen on 127.0.0.1:{number}: address in use")
 

@@ -15,15 +15,16 @@ from tests.test_daemon import BLOCK, NS, make_blocks
 
 def _tenants_file(folder, quota_b="0"):
     path = folder / "tenants.toml"
-    path.write_text('[[tenant]]\nname = "a"\ntoken = "token-a"\n\n'
-                    f'[[tenant]]\nname = "b"\ntoken = "token-b"\nquota = "{quota_b}"\n')
+    path.write_text('[[tenant]]\nname = "a"\ntoken = "token-a-0123456789"\n\n'
+                    f'[[tenant]]\nname = "b"\ntoken = "token-b-0123456789"\nquota = "{quota_b}"\n')
     return path
 
 
 def test_a_tenant_cannot_see_read_delete_or_pin_another_tenants_blocks(daemon_factory, short_tmp):
     d = daemon_factory(tenants_file=_tenants_file(short_tmp))
     keys, payloads = make_blocks(3, seed=20)
-    with KVStoreClient(d.address, token="token-a") as a, KVStoreClient(d.address, token="token-b") as b:
+    with KVStoreClient(d.address, token="token-a-0123456789") as a, \
+            KVStoreClient(d.address, token="token-b-0123456789") as b:
         a.put(NS, [(k, 64, p) for k, p in zip(keys, payloads)])
         assert a.lookup(keys).hits == 3
         assert b.lookup(keys).hits == 0                      # look up
@@ -49,7 +50,8 @@ def test_a_tenant_over_its_quota_evicts_its_own_blocks_first(daemon_factory, sho
                        write_policy="write-back", cpu_capacity="16MiB")
     keys_a, payloads_a = make_blocks(4, seed=21)
     keys_b, payloads_b = make_blocks(6, seed=22)
-    with KVStoreClient(d.address, token="token-a") as a, KVStoreClient(d.address, token="token-b") as b:
+    with KVStoreClient(d.address, token="token-a-0123456789") as a, \
+            KVStoreClient(d.address, token="token-b-0123456789") as b:
         a.put(NS, [(k, 64, p) for k, p in zip(keys_a, payloads_a)])
         b.put(NS, [(k, 64, p) for k, p in zip(keys_b, payloads_b)])
         tiers_b = b.lookup(keys_b).tiers
@@ -86,12 +88,12 @@ def test_tcp_with_tls_and_a_token(daemon_factory, short_tmp):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    daemon_factory(listen=f"127.0.0.1:{port}", auth_token="s3cret", tls_cert=cert, tls_key=key)
+    daemon_factory(listen=f"127.0.0.1:{port}", auth_token="s3cret-0123456789ab", tls_cert=cert, tls_key=key)
     keys, payloads = make_blocks(1, seed=23)
-    with KVStoreClient(f"127.0.0.1:{port}", token="s3cret", tls_ca=str(cert)) as client:
+    with KVStoreClient(f"127.0.0.1:{port}", token="s3cret-0123456789ab", tls_ca=str(cert)) as client:
         client.put(NS, [(keys[0], 64, payloads[0])])
         assert client.get(keys, BLOCK) == [payloads[0].tobytes()]
-    with KVStoreClient(f"127.0.0.1:{port}", token="s3cret", timeout=5) as plaintext:
+    with KVStoreClient(f"127.0.0.1:{port}", token="s3cret-0123456789ab", timeout=5) as plaintext:
         with pytest.raises(grpc.RpcError) as info:
             plaintext.lookup(keys)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -275,10 +275,10 @@ def test_a_stopped_daemon_sends_lookups_back_to_grpc(daemon_factory):
 
 def test_tenants_get_no_index(daemon_factory, short_tmp):
     tenants = short_tmp / "tenants.toml"
-    tenants.write_text('[[tenant]]\nname = "a"\ntoken = "ta"\n')
+    tenants.write_text('[[tenant]]\nname = "a"\ntoken = "token-a-0123456789"\n')
     d = daemon_factory(tenants_file=str(tenants))
     keys, payloads = make_blocks(2, seed=14)
-    with KVStoreClient(d.address, token="ta") as client:
+    with KVStoreClient(d.address, token="token-a-0123456789") as client:
         client.put(NS, [(k, 64, p) for k, p in zip(keys, payloads)])
         assert client.lookup(keys).hits == 2
         assert client.local_lookups == 0 and client.rpc_lookups == 1

@@ -133,7 +133,7 @@ class ConnectorSettings:
                                     # (prefix<sep>passage<sep>...<sep>query, e.g. "<|chunk|>"); "": off
                                     # (opt in: quality is below kv_transfer_params', docs/vllm.md)
     blend_max_passages: int = 128   # a request marking more is served as a plain prompt
-    token_file: str = ""         # the daemon's bearer token (or one per address, kvstore.locate.TokenBook);
+    token_file: str = ""         # the daemon's bearer token (or one per address, kvstore.connect.TokenBook);
                                  # default: KVSTORE_AUTH_TOKEN
     tls_ca: str = ""             # TLS to a TCP daemon: PEM of the CA that signed its certificate
     tls_cert: str = ""           # client certificate (PEM, with tls_key) for a daemon that asks for one
