@@ -252,15 +252,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             except ValueError as exc:
                 raise ValueError(f"items[{i}]: {exc}") from None
             self.store.check_namespace(header)
-            try:
-                check_codec_params(header)
-            except ValueError as exc:
-                raise ValueError(f"items[{i}]: {exc}") from None
             if header.codec != "raw" and header.layout.block_bytes(header.tokens) > self.max_message_bytes:
                 # a coded block decodes to its layout's size wherever the daemon re-encodes it
                 raise ValueError(f"items[{i}]: a {header.codec} block of {header.tokens} tokens decodes to "
                                  f"{header.layout.block_bytes(header.tokens)} bytes, over max_message_bytes "
                                  f"({self.max_message_bytes})")
+            try:
+                check_codec_params(header)
+            except ValueError as exc:
+                raise ValueError(f"items[{i}]: {exc}") from None
             if self.autocal is not None:
                 self.autocal.note(header.namespace, tenant)
             prepared.append((header, payload))
