@@ -78,12 +78,15 @@ log = logging.getLogger(__name__)
 
 #: Events the store may have queued for the publisher thread before it drops (and counts) them.
 EVENT_QUEUE_DEPTH = 100_000
-#: Published batches kept for replay (vLLM keeps 10,000 too).
+#: Published batches kept for replay (vLLM keeps 10,000 too), and at most this many bytes of them.
 REPLAY_BATCHES = 10_000
+REPLAY_BYTES = 64 * 2**20
 #: Most events one batch carries.
 BATCH_EVENTS = 1024
-#: Batches ZMQ queues per subscriber before dropping them for that subscriber.
-SEND_HWM = 100_000
+#: Batches ZMQ queues per subscriber before dropping them for that subscriber (who sees the seq gap
+#: and replays): with batches of at most BATCH_EVENTS events, a stalled subscriber costs the daemon
+#: at most about 1,000 x 60 KiB.
+SEND_HWM = 1_000
 #: The replay socket's end-of-replay seq, as vLLM sends it.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: Replay requests answered per second (a token bucket over all peers), and the burst allowed.
@@ -252,7 +255,10 @@ class EventPublisher:
         self._pending.append((_CLEARED, 0, b"", 0))  # consumers drop what an earlier run published
         #: (seq, payload) of the last batches, oldest first, one entry per seq: a seq lost to the full
         #: queue has payload None, so that a seq's entry is at index seq - first seq.
-        self._buffer: deque[tuple[int, bytes | None]] = deque(maxlen=replay_batches)
+        #: (seq, payload or None for a gap) of the last batches, seqs consecutive; within
+        #: ``replay_batches`` batches and REPLAY_BYTES bytes (`_keep`).
+        self._buffer: deque[tuple[int, bytes | None]] = deque()
+        self._buffer_bytes, self._replay_batches = 0, replay_batches
         self.published = self.dropped = 0
         self.replays = {"served": 0, "refused": 0, "malformed": 0, "abandoned": 0}
         self._seq = 0
@@ -448,15 +454,24 @@ class EventPublisher:
             payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
             seq = self._seq
             # Kept for replay before it is sent: a failed send is a gap a replay fills.
-            self._buffer.append((seq, payload))
+            self._keep(seq, payload)
             self._seq += 1
             self.published += taken
             if self._metrics is not None:
                 self._metrics.events_published.inc(taken)
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         if lost:  # a seq no batch carries: subscribers see the gap, live and in replay
-            self._buffer.append((self._seq, None))
+            self._keep(self._seq, None)
             self._seq += 1
+
+    def _keep(self, seq: int, payload: bytes | None) -> None:
+        """Keep a batch for replay, dropping the oldest past ``replay_batches`` or REPLAY_BYTES."""
+        self._buffer.append((seq, payload))
+        self._buffer_bytes += len(payload or b"")
+        while len(self._buffer) > 1 and (len(self._buffer) > self._replay_batches
+                                         or self._buffer_bytes > REPLAY_BYTES):
+            _, dropped = self._buffer.popleft()
+            self._buffer_bytes -= len(dropped or b"")
 
     def _removed_event(self, keys: list[bytes], level: int) -> BlockRemoved:
         medium, ownership, locality = self._levels[level]
