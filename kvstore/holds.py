@@ -6,13 +6,14 @@
     hold     while a layer-wise read streams the block, renewed at each layer, STREAM_HOLD_S at most
     busy     the tier's own: a worker thread is copying the block now (``Tier.busy``)
 
-Pins and leases belong to the tenant that took them, and each tenant's pinned and leased bytes are
+Pins, leases and stream holds belong to the tenant that took them, and each tenant's held bytes are
 bounded (``bound(owner)``, set by the store from quotas and the tiers' sizes): a pin or lease past
 the bound is refused, so what every tenant holds together always leaves room for anyone's Put::
 
-    owner's held bytes = sum of block_len over its keys pinned or leased (each key once)
+    owner's held bytes = sum of block_len over its keys pinned, leased or streamed (each key once)
     pin(keys)   all or nothing: HoldRefused when held + new > bound
     lease(key)  False (not leased) when held + its bytes > bound, after dropping expired leases
+    hold(key)   the same for a layer-wise read's hold (the read goes on without it)
 
 Runs on the store's event loop; no lock (no await anywhere here).
 """
@@ -78,8 +79,7 @@ class Holds:
             owner = self.pinned.pop(key, None)
             if owner is not None:
                 unpinned += 1
-                if not self._leased(key):
-                    self._uncount(owner, key)
+                self._uncount(owner, key)
         return unpinned
 
     def forget(self, key: bytes) -> None:
@@ -113,8 +113,7 @@ class Holds:
             lease = self._leases.pop(key, None)
             if lease is not None:
                 released += 1
-                if key not in self.pinned:
-                    self._uncount(lease[1], key)
+                self._uncount(lease[1], key)
         return released
 
     def _leased(self, key: bytes) -> bool:
@@ -146,8 +145,10 @@ class Holds:
             self._held_bytes[owner] = self._held_bytes.get(owner, 0) + size
 
     def _uncount(self, owner: str, key: bytes) -> None:
+        """``owner`` no longer holds ``key`` one way: uncounted unless it still does another."""
         held = self._held.get(owner)
-        if held is None or key not in held:
+        if held is None or key not in held or key in self.pinned or key in self._leases \
+                or key in self._streaming:
             return
         self._held_bytes[owner] -= held.pop(key)
         if not held:
@@ -158,7 +159,8 @@ class Holds:
             if sum(held.values()) != self._held_bytes[owner]:
                 raise RuntimeError(f"holds of {owner!r}: kept byte count {self._held_bytes[owner]} differs "
                                    f"from its keys' {sum(held.values())}")
-            stray = [k for k in held if self.pinned.get(k) != owner and self._leases.get(k, (0, None))[1] != owner]
+            stray = [k for k in held if self.pinned.get(k) != owner and self._leases.get(k, (0, None))[1] != owner
+                     and self._streaming.get(k, [0, 0, None])[2] != owner]
             if stray:
                 raise RuntimeError(f"holds of {owner!r}: {len(stray)} keys counted that it neither pins nor leases")
         for key, owner in self.pinned.items():
@@ -167,10 +169,17 @@ class Holds:
 
     # -- layer-wise reads ---------------------------------------------------------------------
 
-    def hold(self, key: bytes) -> None:
-        entry = self._streaming.setdefault(key, [0, 0.0])
+    def hold(self, key: bytes, size: int = 0, owner: str = "") -> bool:
+        """Keep ``key`` (``size`` bytes) while a layer-wise read of ``owner`` streams it; False, and
+        no hold, when ``owner`` would pass its bound (the read goes on, and ends ABORTED if the
+        block is evicted meanwhile)."""
+        if key not in self._streaming and key not in self._held.get(owner, ()) and not self._fits(owner, size):
+            return False
+        entry = self._streaming.setdefault(key, [0, 0.0, owner])
         entry[0] += 1
         entry[1] = time.monotonic() + STREAM_HOLD_S
+        self._count(owner, key, size)
+        return True
 
     def renew(self, key: bytes) -> None:
         entry = self._streaming.get(key)
@@ -183,6 +192,7 @@ class Holds:
             entry[0] -= 1
             if entry[0] <= 0:
                 del self._streaming[key]
+                self._uncount(entry[2], key)
 
     def _held_stream(self, key: bytes) -> bool:
         entry = self._streaming.get(key)

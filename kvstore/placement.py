@@ -249,9 +249,9 @@ class BlockStore:
     async def get_many_into(self, requests: list[tuple[bytes, memoryview]]) -> list[GetResult | None]:
         return await self.reads.get_many_into(requests)
 
-    def get_layerwise(self, requests: list[tuple[bytes, memoryview]]
+    def get_layerwise(self, requests: list[tuple[bytes, memoryview]], owner: str = ""
                       ) -> AsyncIterator[tuple[int, list[GetResult | None] | None]]:
-        return self.reads.get_layerwise(requests)
+        return self.reads.get_layerwise(requests, owner)
 
     def schedule_promotion(self, key: bytes) -> bool:
         return self.promoter.schedule(key)

@@ -135,7 +135,7 @@ class Reader:
                 results[i] = await self.get_into(key, dest, level + 1)  # the tiers below, or a counted miss
         return results
 
-    async def get_layerwise(self, requests: list[tuple[bytes, memoryview]]
+    async def get_layerwise(self, requests: list[tuple[bytes, memoryview]], owner: str = ""
                             ) -> AsyncIterator[tuple[int, list[GetResult | None] | None]]:
         """Yield ``(-1, results)``, then ``(layer, None)`` once that layer of every block is in
         its destination. Raw blocks in memory tiers are copied layer by layer; other blocks
@@ -147,11 +147,12 @@ class Reader:
         nobody): the streamed blocks are kept from eviction instead (``STREAM_HOLD_S``, renewed at
         each layer), and before each layer's copy, with no await in between, each block is checked
         to be the same one still in its tier; a block deleted meanwhile raises BlockGoneError,
-        never a copy of bytes that now belong to another block.
+        never a copy of bytes that now belong to another block. The holds count against
+        ``owner``'s bound of held bytes; a block past it streams unheld.
         """
         holds = self._store.holds
         results: list[GetResult | None] = [None] * len(requests)
-        layered: list[tuple[memoryview, object, BlockHeader, Tier, bytes]] = []
+        layered: list[tuple[memoryview, object, BlockHeader, Tier, bytes, bool]] = []
         whole: list[int] = []
         for i, (key, dest) in enumerate(requests):
             level = self._store.locate(key)
@@ -164,17 +165,17 @@ class Reader:
                 whole.append(i)
                 continue
             header = tier.header(key)
-            holds.hold(key)
+            held = holds.hold(key, header.block_len, owner)
             results[i] = self._hit(level, key, header)
-            layered.append((dest, source, header, tier, key))
+            layered.append((dest, source, header, tier, key, held))
         try:
             if whole:
                 found = await self.get_many_into([requests[i] for i in whole])
                 for i, result in zip(whole, found):
                     results[i] = result
             yield -1, results
-            for layer in range(max((h.layout.num_layers for _, _, h, _, _ in layered), default=0)):
-                for dest, source, header, tier, key in layered:
+            for layer in range(max((h.layout.num_layers for _, _, h, _, _, _ in layered), default=0)):
+                for dest, source, header, tier, key, _ in layered:
                     if layer >= header.layout.num_layers:
                         continue
                     if key not in tier or tier.header(key) is not header:
@@ -184,8 +185,9 @@ class Reader:
                     _copy_range(dest, source, layer * size, size)
                 yield layer, None
         finally:
-            for _, _, _, _, key in layered:
-                holds.unhold(key)
+            for _, _, _, _, key, held in layered:
+                if held:
+                    holds.unhold(key)
 
     def _hit(self, level: int, key: bytes, header: BlockHeader) -> GetResult:
         store = self._store

@@ -238,3 +238,29 @@ def test_a_byte_budget_grants_in_order_and_refuses_after_its_wait():
         budget.release(500)
 
     asyncio.run(scenario())
+
+
+def test_pins_leases_and_stream_holds_share_one_bound_per_tenant():
+    """Each block counts once against its tenant's bound however it is held; what one tenant
+    holds never counts against another; a hold past the bound is refused, and frees as it ends."""
+    from kvstore.holds import HoldRefused, Holds
+
+    holds = Holds(bound=lambda owner: 300)
+    keys = [bytes([i]) * 16 for i in range(6)]
+    assert holds.pin([(keys[0], 100), (keys[1], 100)], "a") == 2
+    assert holds.lease(keys[0], 30, 100, "a")                 # already counted: no more bytes
+    assert holds.lease(keys[2], 30, 100, "a") and holds.held_bytes("a") == 300
+    assert not holds.lease(keys[3], 30, 100, "a")              # past the bound: not leased
+    assert not holds.hold(keys[3], 100, "a")                   # nor held by a stream
+    with pytest.raises(HoldRefused, match="'a'.*bound is 300"):
+        holds.pin([(keys[3], 100)], "a")
+    assert holds.pin([(keys[4], 100), (keys[5], 100)], "b") == 2    # b's own bound
+    holds.check_integrity()
+    holds.unpin([keys[0]])                                     # still leased: still counted
+    assert holds.held_bytes("a") == 300
+    holds.release([keys[0], keys[2]])
+    assert holds.held_bytes("a") == 100
+    assert holds.hold(keys[3], 100, "a") and holds.held_bytes("a") == 200
+    holds.unhold(keys[3])
+    assert holds.held_bytes("a") == 100 and holds.held_bytes("b") == 200
+    holds.check_integrity()
