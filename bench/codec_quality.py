@@ -70,7 +70,7 @@ from engine_adapter.generate import decode_loop, prefill  # noqa: E402
 from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
 from engine_adapter.model import KVCache, LlamaModel  # noqa: E402
 from engine_adapter.prompts import document_prompt  # noqa: E402
-from reuse_vs_rag import MUSIQUE_DEV, f1_score  # noqa: E402  (the benches' one data path and answer F1)
+from reuse_vs_rag import MUSIQUE_DEV, f1_score, musique_items  # noqa: E402  (the benches' one data path, its check, F1)
 from codec_disk import disk_ttft, o_direct_read_gbps, print_disk_ttft  # noqa: E402
 
 DEFAULT_CODECS = (
@@ -577,6 +577,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.limit < 1 or args.max_new_tokens < 1:
         parser.error("--limit and --max-new-tokens must be >= 1")
+    musique_items(args.data)  # before the model loads: one line naming the file when it cannot be used
     codecs = {spec: get_codec(spec) for spec in args.codecs}  # ValueError names the known codecs
     torch.set_num_threads(args.threads)
 

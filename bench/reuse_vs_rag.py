@@ -59,6 +59,26 @@ from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
 from kvstore.keys import prefix_keys  # noqa: E402
 
 MUSIQUE_DEV = ROOT.parent / "shared" / "data" / "musique" / "dev.json"
+
+
+def musique_items(path: str | os.PathLike | None, flag: str = "--data") -> list[dict]:
+    """The MuSiQue JSON list in ``path``; when it cannot be used, exit (status 1) with one line
+    naming the file, what is wrong and where the file comes from, before any model loads."""
+    origin = (f"it is MuSiQue's dev set, a JSON list of {{question, answers, ctxs}}: {MUSIQUE_DEV} in this "
+              f"project's layout, or from https://github.com/StonyBrookNLP/musique (README: Results: reuse vs RAG)")
+    prog = os.path.basename(sys.argv[0] or "bench")
+    if not path:
+        raise SystemExit(f"{prog}: no {flag} given and no {MUSIQUE_DEV}; {origin}")
+    try:
+        items = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SystemExit(f"{prog}: {flag} {path}: {exc.strerror}; {origin}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"{prog}: {flag} {path}: not JSON ({exc}); {origin}") from None
+    if not isinstance(items, list) or not items or not all(
+            isinstance(i, dict) and {"question", "answers", "ctxs"} <= set(i) for i in items):
+        raise SystemExit(f"{prog}: {flag} {path}: not a non-empty list of {{question, answers, ctxs}}; {origin}")
+    return items
 SEP = "\u2063KVSTORE-CHUNK\u2063"
 INSTRUCTION = ("You will be asked a question after reading several passages. Answer it directly from the "
                "passages, in at most 5 words. Do not repeat the question.\n\nPassages:\n")
@@ -363,11 +383,9 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write per-question rows and the summary here")
     parser.add_argument("--plot-dir", default=None, help="write reuse_vs_rag_ttft.png and reuse_vs_rag_f1.png here")
     args = parser.parse_args()
-    if not args.data:
-        sys.exit("no --data and no ../shared/data/musique/dev.json; get MuSiQue (README: Results: reuse vs RAG)")
+    data = musique_items(args.data)  # one line naming the file when it cannot be used
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    data = json.loads(Path(args.data).read_text())
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed)).tolist()
     questions = [data[i] for i in order[: args.limit]]
     model, tokenizer = load_gguf(find_smollm2_gguf(), dtype=torch.float32)

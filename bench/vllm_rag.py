@@ -45,7 +45,7 @@ from engine_adapter.loader import load_hf_folder  # noqa: E402
 from engine_adapter.vllm.blend import BLEND_PARAM  # noqa: E402
 from engine_adapter.vllm.hf_folder import write_hf_folder  # noqa: E402
 from kvstore.spawn import DaemonProcess  # noqa: E402
-from reuse_vs_rag import MUSIQUE_DEV, SEP, bm25_top_k, build_prompt, f1_score, prompt_text  # noqa: E402
+from reuse_vs_rag import MUSIQUE_DEV, SEP, bm25_top_k, build_prompt, f1_score, musique_items, prompt_text  # noqa: E402
 
 
 def kl(ref: list[float] | torch.Tensor, other: list[float] | torch.Tensor) -> float:
@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--markers", action="store_true",
                         help="also the marked-text mode: passages marked in the prompt's text, not in kv_transfer_params")
     args = parser.parse_args()
+    musique_items(args.data)  # before a run of minutes: one line naming the file when it cannot be used
     if args.plot:  # before a run of minutes, not after it
         try:
             import matplotlib

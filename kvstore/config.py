@@ -186,6 +186,9 @@ class DaemonConfig:
     metrics_listen: str = ""
     #: Allow a metrics_listen host that is not loopback: whoever reaches it reads the totals.
     metrics_public: bool = False
+    #: Seconds between the daemon's one-line INFO summaries (requests, hits, misses, evictions,
+    #: promotions, write errors since the last line; queue depth); 0: none.
+    summary_interval: float = 60.0
     #: KV events for routers (llm-d, Dynamo) in vLLM's wire format: the ZMQ PUB address the daemon
     #: binds, ``tcp://HOST:PORT`` (or ``ipc:///path``); "" publishes none (kvstore/events.py).
     #: Not published when tenants are configured. The sockets carry no authentication.
@@ -200,6 +203,12 @@ class DaemonConfig:
     events_public: bool = False
     #: When set, every call must carry ``authorization: Bearer TOKEN`` (16 characters or more).
     auth_token: str = field(default="", repr=False)
+    #: The operator's token (16 characters or more; with auth_token or tenants_file): a call carrying
+    #: it may Clear and read the daemon-wide Stats, even with tenants; it is no tenant and stores,
+    #: reads or holds no blocks (kvstore/auth.py).
+    admin_token: str = field(default="", repr=False)
+    #: A file holding the admin token (one line, mode 0600), so that it is not on a command line.
+    admin_token_file: str = ""
     #: TCP without auth_token or tenants_file, allowed on a loopback address only, and only when
     #: this is set: every local user may then read, store and clear blocks. (A unix socket is
     #: mode 0600 and needs no token.)
@@ -240,11 +249,14 @@ class DaemonConfig:
             raise ValueError(f"max_inline_bytes must be 0 (max_message_bytes) or a size, got {self.max_inline_bytes}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
-        for codec in (self.disk_codec, self.s3_codec):
+        for name, codec in (("disk_codec", self.disk_codec), ("s3_codec", self.s3_codec)):
             if codec not in ("raw", "kvtc@auto"):
                 from kvstore.transcode import canonical_codec
 
-                canonical_codec(codec)  # ValueError naming the known codecs
+                try:
+                    canonical_codec(codec)  # ValueError naming the known codecs
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
         if not 512 <= self.auto_calibration_tokens <= 1 << 20:
             raise ValueError(f"auto_calibration_tokens must be in 512..1048576, got {self.auto_calibration_tokens}")
         if not 1 <= self.auto_layer_group <= 64:
@@ -253,6 +265,8 @@ class DaemonConfig:
             raise ValueError(f"queue_depth must be at least 1, got {self.queue_depth}")
         if self.max_message_bytes < 2**20:
             raise ValueError(f"max_message_bytes must be at least 1MiB, got {self.max_message_bytes}")
+        if self.summary_interval != 0 and not 0.1 <= self.summary_interval <= 86400:
+            raise ValueError(f"summary_interval must be 0 (off) or 0.1 to 86400 seconds, got {self.summary_interval}")
         if self.metrics_listen and not re.fullmatch(r".*:\d{1,5}", self.metrics_listen):
             raise ValueError(f"metrics_listen must be 'host:port' or empty, got {self.metrics_listen!r}")
         for name in ("events_listen", "events_replay"):
@@ -297,10 +311,46 @@ class DaemonConfig:
             short = token_too_short(self.auth_token)
             if short:
                 raise ValueError(f"auth_token: {short}")
+        if self.admin_token and self.admin_token_file:
+            raise ValueError("admin_token and admin_token_file are both set: give the admin token one way")
+        if self.admin_token:
+            from kvstore.auth import token_too_short
+
+            short = token_too_short(self.admin_token)
+            if short:
+                raise ValueError(f"admin_token: {short}")
+        if (self.admin_token or self.admin_token_file) and not (self.auth_token or self.tenants_file):
+            raise ValueError("admin_token needs auth_token or tenants_file: without tokens every caller may already "
+                             "clear and read the daemon's Stats")
+        if self.admin_token and self.admin_token == self.auth_token:
+            raise ValueError("admin_token must differ from auth_token: clients holding the auth token would be the "
+                             "operator")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both tls_cert and tls_key (PEM files)")
         if self.tls_cert and self.listen.startswith("unix:"):
             raise ValueError("TLS applies to TCP listening; a unix socket is already private (mode 0600)")
+
+    def operator_token(self, warn: bool = True) -> str:
+        """The admin token: ``admin_token``, or the one line of ``admin_token_file`` (ValueError naming
+        the file when it cannot be used; with ``warn``, a warning when others may read it); "" when
+        neither is set."""
+        if not self.admin_token_file:
+            return self.admin_token
+        from kvstore.auth import readable_by_others, token_too_short
+
+        where = f"admin_token_file {self.admin_token_file}"
+        token = read_text(self.admin_token_file, "admin_token_file").strip()
+        if not token or len(token.splitlines()) != 1:
+            raise ValueError(f"{where}: it must hold the admin token on one line")
+        short = token_too_short(token)
+        if short:
+            raise ValueError(f"{where}: {short}")
+        if token == self.auth_token:
+            raise ValueError(f"{where}: the admin token must differ from auth_token")
+        warning = readable_by_others(self.admin_token_file) if warn else None
+        if warning:
+            logging.getLogger("kvstore.config").warning("admin_token_file %s", warning)
+        return token
 
     @property
     def socket_path(self) -> Path | None:
@@ -379,11 +429,15 @@ def load_config(file: str | os.PathLike | None = None, overrides: Mapping[str, A
         # "cpu_capacity must be ...": say which setting gave it.
         named = next((n for n in sorted(sources, key=len, reverse=True) if str(exc).startswith(n)), None)
         raise ValueError(f"{exc} (from {sources[named]})" if named else str(exc)) from None
+    admin = config.operator_token(warn=False)  # ValueError naming admin_token_file; the daemon warns
     if config.tenants_file:
-        from kvstore.auth import read_tenants
+        from kvstore.auth import admin_token_clash, read_tenants
 
-        read_tenants(config.tenants_file)  # ValueError naming the file, the tenant and the key
-    if file and "auth_token" in table:
+        tenants = read_tenants(config.tenants_file)  # ValueError naming the file, the tenant and the key
+        clash = admin_token_clash(admin, tenants, config.tenants_file)
+        if clash:
+            raise ValueError(clash)
+    if file and ("auth_token" in table or "admin_token" in table):
         from kvstore.auth import readable_by_others
 
         warning = readable_by_others(file)  # as for a tenants file: a warning at start (kvstore/auth.py)

@@ -27,6 +27,7 @@ from kvstore.events import EventPublisher
 from kvstore.instance_lock import InstanceLock
 from kvstore.metrics import Metrics
 from kvstore.placement import BlockStore
+from kvstore.probes import ProbeServer
 from kvstore.server import SERVICE_NAME, KVStoreService, add_to_server
 from kvstore.shm_index import KeyIndexWriter, remove_stale_files
 from tiers.base import Tier
@@ -57,7 +58,7 @@ class _BearerToken(grpc.aio.ServerInterceptor):
         self._deny = grpc.stream_unary_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation, details):
-        if self._tenants.resolve(details.invocation_metadata) is not None:
+        if self._tenants.resolve(details.invocation_metadata, operator=True) is not None:  # the admin token too
             return await continuation(details)
         if details.method == "/grpc.health.v1.Health/Check":
             check = (await continuation(details)).unary_unary
@@ -76,6 +77,43 @@ class _BearerToken(grpc.aio.ServerInterceptor):
             return grpc.stream_stream_rpc_method_handler(
                 updates, response_serializer=health_pb2.HealthCheckResponse.SerializeToString)
         return self._deny
+
+
+def check_settings(config: DaemonConfig) -> None:
+    """ValueError naming the setting, before any tier is made, for what would otherwise fail later:
+    a CPU tier larger than the memory this machine (or its cgroup) has available (the arena's
+    allocation would say only "Cannot allocate memory", or the prefault would take the machine's
+    memory), and a disk or S3 codec naming a kvtc calibration this daemon cannot find (every
+    write to that tier would fail, logged per write)."""
+    if config.cpu_capacity:
+        from tiers.cpu import memory_shortfall
+
+        short = memory_shortfall(config.cpu_capacity)
+        if short:
+            raise ValueError(f"cpu_capacity {short}: lower --cpu-capacity")
+    from compression import calibration_store
+
+    if config.calibration_dir:  # where this process's kvtc codecs look (as Daemon sets it below)
+        os.environ[CALIBRATION_DIR_ENV] = config.calibration_dir
+    for setting, spec, used in (("disk_codec", config.disk_codec, bool(config.disk_path)),
+                                ("s3_codec", config.s3_codec, bool(config.s3_bucket))):
+        head = spec.split("+")[0]
+        ref = head.partition("@")[2]
+        if not used or not ref or spec == AUTO_SPEC:
+            continue
+        folder = calibration_store.calibration_dir()
+        where = f"{folder} (" + ("calibration_dir" if config.calibration_dir else CALIBRATION_DIR_ENV
+                                 if os.environ.get(CALIBRATION_DIR_ENV) else
+                                 "the default; calibration_dir names another folder") + ")"
+        found = sorted(folder.glob(f"{ref}*{calibration_store.SUFFIX}")) if folder.is_dir() else []
+        if not found:
+            raise ValueError(f"{setting} {spec}: no calibration {ref} in {where}: make one with `kvstore calibrate "
+                             f"FILE...` (it prints the codec spec), or copy its <id>{calibration_store.SUFFIX} "
+                             f"file there; or use kvtc@auto")
+        try:
+            calibration_store.resolve(ref)
+        except Exception as exc:  # noqa: BLE001 - ambiguous, unreadable, damaged: named in one line
+            raise ValueError(f"{setting} {spec}: the calibration in {folder} cannot be used: {exc}") from None
 
 
 def build_tiers(config: DaemonConfig) -> list[Tier]:
@@ -99,6 +137,7 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.metrics = Metrics()
+        check_settings(config)  # before any tier is made: what would fail later, named now
         tiers = build_tiers(config)
         for tier in tiers:
             if tier.corrupt_on_start:
@@ -117,7 +156,7 @@ class Daemon:
         codecs = [self.autocal if c == AUTO_SPEC else c for c in codecs]
         self._loop: asyncio.AbstractEventLoop | None = None
         self.tenants = TenantDirectory.from_config(config.tenants_file, config.auth_token,
-                                                   config.tenant_secret_file)
+                                                   config.tenant_secret_file, admin_token=config.operator_token())
         self.events = self._events(tiers)
         self.store = BlockStore(tiers, self.metrics, write_through=config.write_policy == "write-through",
                                 queue_depth=config.queue_depth, promote_on_get=config.promote_on_get,
@@ -133,6 +172,9 @@ class Daemon:
         #: Shared memory is offered on unix sockets only (kvstore/arena.py).
         self.arena_socket: ArenaSocket | None = None
         self._socket_lock: InstanceLock | None = None
+        #: /metrics, /healthz, /readyz on metrics_listen (kvstore/probes.py); its heartbeat and the periodic summary.
+        self.probes: ProbeServer | None = None
+        self._chores: list[asyncio.Task] = []
 
     def _publish_calibration(self, calibration, tenant) -> None:
         """Store an auto-calibration in the cache as a block of ``tenant`` (through every tier, S3
@@ -223,6 +265,8 @@ class Daemon:
             reason = _why_cannot_listen(address, busy_only=True)
             if reason:
                 raise OSError(f"cannot listen on {address}: {reason}")
+        if self.config.metrics_listen:  # before gRPC: /readyz says "starting" until it serves
+            self._start_metrics()
         credentials = None
         if self.config.tls_cert:
             try:
@@ -253,26 +297,93 @@ class Daemon:
                                             lambda: index.name if index is not None else "")
             self.arena_socket.start()
         await _set_serving(health_servicer)
-        if self.config.metrics_listen:
-            self._start_metrics()
         if socket_path is None and address.endswith(":0"):
             address = address[:-2] + f":{port}"
-        log.info("kvstore serving on %s with tiers %s", address,
-                 ", ".join(f"{t.name} ({t.capacity_bytes / 2**30:.2f} GiB)" if t.capacity_bytes
-                           else f"{t.name} (unbounded)" for t in self.store.tiers))
+        for line in self._describe(address, tls=credentials is not None):
+            log.info("%s", line)
+        if self.config.summary_interval > 0:
+            self._chores.append(asyncio.create_task(self._log_summaries(self.config.summary_interval)))
+        if self.probes is not None:
+            self.probes.ready()
         return address
 
     def _start_metrics(self) -> None:
-        from prometheus_client import start_http_server
-
-        host, _, port = self.config.metrics_listen.rpartition(":")
+        """/metrics, /healthz and /readyz on metrics_listen (kvstore/probes.py), and the heartbeat
+        /healthz watches; an address that cannot be served fails the start."""
+        top = self.store.tiers[0]
         try:
-            start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.metrics.registry)
+            self.probes = ProbeServer(self.config.metrics_listen, self.metrics.registry,
+                                      not_ready=lambda: None if top.available else f"tier {top.name} unavailable")
         except OSError as exc:  # asked for and not served: refuse to start rather than run unwatched
             reason = "address in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc)).lower()
             raise OSError(f"cannot serve metrics on {self.config.metrics_listen}: {reason}") from None
+        self.probes.start()
+        self._chores.append(asyncio.create_task(self.probes.heartbeat()))
+
+    def _describe(self, address: str, tls: bool) -> list[str]:
+        """The start log: what this daemon is (addresses, TLS, auth, events, tiers, what was found on disk)."""
+        config = self.config
+        named = sum(1 for t in self.tenants.tenants if t.name)
+        auth = (f"tenants file {config.tenants_file}" if config.tenants_file
+                else "bearer token" if self.tenants.required else "no token")
+        metrics = (f"http://{_http_host(config.metrics_listen)}:{self.probes.port} (/metrics, /healthz, /readyz)"
+                   if self.probes is not None else "off")
+        events = "off"
+        if self.events is not None:
+            events = f"on {config.events_listen}" + (f", replay {config.events_replay}" if config.events_replay else "")
+        elif config.events_listen:
+            events = "off (tenants are configured)"
+        summary = f"every {config.summary_interval:g} s" if config.summary_interval > 0 else "off"
+        lines = [f"kvstore serving on {address}, TLS {'on' if tls else 'off'}, auth: {auth}, tenants: {named}; "
+                 f"metrics and probes: {metrics}; KV events: {events}; summary: {summary}"]
+        if self.arena_socket is not None:
+            lines.append(f"shared-memory arenas on {arena_socket_path(config.socket_path)}, shared key index "
+                         f"{'on' if self.store.key_index is not None else 'off'}")
+        tiers = []
+        for level, tier in enumerate(self.store.tiers):
+            codec = self.store.codecs[level]
+            codec = ("as put" if level == 0 else "raw" if codec is None
+                     else codec if isinstance(codec, str) else AUTO_SPEC)
+            size = _size(tier.capacity_bytes) if tier.capacity_bytes else "unbounded"
+            found = ""
+            if isinstance(tier, DiskTier):  # what its index rebuild found
+                found = f" at {tier.root}: {len(tier)} blocks ({_size(tier.used_bytes)}) found on disk"
+                if tier.corrupt_on_start:
+                    found += f", {tier.corrupt_on_start} corrupt ones deleted"
+            elif tier.shared:
+                found = f" ({len(tier)} blocks listed so far, the rest in the background)"
+            tiers.append(f"{tier.name} {size}, codec {codec}{found}")
+        lines.append("tiers: " + "; ".join(tiers))
+        return lines
+
+    def _counts(self) -> dict[str, object]:
+        """The counters the periodic summary reports the change of."""
+        m = self.metrics
+        return {"requested": _by_label(m.requested), "hits": _by_label(m.hits), "misses": m.total(m.misses),
+                "evictions": m.total(m.evictions), "promotions": m.total(m.promotions),
+                "write errors": m.total(m.write_errors), "copies dropped": m.total(m.queue_dropped)}
+
+    async def _log_summaries(self, interval: float) -> None:
+        """Every ``interval`` seconds, one INFO line: what changed since the last line, and the queue depth."""
+        last = self._counts()
+        while True:
+            await asyncio.sleep(interval)
+            now = self._counts()
+            parts = []
+            for name, value in now.items():
+                if isinstance(value, dict):
+                    delta = {k: v - last[name].get(k, 0) for k, v in value.items()}
+                    detail = ", ".join(f"{k} {v}" for k, v in sorted(delta.items()) if v)
+                    parts.append(f"{name} {sum(delta.values())}" + (f" ({detail})" if detail else ""))
+                else:
+                    parts.append(f"{name} {value - last[name]}")
+            log.info("summary of the last %g s: %s; queue depth %d", interval, ", ".join(parts),
+                     self.store.queue_depth)
+            last = now
 
     async def stop(self, grace: float = 5.0) -> None:
+        if self.probes is not None:
+            self.probes.stopping()  # /readyz: 503 "stopping" while queued writes drain
         if self.arena_socket is not None:
             await self.arena_socket.stop()
         if self.server is not None:
@@ -288,6 +399,31 @@ class Daemon:
             self.config.socket_path.unlink(missing_ok=True)
             if self._socket_lock is not None:
                 self._socket_lock.release()
+        for task in self._chores:
+            task.cancel()
+        await asyncio.gather(*self._chores, return_exceptions=True)
+        self._chores = []
+        if self.probes is not None:
+            self.probes.close()
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            break
+        n /= 1024
+    return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+
+
+def _http_host(address: str) -> str:
+    host = address.rpartition(":")[0]
+    return host if host else "127.0.0.1"
+
+
+def _by_label(counter) -> dict[str, int]:
+    """A counter with one label, as {label value: count}."""
+    return {next(iter(s.labels.values()), ""): int(s.value) for m in counter.collect() for s in m.samples
+            if s.name.endswith("_total")}
 
 
 async def _set_serving(servicer) -> None:

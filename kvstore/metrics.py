@@ -15,10 +15,23 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.hits = Counter("kvstore_hits", "Blocks served, by tier", ["tier"], registry=r)
-        self.misses = Counter("kvstore_misses", "Keys asked for by Lookup or Get and not found", registry=r)
-        self.requested = Counter("kvstore_requested", "Keys asked for, by RPC (misses / requested: the miss ratio)",
-                                 ["rpc"], registry=r)
+        # What each counts, and which client paths feed it: docs/operations.md, "Metrics".
+        self.hits = Counter("kvstore_hits", "Blocks served by Get and GetLayers, by tier (get hit ratio: "
+                            "sum(hits) / requested{rpc=\"get\"})", ["tier"], registry=r)
+        self.misses = Counter("kvstore_misses", "Keys asked for by Lookup (past the hit run; clients' local "
+                              "Lookups included) or Get and not found", registry=r)
+        self.requested = Counter("kvstore_requested", "Keys asked for, by RPC (lookup: clients' local Lookups "
+                                 "included; misses / requested: the miss ratio)", ["rpc"], registry=r)
+        self.lookup_hits = Counter("kvstore_lookup_hits", "Keys in Lookups' hit runs, clients' local Lookups "
+                                   "included (lookup hit ratio: lookup_hits / requested{rpc=\"lookup\"})",
+                                   registry=r)
+        self.lookups = Counter("kvstore_lookups", "Lookups of at least one key, by path: rpc (the daemon "
+                               "answered) or local (a same-host client's key index, as the client reported)",
+                               ["path"], registry=r)
+        for path in ("rpc", "local"):  # shown from the start, at 0: a ratio has its denominator at once
+            self.lookups.labels(path)
+        for rpc in ("lookup", "get"):
+            self.requested.labels(rpc)
         self.bytes_in = Counter("kvstore_bytes_in", "Block bytes written into a tier", ["tier"], registry=r)
         self.bytes_out = Counter("kvstore_bytes_out", "Block bytes read out of a tier", ["tier"], registry=r)
         self.evictions = Counter("kvstore_evictions", "Blocks evicted from a tier", ["tier"], registry=r)

@@ -30,6 +30,7 @@ from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYER_COPI
 from kvstore.placement import STREAM_HOLD_S, BlockGoneError, BlockStore, GetResult, HoldRefused
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.shm_index import REPORT_HEADER, parse_report
 from kvstore.transcode import check_codec_params
 from kvstore.wire import layout_from_message, layout_message
 from tiers.base import TierError, TierFullError
@@ -159,11 +160,35 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self._usage: dict[str, _Usage] = defaultdict(_Usage)
         self._refusals = _Refusals()
 
-    def _tenant(self, context) -> Tenant:
-        tenant = self.tenants.resolve(context.invocation_metadata())
+    def _tenant(self, context, operator: bool = False) -> Tenant:
+        """The caller's tenant; the operator (admin token) only where ``operator`` (Clear, Stats)."""
+        metadata = context.invocation_metadata()
+        tenant = self.tenants.resolve(metadata, operator=True)
         if tenant is None:  # the interceptor already refused it; this is the second line of defence
             raise BadRequest(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        if tenant.operator and not operator:
+            raise BadRequest(grpc.StatusCode.PERMISSION_DENIED,
+                             "this call carries the admin token, which is the operator's: it may Clear and read "
+                             "Stats, and stores, reads or holds no blocks (it is no tenant); use a tenant's token")
+        if self.store.key_index is not None and not tenant.name:
+            self._add_local_lookups(metadata)
         return tenant
+
+    def _add_local_lookups(self, metadata) -> None:
+        """Count the Lookups a client answered from the key index (kvstore/shm_index.py, "Counting")
+        as if they had been RPCs: its first report on this call, if well formed. Only while the
+        index is published, so only the anonymous tenant's clients have any (with tenants: none)."""
+        for name, value in metadata or ():
+            if name == REPORT_HEADER:
+                report = parse_report(value) if isinstance(value, str) else None
+                if report is not None:
+                    keys, hits, calls = report
+                    m = self.store.metrics
+                    m.requested.labels("lookup").inc(keys)
+                    m.misses.inc(keys - hits)
+                    m.lookup_hits.inc(hits)
+                    m.lookups.labels("local").inc(calls)
+                return
 
     @staticmethod
     def _stored_keys(tenant: Tenant, keys, what: str = "keys") -> list[bytes]:
@@ -207,7 +232,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         keys = self._stored_keys(tenant, request.keys)
         # blocks other hosts put in a shared tier since we looked, up to the first absent one
         await self.store.discover(keys, tenant.name, stop_at_absent=True)
-        result = self.store.lookup(keys)
+        result = self.store.lookup(keys)  # counts the keys asked and the misses
+        if keys:
+            self.store.metrics.lookup_hits.inc(result.hits)
+            self.store.metrics.lookups.labels("rpc").inc()
         self.store.claim(keys[: result.hits], tenant.name)
         if request.lease_ms and result.hits:
             seconds = min(request.lease_ms, MAX_LEASE_MS) / 1000
@@ -347,6 +375,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             offset = self.store.gpu_offset(key) if header is not None else None
             # stays put until Release or the lease ends
             if offset is not None and self.store.lease(key, GPU_LEASE_SECONDS, tenant.name):
+                self.store.metrics.hits.labels("gpu").inc()  # served by reference: a Get hit all the same
                 meta = meta_from_header(header)
                 meta.key = request.items[i].key
                 out[i] = (pb.GetResult(found=True, meta=meta, tier="gpu", gpu_offset=offset, on_gpu=True),
@@ -365,7 +394,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if copies > MAX_LAYER_COPIES:
                 raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"this GetLayers would make {copies} layer copies; at most {MAX_LAYER_COPIES}")
-            stream = self.store.get_layerwise([(key, dest) for key, header, dest in plan if header is not None])
+            stream = self.store.get_layerwise([(key, dest) for key, header, dest in plan if header is not None],
+                                              tenant.name)
             async for layer, found in stream:
                 if found is None:
                     await _write(context, pb.LayerReady(layer=layer))
@@ -439,14 +469,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Clear(self, request: pb.ClearRequest, context) -> pb.CountResponse:
-        if self._tenant(context).name:
+        if self._tenant(context, operator=True).name:
             raise BadRequest(grpc.StatusCode.PERMISSION_DENIED,
-                             "Clear would drop every tenant's blocks; a tenant deletes its own with Delete")
+                             "Clear would drop every tenant's blocks; a tenant deletes its own with Delete "
+                             "(the operator clears with the daemon's admin token)")
         return pb.CountResponse(count=await self.store.clear(list(request.tiers)))
 
     @_rpc
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        tenant = self._tenant(context)
+        tenant = self._tenant(context, operator=True)  # the operator sees the daemon's, a tenant its own
         if tenant.name:
             return self._tenant_stats(tenant)
         m = self.store.metrics

@@ -35,6 +35,14 @@ Ordering: the daemon bumps seq, writes, bumps seq again; a reader reads seq, the
 On x86-64 stores and loads are not reordered with each other, so a reader that saw the same even
 seq twice read a consistent table. On weaker memory models a torn read is possible in principle;
 it can only make the hint wrong, never a Get's data.
+
+Counting: a Lookup answered here never reaches the daemon, yet its keys, hits and misses belong in
+the daemon's metrics. The map is read-only to clients, so a client keeps a tally (keys asked, hits,
+calls) and hands it over on its next call to the daemon, as gRPC metadata (``REPORT_HEADER``,
+``format_report``), or with an empty Lookup of its own when it made no call for ``REPORT_S``. The
+daemon adds a report as if those Lookups had been RPCs (kvstore/server.py), at most ``MAX_REPORT``
+of each per call and only while it publishes this index (never with tenants). A tally travels
+once: a call that fails loses it, and a client that dies loses what it had not sent yet.
 """
 
 from __future__ import annotations
@@ -66,6 +74,12 @@ STALE_S = 2.0
 #: Probe passes a reader tries when writes race it before giving up (and asking the daemon); after
 #: the first two it yields the CPU, so a daemon preempted mid-write (odd seq) can finish.
 READ_RETRIES = 64
+#: gRPC metadata that carries a client's tally of local Lookups: "KEYS,HITS,CALLS" (ASCII decimals).
+REPORT_HEADER = "kvstore-local-lookups"
+#: A client with an unsent tally and no call to carry it sends one this often.
+REPORT_S = 1.0
+#: Most keys (and calls) one report adds: a larger tally goes in several calls.
+MAX_REPORT = 1 << 24
 
 LIVE, CLOSED, MOVED = 1, 2, 3
 FLAG_SHARED_TIER = 1
@@ -385,3 +399,20 @@ class KeyIndexReader:
         self.name, self._mm, self._nslots = replacement.name, replacement._mm, replacement._nslots
         self.tier_names = replacement.tier_names
         return True
+
+
+def format_report(keys: int, hits: int, calls: int) -> str:
+    """The metadata value of a tally of local Lookups (each at most ``MAX_REPORT``; hits <= keys)."""
+    return f"{keys},{hits},{calls}"
+
+
+def parse_report(value: str) -> tuple[int, int, int] | None:
+    """``(keys, hits, calls)`` from a report's value; None when it is not a well-formed tally (more
+    than ``MAX_REPORT`` of any, hits above keys, anything but three ASCII decimals)."""
+    parts = value.split(",")
+    if len(parts) != 3 or not all(0 < len(p) <= 9 and p.isascii() and p.isdigit() for p in parts):
+        return None
+    keys, hits, calls = map(int, parts)
+    if keys > MAX_REPORT or calls > MAX_REPORT or hits > keys:
+        return None
+    return keys, hits, calls

@@ -26,10 +26,15 @@ def canonical_codec(spec: str) -> str:
 def payload_tensor(payload: bytes | memoryview, codec: str, codec_params: dict, layout: KVLayout,
                    tokens: int) -> torch.Tensor:
     """A block payload as a tensor ``[layers, 2, kv_heads, tokens, head_dim]`` in the layout's
-    dtype: a zero-copy view for ``raw`` (valid while ``payload`` is), decoded for any other codec."""
+    dtype: for ``raw``, a zero-copy view of a writable ``payload`` (an arena; valid while it is)
+    or a copy of a read-only one (``bytes``, a tier's read-only view: torch has no read-only
+    tensors, so a view would let a write change immutable bytes, and it warns "buffer is not
+    writable"); decoded for any other codec."""
     shape = layout.block_shape(tokens)
     dtype = TORCH_DTYPES[layout.dtype]
     if codec == "raw":
+        if memoryview(payload).readonly:
+            payload = bytearray(payload)
         return torch.frombuffer(payload, dtype=dtype).view(shape)
     return get_codec(codec).decode(bytes(payload), codec_params, shape, dtype)
 

@@ -71,7 +71,8 @@ def test_corrupt_disk_block_under_a_running_daemon_is_a_miss(daemon_factory):
         assert client.get(keys[:2], BLOCK) == [None, payloads[1].tobytes()]
         assert client.lookup(keys).hits == 0
         stats = client.stats()
-        assert stats["tiers"]["disk"]["corrupt"] == 1 and stats["misses"] == 1
+        # the Get's miss, and the 12 keys the local Lookup missed (reported with the Stats call)
+        assert stats["tiers"]["disk"]["corrupt"] == 1 and stats["misses"] == 1 + 12
 
 
 def _client_worker(args):

@@ -14,14 +14,83 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import threading
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from kvstore.block import BlockHeader, CorruptBlockError, copy_checksummed
 from tiers.allocator import ExtentAllocator
-from tiers.base import Tier, TierFullError
+from tiers.base import Tier, TierError, TierFullError
 from tiers.memory import prefault
+
+#: A cgroup memory limit at or above this is "no limit" (cgroup v1 writes 2**63 - page size).
+_UNLIMITED = 2**62
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (what can be allocated without swapping), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cgroup_memory_limit() -> int | None:
+    """The lowest memory limit of this process's cgroup and its ancestors in bytes (v2
+    ``memory.max``, v1 ``memory.limit_in_bytes``), or None when there is none or it cannot be read."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    candidates: list[Path] = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":  # v2
+            base, name = Path("/sys/fs/cgroup"), "memory.max"
+        elif "memory" in controllers.split(","):  # v1
+            base, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        folder = base / path.lstrip("/")
+        while True:  # the cgroup and its ancestors (in a container its own may show as the root)
+            candidates.append(folder / name)
+            if folder == base or base not in folder.parents:
+                break
+            folder = folder.parent
+    limits = []
+    for file in candidates:
+        try:
+            value = file.read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit() and int(value) < _UNLIMITED:
+            limits.append(int(value))
+    return min(limits) if limits else None
+
+
+def memory_shortfall(capacity: int) -> str | None:
+    """Why an arena of ``capacity`` bytes cannot be had here ("64.0 GiB is more than this machine's
+    available memory (22.9 GiB; cgroup limit 16.0 GiB)"), or None when it fits (or nothing is known)."""
+    available, limit = available_memory(), cgroup_memory_limit()
+    known = [n for n in (available, limit) if n is not None]
+    if not known or capacity <= min(known):
+        return None
+    what = [_gib(available)] if available is not None else []
+    if limit is not None:
+        what.append(f"cgroup limit {_gib(limit)}")
+    return f"{_gib(capacity)} is more than this machine's available memory ({'; '.join(what)})"
 
 
 def _host_arena(capacity: int, pin: bool) -> np.ndarray:
@@ -46,7 +115,15 @@ class CpuTier(Tier):
             raise ValueError(f"cpu tier capacity must be at least 4096 bytes, got {capacity_bytes}")
         self.name = name
         self.capacity_bytes = capacity_bytes
-        self._arena = _host_arena(capacity_bytes, pin)
+        try:
+            self._arena = _host_arena(capacity_bytes, pin)
+        except (OSError, MemoryError, RuntimeError) as exc:  # ENOMEM, or torch's pinned allocation
+            reason = (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
+            available = available_memory()
+            if available is not None:
+                reason += f"; {_gib(available)} available"
+            raise TierError(f"cannot allocate the {name} tier's {_gib(capacity_bytes)} arena ({reason}): lower "
+                            f"cpu_capacity (--cpu-capacity)") from None
         self._allocator = ExtentAllocator(capacity_bytes)
         self._blocks: dict[bytes, tuple[int, BlockHeader]] = {}  # key -> (offset, header)
         #: Guards the allocator and the two maps below against reads in worker threads.

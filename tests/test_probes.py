@@ -1,0 +1,263 @@
+"""The daemon's HTTP probes (/healthz, /readyz, /metrics on metrics_listen), its start log and its
+periodic summary (issue #40): real daemons as subprocesses, and a daemon in this process where the
+moment matters (before it serves, while it stops, with its event loop wedged)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine_adapter.client import KVStoreClient
+from kvstore import daemon as daemon_module
+from kvstore.config import DaemonConfig, load_config
+from kvstore.daemon import Daemon
+from tests.conftest import free_port
+from tests.test_daemon import BLOCK, NS, make_blocks
+from tests.test_tiers import make_block
+
+
+def http(port: int, path: str, method: str = "GET", timeout: float = 5.0) -> tuple[int, str, str]:
+    """(status, content type, body) of one request to the daemon's probe port."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, reply.headers.get("Content-Type", ""), reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Content-Type", ""), exc.read().decode()
+
+
+def threads_of(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads line")
+
+
+def test_healthz_readyz_and_metrics_answer_what_they_mean(daemon_factory):
+    """guarantees: Observability — /healthz is 200 "ok", /readyz 200 "ready" once the daemon serves,
+    /metrics the Prometheus text with its content type, any other path 404 (before: every path,
+    /healthz and /nope too, answered 200 with the metrics)."""
+    port = free_port()
+    d = daemon_factory(metrics_listen=f"127.0.0.1:{port}")
+    keys, payloads = make_blocks(2, seed=401)
+    with KVStoreClient(d.address, shared_memory=False) as client:
+        client.put(NS, [(k, 64, p) for k, p in zip(keys, payloads)])
+        client.get(keys, BLOCK)
+    assert http(port, "/healthz") == (200, "text/plain; charset=utf-8", "ok\n")
+    assert http(port, "/readyz") == (200, "text/plain; charset=utf-8", "ready\n")
+    assert http(port, "/readyz?verbose=1")[0] == 200
+    status, content_type, text = http(port, "/metrics")
+    assert status == 200 and content_type.startswith("text/plain; version=") and "charset=utf-8" in content_type
+    assert 'kvstore_hits_total{tier="cpu"} 2.0' in text
+    for path in ("/nope", "/", "/metrics/x", "/healthzz"):
+        assert http(port, path)[0] == 404, path
+    assert http(port, "/healthz", method="POST")[0] == 405
+    assert http(port, "/healthz", method="HEAD")[:2] == (200, "text/plain; charset=utf-8")
+    with grpc.insecure_channel(d.address) as channel:  # the gRPC probe, as docs/operations.md names it
+        check = health_pb2_grpc.HealthStub(channel).Check
+        for service in ("", "kvstore.v1.KVStore"):
+            assert check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as unknown:
+            check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_idle_connections_hold_no_thread_and_delay_no_probe(daemon_factory):
+    """guarantees: Observability — 100 idle connections to the probe port cost the daemon no thread
+    each, /healthz still answers within 2 s, a connection that sends no whole request within 2 s is
+    closed, and oversized headers are refused (before: a thread per connection, held for ever)."""
+    port = free_port()
+    d = daemon_factory(metrics_listen=f"127.0.0.1:{port}")
+    before = threads_of(d.proc.pid)
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(100)]
+    try:
+        slow = socket.create_connection(("127.0.0.1", port), timeout=5)
+        slow.sendall(b"GET /healthz HTTP/1.1\r\n")  # and never the end of its headers
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert http(port, "/healthz", timeout=2)[:1] == (200,)
+        assert time.monotonic() - started < 2
+        assert threads_of(d.proc.pid) - before < 5
+        # Each was given 2 s from its accept: by now every idle one and the slow one are closed.
+        time.sleep(2.0)
+        for conn in (*idle[:5], slow):
+            conn.settimeout(3)
+            assert conn.recv(100) == b"", "a connection that sent no request is still open"
+        slow.close()
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as big:
+            big.sendall(b"GET /healthz HTTP/1.1\r\nX-Filler: " + b"x" * 20000 + b"\r\n\r\n")
+            assert big.recv(100).startswith(b"HTTP/1.1 431 ")
+    finally:
+        for conn in idle:
+            conn.close()
+    assert http(port, "/healthz", timeout=2)[0] == 200
+
+
+def _config(folder: Path, port: int, **settings) -> DaemonConfig:
+    return DaemonConfig(**{"listen": f"unix:{folder / 'kvstore.sock'}", "cpu_capacity": 64 * 2**20,
+                           "disk_path": str(folder / "disk"), "disk_capacity": 256 * 2**20, "disk_fsync": False,
+                           "shm_index": False, "metrics_listen": f"127.0.0.1:{port}",
+                           "tenant_secret_file": str(folder / "tenant-secret"), **settings})
+
+
+async def _http(port: int, path: str) -> tuple[int, str]:
+    status, _, body = await asyncio.to_thread(http, port, path)
+    return status, body
+
+
+async def _until_listening(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.02)
+
+
+def test_readyz_is_starting_before_the_daemon_serves_and_stopping_while_writes_drain(short_tmp, monkeypatch):
+    """guarantees: Observability — /readyz answers 503 "starting" until gRPC serves (tiers opened,
+    disk index rebuilt, store started) and 503 "stopping" from the first moment of a graceful stop,
+    while its queued writes drain; /healthz stays 200 throughout; the port closes once stopped."""
+    port = free_port()
+    gate = asyncio.Event()
+    serving = daemon_module._set_serving
+
+    async def held_serving(servicer):  # the start held just before it declares itself serving
+        await gate.wait()
+        await serving(servicer)
+
+    monkeypatch.setattr(daemon_module, "_set_serving", held_serving)
+
+    async def scenario() -> None:
+        daemon = Daemon(_config(short_tmp, port))
+        starting = asyncio.create_task(daemon.start())
+        await _until_listening(port)
+        assert await _http(port, "/readyz") == (503, "starting\n")
+        assert await _http(port, "/healthz") == (200, "ok\n")
+        assert not starting.done()
+        gate.set()
+        await starting
+        assert await _http(port, "/readyz") == (200, "ready\n")
+
+        disk = daemon.store.tiers[1]
+        put = disk.put
+
+        def slow_put(header, payload):  # a slow lower tier: each write-behind copy takes 0.2 s
+            time.sleep(0.2)
+            return put(header, payload)
+
+        disk.put = slow_put
+        blocks = [make_block(900 + i) for i in range(8)]
+        for header, payload in blocks:
+            await daemon.store.put(header, payload)
+        stopping = asyncio.create_task(daemon.stop())
+        await asyncio.sleep(0.05)
+        assert daemon.store.queue_depth > 0 and not stopping.done()
+        assert await _http(port, "/readyz") == (503, "stopping\n")
+        assert await _http(port, "/healthz") == (200, "ok\n")
+        await stopping
+        assert all(header.key in disk for header, _ in blocks)  # drained: a graceful stop
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+    asyncio.run(scenario())
+
+
+def test_a_wedged_event_loop_fails_liveness_and_an_unreachable_top_tier_readiness(short_tmp, monkeypatch):
+    """guarantees: Observability — /healthz answers 503 once the daemon's event loop has not run for
+    the stall limit (10 s; here 0.5 s), and 200 again when it runs; /readyz is 503 naming the top
+    tier while that tier is unavailable."""
+    port = free_port()
+
+    async def scenario() -> None:
+        daemon = Daemon(_config(short_tmp, port))
+        await daemon.start()
+        try:
+            assert await _http(port, "/healthz") == (200, "ok\n")
+            daemon.probes.stall_s = 0.5
+            seen: list[tuple[int, str, str]] = []
+            probe = threading.Thread(target=lambda: (time.sleep(1.0), seen.append(http(port, "/healthz"))))
+            probe.start()
+            time.sleep(1.6)  # the loop wedged: nothing on it runs
+            probe.join()
+            assert seen[0][0] == 503 and seen[0][2].startswith("event loop stalled for "), seen
+            await asyncio.sleep(0.1)  # it runs again: the heartbeat is stamped
+            assert await _http(port, "/healthz") == (200, "ok\n")
+
+            with monkeypatch.context() as patched:
+                patched.setattr(type(daemon.store.tiers[0]), "available", property(lambda self: False))
+                assert await _http(port, "/readyz") == (503, "tier cpu unavailable\n")
+            assert await _http(port, "/readyz") == (200, "ready\n")
+        finally:
+            await daemon.stop(grace=0)
+
+    asyncio.run(scenario())
+
+
+def _start_lines(log: str) -> list[str]:
+    """The INFO lines of the last start in a daemon log (from its last "kvstore serving on")."""
+    lines = log.splitlines()
+    first = max(i for i, line in enumerate(lines) if "kvstore serving on" in line)
+    return lines[first:first + 4]
+
+
+def test_the_start_log_says_what_the_daemon_is(daemon_factory):
+    """guarantees: Observability — the daemon logs at start its address, TLS, auth, tenants, metrics
+    and probe address, KV events, the summary interval, and each tier with its capacity, codec and
+    (disk) the blocks its index rebuild found (before: the address and tier sizes only)."""
+    port = free_port()
+    settings = dict(log_level="INFO", metrics_listen=f"127.0.0.1:{port}", disk_codec="int8")
+    d = daemon_factory("d0", **settings)
+    text = "\n".join(_start_lines(d.log.read_text()))
+    assert f"kvstore serving on unix:{d.socket}, TLS off, auth: no token, tenants: 0;" in text
+    assert f"metrics and probes: http://127.0.0.1:{port} (/metrics, /healthz, /readyz)" in text
+    assert "KV events: off" in text and "summary: every 60 s" in text
+    assert re.search(r"tiers: cpu 64\.0 MiB, codec as put; disk [\d.]+ MiB, codec int8 at \S+: 0 blocks \(0 B\) "
+                     r"found on disk", text), text
+    keys, payloads = make_blocks(3, seed=402)
+    with KVStoreClient(d.address, shared_memory=False) as client:
+        client.put(NS, [(k, 64, p) for k, p in zip(keys, payloads)])
+    d.stop()  # drains the copies to disk
+
+    again = daemon_factory("d0", **settings)  # the same folder: a restart
+    text = "\n".join(_start_lines(again.log.read_text()))
+    assert re.search(r"disk [\d.]+ MiB, codec int8 at \S+: 3 blocks \([\d.]+ [KM]iB\) found on disk", text), text
+
+
+def test_a_summary_line_reports_each_interval_what_changed(daemon_factory):
+    """guarantees: Observability — with summary_interval, one INFO line each interval gives what
+    changed since the last: keys requested by RPC, hits by tier, misses, evictions, promotions,
+    write errors, dropped copies, and the queue depth; 0 turns it off."""
+    d = daemon_factory(log_level="INFO", summary_interval=0.5)
+    keys, payloads = make_blocks(3, seed=403)
+    with KVStoreClient(d.address, shared_memory=False) as client:
+        client.put(NS, [(k, 64, p) for k, p in zip(keys[:2], payloads[:2])])
+        assert client.get(keys, BLOCK)[2] is None  # 2 hits, 1 miss
+    time.sleep(2.0)
+    lines = [line for line in d.log.read_text().splitlines() if "summary of the last 0.5 s:" in line]
+    assert len(lines) >= 2, lines
+    pattern = re.compile(r"requested (\d+).*, hits (\d+).*, misses (\d+), evictions (\d+), promotions (\d+), "
+                         r"write errors (\d+), copies dropped (\d+); queue depth (\d+)$")
+    counts = [tuple(int(n) for n in pattern.search(line).groups()) for line in lines]
+    assert sum(c[0] for c in counts) == 3 and sum(c[1] for c in counts) == 2 and sum(c[2] for c in counts) == 1
+    assert any("requested 3 (get 3)" in line or "(get " in line for line in lines), lines  # by RPC
+    assert any("(cpu " in line for line in lines), lines  # by tier
+    assert counts[-1] == (0, 0, 0, 0, 0, 0, 0, 0), lines  # deltas, not totals
+
+    with pytest.raises(ValueError, match="summary_interval must be 0"):
+        load_config(overrides={"summary_interval": "-1"}, environ={})
+    assert load_config(overrides={"summary_interval": "0"}, environ={}).summary_interval == 0
