@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import numpy as np
 import pytest
@@ -314,6 +315,10 @@ def test_another_host_sharing_the_bucket_decodes_auto_coded_blocks(daemon_factor
     with KVStoreClient(a.address) as client:
         client.put(AUTO_NS, [(k, 256, b) for k, b in zip(keys[:4], blocks[:4])])
         wait_for(lambda: published(client, short_tmp))
+        # The calibration's Put is durable (S3 here): the daemon codes blocks once it returned, which
+        # is after the calibration shows in a Lookup; wait for the sample and it to be in S3.
+        wait_for(lambda: client.stats()["tiers"]["s3"]["blocks"] >= 5)
+        time.sleep(0.2)
         client.put(AUTO_NS, [(k, 256, b) for k, b in zip(keys[4:], blocks[4:])])
         wait_for(lambda: client.stats()["tiers"]["s3"]["blocks"] >= 8)  # 7 blocks and the calibration
     assert a.log.read_text().count("calibrated namespace") == 1 and "from 4 blocks" in a.log.read_text()

@@ -329,8 +329,11 @@ def _cli(*args: object, env: dict[str, str] | None = None) -> subprocess.Popen:
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     child_env["PYTHONPATH"] = str(ROOT)
     child_env.update(env or {})
+    # SIGINT as a terminal leaves it: a runner started in the background (`cmd &`) ignores SIGINT,
+    # and a child would inherit that and never see the Ctrl-C these tests send.
     return subprocess.Popen([sys.executable, "-m", "kvstore.cli", *map(str, args)], env=child_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.mark.slow
