@@ -45,20 +45,23 @@ def test_no_tenant_can_pin_or_lease_the_cache_away_from_another(daemon_factory, 
     keys_b, payloads_b = make_blocks(300, seed=32)
     with KVStoreClient(d.address, token=TOKEN_A) as a, KVStoreClient(d.address, token=TOKEN_B) as b:
         _put_all(a, keys_a, payloads_a)
+        recent = keys_a[::-1]                           # most recently stored first: in the CPU tier
         pinned = 0
         with pytest.raises(grpc.RpcError) as refused:
-            for i in range(0, len(keys_a), 4):
-                pinned += a.pin(keys_a[i:i + 4])
+            for i in range(0, len(recent), 4):
+                pinned += a.pin(recent[i:i + 4])
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "bound" in refused.value.details() and "'a'" in refused.value.details()
         bound_blocks = (16 * 2**20 // 2 // 2) // BLOCK
         assert 0 < pinned <= bound_blocks
+        held = recent[:pinned]
+        assert a.lookup(held).tiers == ("cpu",) * pinned
         hits = a.lookup(keys_a, lease_s=30).hits        # renewable leases: bounded by the same bytes
         assert hits > 0
         _put_all(b, keys_b, payloads_b)                 # never refused for A's holds
         assert b.get(keys_b[-40:], BLOCK) == [p.tobytes() for p in payloads_b[-40:]]
-        assert a.get(keys_a[:pinned], BLOCK) == [p.tobytes() for p in payloads_a[:pinned]]   # pins held
-        assert a.lookup(keys_a[:pinned]).tiers == ("cpu",) * pinned
+        assert a.get(held, BLOCK) == [p.tobytes() for p in payloads_a[::-1][:pinned]]   # pins held
+        assert a.lookup(held).tiers == ("cpu",) * pinned
     log = d.log.read_text()
     assert log.count("leases refused") == 1, log[-2000:]    # one line, not one per lease
 
