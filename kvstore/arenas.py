@@ -147,9 +147,14 @@ class ArenaRegistry:
         self._entries[arena_id] = entry
         return arena_id, entry
 
-    def attach(self, arena_id: int, arena: Arena) -> None:
-        """The reserved arena's pages: it resolves for its tenant from now on."""
-        self._entries[arena_id].arena = arena
+    def attach(self, arena_id: int, arena: Arena) -> bool:
+        """The reserved arena's pages: it resolves for its tenant from now on. False when the
+        reservation is gone (its connection closed while the pages were made): the caller drops them."""
+        entry = self._entries.get(arena_id)
+        if entry is None:
+            return False
+        entry.arena = arena
+        return True
 
     def cancel(self, arena_id: int) -> None:
         """Forget a reservation that got no pages."""
@@ -360,7 +365,10 @@ class ArenaSocket:
         except BaseException:
             self.registry.cancel(arena_id)
             raise
-        self.registry.attach(arena_id, arena)
+        if not self.registry.attach(arena_id, arena):
+            arena.close()
+            os.close(fd)
+            raise ConnectionError("the connection closed while its arena was made")
         return arena_id, fd, entry
 
     @staticmethod

@@ -131,7 +131,7 @@ def readable_by_others(path: str | os.PathLike) -> str | None:
         mode = os.stat(path).st_mode
     except OSError:
         return None
-    if not mode & (stat.S_IRWXG | stat.S_IRWXO):
+    if not mode & (stat.S_IRGRP | stat.S_IROTH):
         return None
     return f"{path}: group or others may read it (mode {stat.S_IMODE(mode):04o}), tokens included: chmod 600 it"
 

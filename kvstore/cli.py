@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 
-from kvstore.config import ENV_PREFIX, DaemonConfig, default_listen, load_config, read_text
+from kvstore.config import ENV_PREFIX, DaemonConfig, default_listen, format_size, load_config, read_text
 from tiers.base import TierError
 
 _FIELD_HELP = {
@@ -200,8 +200,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"{'tier':<6} {'blocks':>8} {'used':>12} {'capacity':>12} {'hits':>8} {'evictions':>9} "
           f"{'promoted':>8} {'demoted':>8} {'corrupt':>7}")
     for name, t in stats["tiers"].items():
-        capacity = _size(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
-        print(f"{name:<6} {t['blocks']:>8} {_size(t['used_bytes']):>12} {capacity:>12} "
+        capacity = format_size(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
+        print(f"{name:<6} {t['blocks']:>8} {format_size(t['used_bytes']):>12} {capacity:>12} "
               f"{t['hits']:>8} {t['evictions']:>9} {t['promotions_in']:>8} {t['demotions_in']:>8} {t['corrupt']:>7}")
     print(f"misses {stats['misses']}  pinned {stats['pinned']}  queue {stats['queue_depth']} "
           f"(dropped {stats['queue_dropped']})  arenas {stats['arenas']}  write errors {stats['write_errors']}")
@@ -408,14 +408,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from compression import calibrate  # the transform codec's calibration (kvtc): needs torch
 
     return calibrate.run(args)
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return str(n)
 
 
 def _namespace_arguments(parser: argparse.ArgumentParser) -> None:

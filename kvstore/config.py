@@ -48,6 +48,15 @@ def parse_size(value: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def format_size(n: float) -> str:
+    """2147483648 -> "2.0 GiB", 512 -> "512 B": what logs and ``kvstore stats`` print."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            break
+        n /= 1024
+    return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+
+
 def _parse_bool(value: str | bool) -> bool:
     if isinstance(value, bool):
         return value

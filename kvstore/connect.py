@@ -18,13 +18,13 @@ import logging
 import os
 import socket
 import ssl
-import stat
 import tomllib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import grpc
 
+from kvstore.auth import readable_by_others
 from kvstore.config import is_loopback_host
 
 log = logging.getLogger(__name__)
@@ -176,15 +176,15 @@ class TokenBook:
     @classmethod
     def read(cls, path: str | os.PathLike) -> "TokenBook":
         try:
-            text = open(path, encoding="utf-8").read()
-            mode = os.stat(path).st_mode
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
         except OSError as exc:
             raise ValueError(f"cannot read the token file {path}: {exc.strerror}") from None
         except UnicodeDecodeError:
             raise ValueError(f"the token file {path} is not UTF-8 text") from None
-        if mode & (stat.S_IRGRP | stat.S_IROTH):
-            log.warning("the token file %s is readable by other users (mode %o): chmod 600 %s",
-                        path, stat.S_IMODE(mode), path)
+        warning = readable_by_others(path)
+        if warning:
+            log.warning("token file %s", warning)
         try:
             parsed = tomllib.loads(text)
         except tomllib.TOMLDecodeError:
@@ -255,8 +255,6 @@ def explain(exc: grpc.RpcError, address: str, tls: ClientTLS | None, token: str 
     if code == grpc.StatusCode.UNAUTHENTICATED:
         given = "" if token else " (none was given)"
         return f"{address} refused the bearer token{given}: pass the daemon's token with {names.token}"
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return None
     if code == grpc.StatusCode.UNAVAILABLE and probe_timeout > 0:
         return diagnose(address, tls, probe_timeout, names)
     return None

@@ -22,7 +22,7 @@ from kvstore.arenas import ArenaRegistry, ArenaSocket
 from kvstore.auth import TenantDirectory, s3_mac_key
 from kvstore.autocal import AUTO_SPEC, MAX_CALIBRATION_BYTES, AutoCalibrator, CalibrationTooLarge
 from kvstore.block import BlockHeader, payload_checksum
-from kvstore.config import DaemonConfig
+from kvstore.config import DaemonConfig, format_size
 from kvstore.events import EventPublisher
 from kvstore.instance_lock import InstanceLock
 from kvstore.metrics import Metrics
@@ -84,7 +84,8 @@ def check_settings(config: DaemonConfig) -> None:
     a CPU tier larger than the memory this machine (or its cgroup) has available (the arena's
     allocation would say only "Cannot allocate memory", or the prefault would take the machine's
     memory), and a disk or S3 codec naming a kvtc calibration this daemon cannot find (every
-    write to that tier would fail, logged per write)."""
+    write to that tier would fail, logged per write). Calibrations are looked for where this
+    process's kvtc codecs look (``CALIBRATION_DIR_ENV``, set by the daemon from calibration_dir)."""
     if config.cpu_capacity:
         from tiers.cpu import memory_shortfall
 
@@ -93,8 +94,6 @@ def check_settings(config: DaemonConfig) -> None:
             raise ValueError(f"cpu_capacity {short}: lower --cpu-capacity")
     from compression import calibration_store
 
-    if config.calibration_dir:  # where this process's kvtc codecs look (as Daemon sets it below)
-        os.environ[CALIBRATION_DIR_ENV] = config.calibration_dir
     for setting, spec, used in (("disk_codec", config.disk_codec, bool(config.disk_path)),
                                 ("s3_codec", config.s3_codec, bool(config.s3_bucket))):
         head = spec.split("+")[0]
@@ -137,6 +136,8 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.metrics = Metrics()
+        if config.calibration_dir:  # this process's kvtc codecs read it (compression/calibration_store.py)
+            os.environ[CALIBRATION_DIR_ENV] = config.calibration_dir
         check_settings(config)  # before any tier is made: what would fail later, named now
         tiers = build_tiers(config)
         for tier in tiers:
@@ -147,8 +148,6 @@ class Daemon:
         codecs = [None if t is tiers[0] or configured.get(t.name, "raw") == "raw" else configured[t.name]
                   for t in tiers]
         #: kvtc@auto: the daemon calibrates each namespace from its first blocks (kvstore/autocal.py)
-        if config.calibration_dir:  # this process's kvtc decodes read it too (compression/calibration_store.py)
-            os.environ[CALIBRATION_DIR_ENV] = config.calibration_dir
         self.autocal = AutoCalibrator(config.auto_calibration_tokens, publish=self._publish_calibration,
                                       metrics=self.metrics, layer_group=config.auto_layer_group,
                                       max_calibration_bytes=min(MAX_CALIBRATION_BYTES, config.max_message_bytes // 2)
@@ -344,10 +343,10 @@ class Daemon:
             codec = self.store.codecs[level]
             codec = ("as put" if level == 0 else "raw" if codec is None
                      else codec if isinstance(codec, str) else AUTO_SPEC)
-            size = _size(tier.capacity_bytes) if tier.capacity_bytes else "unbounded"
+            size = format_size(tier.capacity_bytes) if tier.capacity_bytes else "unbounded"
             found = ""
             if isinstance(tier, DiskTier):  # what its index rebuild found
-                found = f" at {tier.root}: {len(tier)} blocks ({_size(tier.used_bytes)}) found on disk"
+                found = f" at {tier.root}: {len(tier)} blocks ({format_size(tier.used_bytes)}) found on disk"
                 if tier.corrupt_on_start:
                     found += f", {tier.corrupt_on_start} corrupt ones deleted"
             elif tier.shared:
@@ -405,14 +404,6 @@ class Daemon:
         self._chores = []
         if self.probes is not None:
             self.probes.close()
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            break
-        n /= 1024
-    return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
 
 
 def _http_host(address: str) -> str:

@@ -254,8 +254,7 @@ class EventPublisher:
         self._pending: deque[tuple[int, int, bytes, int]] = deque()
         self._pending.append((_CLEARED, 0, b"", 0))  # consumers drop what an earlier run published
         #: (seq, payload) of the last batches, oldest first, one entry per seq: a seq lost to the full
-        #: queue has payload None, so that a seq's entry is at index seq - first seq.
-        #: (seq, payload or None for a gap) of the last batches, seqs consecutive; within
+        #: queue has payload None, so that a seq's entry is at index seq - first seq. Within
         #: ``replay_batches`` batches and REPLAY_BYTES bytes (`_keep`).
         self._buffer: deque[tuple[int, bytes | None]] = deque()
         self._buffer_bytes, self._replay_batches = 0, replay_batches

@@ -34,9 +34,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
-from kvstore.block import BlockHeader, CorruptBlockError, payload_checksum
+from kvstore.block import BlockHeader, payload_checksum
 from kvstore.holds import STREAM_HOLD_S, HoldRefused, Holds
 from kvstore.keys import KVLayout, LookupResult
+from kvstore.log_limit import LogLimit
 from kvstore.metrics import Metrics
 from kvstore.promotion import Promoter
 from kvstore.reads import OFFLOAD_GET_BYTES, BlockGoneError, GetResult, Reader
@@ -96,7 +97,7 @@ class BlockStore:
         self.holds = Holds(self.hold_bound if hold_share is not None else None)
         #: One discovery in flight per tenant: a tenant's flood of Lookups waits behind itself.
         self._discovering: dict[str, asyncio.Lock] = {}
-        self._error_log = _ErrorLog()
+        self._error_log = LogLimit()
         self.reads = Reader(self)
         self.promoter = Promoter(self)
         self.write_behind = WriteBehind(self, queue_depth)
@@ -435,7 +436,11 @@ class BlockStore:
     def pin(self, keys: list[bytes], owner: str = "") -> int:
         """Keep blocks from eviction in every tier holding them, all or none; HoldRefused when
         ``owner`` would pass its bound (:meth:`hold_bound`). Caller checks they exist."""
-        return self.holds.pin([(k, self.header(k).block_len) for k in keys], owner)
+        try:
+            return self.holds.pin([(k, self.header(k).block_len) for k in keys], owner)
+        except HoldRefused:
+            self.metrics.holds_refused.labels("pin").inc()
+            raise
 
     def unpin(self, keys: list[bytes]) -> int:
         return self.holds.unpin(keys)
@@ -522,24 +527,3 @@ class BlockStore:
             self.metrics.blocks.labels(tier.name).set(len(tier))
         self.write_behind.refresh_gauges()
 
-
-class _ErrorLog:
-    """Admits one log line per kind a minute and counts the rest (see ``count_write_error``)."""
-
-    WINDOW_S = 60.0
-
-    def __init__(self) -> None:
-        self._kinds: dict[tuple, list] = {}  # kind -> [window start (monotonic s), suppressed]
-
-    def admit(self, kind: tuple) -> int | None:
-        """None: stay silent; else log now, saying how many were suppressed since the last line."""
-        now = time.monotonic()
-        entry = self._kinds.get(kind)
-        if entry is None or now - entry[0] >= self.WINDOW_S:
-            if len(self._kinds) > 1024:
-                self._kinds.clear()
-            suppressed = entry[1] if entry is not None else 0
-            self._kinds[kind] = [now, 0]
-            return suppressed
-        entry[1] += 1
-        return None

@@ -27,6 +27,7 @@ from kvstore.block import BlockHeader
 from kvstore.budget import BudgetExhausted, ByteBudget
 from kvstore.keys import KEY_BYTES
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYER_COPIES, MAX_LAYERS, MAX_LEASE_MS
+from kvstore.log_limit import LogLimit
 from kvstore.placement import STREAM_HOLD_S, BlockGoneError, BlockStore, GetResult, HoldRefused
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -158,7 +159,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         #: Inline Get reply bytes in flight, all calls together (default: one message's worth).
         self.inline = ByteBudget(max_inline_bytes or max_message_bytes, "inline Get replies")
         self._usage: dict[str, _Usage] = defaultdict(_Usage)
-        self._refusals = _Refusals()
+        #: Lines about refused holds: one per tenant a minute (a client renewing leases in a loop).
+        self._refusals = LogLimit()
 
     def _tenant(self, context, operator: bool = False) -> Tenant:
         """The caller's tenant; the operator (admin token) only where ``operator`` (Clear, Stats)."""
@@ -240,9 +242,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if request.lease_ms and result.hits:
             seconds = min(request.lease_ms, MAX_LEASE_MS) / 1000
             refused = sum(not self.store.lease(key, seconds, tenant.name) for key in keys[: result.hits])
-            if refused:
-                self._refusals.say(tenant, f"{refused} of {result.hits} leases refused: they would take it past "
-                                           f"its bound of {self.store.hold_bound(tenant.name)} pinned and leased bytes")
+            if refused and self._refusals.admit(tenant.name) is not None:
+                log.warning("%s: %d of %d leases refused: they would take it past its bound of %d held bytes",
+                            f"tenant {tenant.name!r}" if tenant.name else "anonymous client", refused, result.hits,
+                            self.store.hold_bound(tenant.name))
         if tenant.name:
             usage = self._usage[tenant.name]
             usage.requested += len(keys)
@@ -457,11 +460,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise BadRequest(grpc.StatusCode.NOT_FOUND, f"cannot pin {len(missing)} keys that are not stored "
                                                         f"(first: keys[{keys.index(missing[0])}])")
         self.store.claim(keys, tenant.name)
-        try:
-            return pb.CountResponse(count=self.store.pin(keys, tenant.name))
-        except HoldRefused:
-            self.store.metrics.holds_refused.labels("pin").inc()
-            raise
+        return pb.CountResponse(count=self.store.pin(keys, tenant.name))
 
     @_rpc
     async def Unpin(self, request: pb.KeysRequest, context) -> pb.CountResponse:
@@ -518,22 +517,6 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         except ArenaNotFound as exc:
             raise BadRequest(grpc.StatusCode.NOT_FOUND, str(exc)) from None
         return pb.CountResponse(count=1)
-
-
-class _Refusals:
-    """One log line per tenant a minute for holds refused (a client renewing leases in a loop
-    writes no flood of lines)."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-
-    def say(self, tenant: Tenant, what: str) -> None:
-        now = time.monotonic()
-        if now - self._last.get(tenant.name, -60.0) >= 60.0:
-            if len(self._last) > 4096:
-                self._last.clear()
-            self._last[tenant.name] = now
-            log.warning("%s: %s", f"tenant {tenant.name!r}" if tenant.name else "anonymous client", what)
 
 
 async def _write(context, message) -> None:
