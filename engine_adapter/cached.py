@@ -186,7 +186,7 @@ class CachedEngine:
         with torch.inference_mode():
             for c in range(present, len(keys)):
                 self.model(torch.tensor(context_ids[c * n : (c + 1) * n], dtype=torch.long), kv, c * n, last_only=True)
-                self.client.put(self.namespace, [(keys[c], n, kv.export(c * n, (c + 1) * n))])
+                self.client.put(self.namespace, [(keys[c], n, kv.export(c * n, (c + 1) * n), keys[c - 1] if c else b"")])
                 if progress:
                     progress(1)
         return len(keys) - present, present

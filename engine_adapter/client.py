@@ -319,14 +319,17 @@ class KVStoreClient:
 
     def put(self, namespace: Namespace, blocks: Sequence[tuple[bytes, int, Any]], codec: str = "raw",
             codec_params: dict[str, Any] | None = None, durable: bool = False) -> int:
-        """Store ``(key, tokens, payload)`` blocks of one namespace; returns how many were stored.
+        """Store ``(key, tokens, payload)`` blocks of one namespace, or ``(key, tokens, payload,
+        parent)`` with the key before it in its prefix chain (the daemon then evicts a chain's last
+        blocks before its first); returns how many were stored.
 
         ``durable``: return only once a durable tier (fsynced disk, S3) holds them; otherwise a
         Put is acknowledged once the daemon's top tier holds them (see docs/guarantees.md).
         """
         layout = layout_message(namespace.layout)
         params = json.dumps(codec_params) if codec_params else ""
-        views = [payload_view(payload) for _, _, payload in blocks]
+        views = [payload_view(block[2]) for block in blocks]
+        parents = [(block[3] or b"") if len(block) > 3 else b"" for block in blocks]
         stored = 0
         for batch in self._batches([len(v) for v in views]):
             metas = [pb.BlockMeta(key=blocks[i][0], namespace=namespace.id, tokens=blocks[i][1],
@@ -334,7 +337,8 @@ class KVStoreClient:
                                   codec=codec, codec_params_json=params, payload_len=len(views[i]))
                      for i in batch]
             if self._arena is None:
-                items = [pb.PutItem(meta=meta, inline=views[i].tobytes()) for meta, i in zip(metas, batch)]
+                items = [pb.PutItem(meta=meta, inline=views[i].tobytes(), parent=parents[i])
+                         for meta, i in zip(metas, batch)]
                 stored += self._call(self._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
                 continue
             with self._slices([len(views[i]) for i in batch]) as offsets:
@@ -343,7 +347,8 @@ class KVStoreClient:
                     n = len(views[i])
                     self._arena.buffer[offset : offset + n] = views[i]
                     items.append(pb.PutItem(meta=meta, slice=pb.ArenaSlice(arena_id=self._arena_id,
-                                                                          offset=offset, length=n)))
+                                                                          offset=offset, length=n),
+                                            parent=parents[i]))
                 stored += self._call(self._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
         return stored
 

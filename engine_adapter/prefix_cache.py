@@ -280,8 +280,9 @@ class PrefixCache:
             return
         self.ok()
 
-    def put(self, blocks: Sequence[tuple[bytes, int, torch.Tensor]], durable: bool = False) -> bool:
-        """Put ``blocks`` (``(key, tokens, payload)``) now; False when the daemon is down or failed.
+    def put(self, blocks: Sequence[tuple], durable: bool = False) -> bool:
+        """Put ``blocks`` (``(key, tokens, payload)``, or with the key before it in its chain last:
+        `KVStoreClient.put`) now; False when the daemon is down or failed.
         ``durable``: return once a durable tier (fsynced disk, S3) holds them."""
         client = self.client() if blocks else None
         if client is None:
@@ -301,7 +302,8 @@ class PrefixCache:
         """Put ``chunk(c)`` under ``keys[c]`` for each c in ``chunks`` from the store thread
         (see `store_blocks_async`)."""
         n = self.namespace.chunk_tokens
-        self.store_blocks_async(len(chunks), lambda i: (keys[chunks[i]], n, chunk(chunks[i])), done)
+        self.store_blocks_async(len(chunks), lambda i: (keys[chunks[i]], n, chunk(chunks[i]),
+                                                        keys[chunks[i] - 1] if chunks[i] else b""), done)
 
     def store_room(self) -> int:
         """How many more blocks the store thread takes now (``max_queued`` bounds it)."""

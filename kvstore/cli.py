@@ -35,6 +35,9 @@ _FIELD_HELP = {
     "disk_codec": "codec of blocks moved down to disk: raw, int8, int4, int8+shuffle+zstd, kvtc@ID (kvstore calibrate), "
                   "kvtc@auto (calibrated per namespace from its first blocks), ... (docs/compression.md)",
     "write_policy": "write-through (every put also goes down) or write-back (only on eviction)",
+    "eviction": "prefix-lru (a prompt's last blocks go before its first: what stays is still a hit) "
+                "or lru (ignores chains); docs/policy.md",
+    "admission": "which blocks lower tiers take: all, or reused (only blocks read since they were stored)",
     "s3_bucket": "S3 tier bucket ('' disables the tier); credentials from boto3's chain (AWS_ACCESS_KEY_ID, AWS_PROFILE, role)",
     "s3_endpoint": "S3-compatible endpoint URL, e.g. http://minio:9000 ('' for AWS S3)",
     "s3_prefix": "key prefix in the bucket; hosts sharing a cache use the same bucket and prefix",

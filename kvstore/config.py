@@ -30,6 +30,10 @@ from typing import Any, Mapping
 
 ENV_PREFIX = "KVSTORE_"
 WRITE_POLICIES = ("write-through", "write-back")
+#: Eviction orders a tier may keep (kvstore/residency.py) and which blocks lower tiers take
+#: (kvstore/placement.py); the first of each is the default.
+EVICTION_POLICIES = ("prefix-lru", "lru")
+ADMISSION_POLICIES = ("all", "reused")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: sun_path holds 108 bytes with the terminating NUL.
 MAX_SOCKET_PATH_BYTES = 107
@@ -145,6 +149,13 @@ class DaemonConfig:
     #: write-through: every put is also queued for the lower tiers; write-back: blocks move down
     #: only when evicted.
     write_policy: str = "write-through"
+    #: Eviction order in each tier (docs/policy.md): "prefix-lru" evicts a chain's last blocks
+    #: before its first, so what stays of a prompt is still a hit; "lru" (before 2026-12) ignores
+    #: chains.
+    eviction: str = "prefix-lru"
+    #: Which blocks lower tiers take (docs/policy.md): "all"; "reused": only blocks read since they
+    #: were stored (a block nobody asked for again is not written to disk or S3).
+    admission: str = "all"
     #: S3 tier: bucket name; "" disables the tier. Credentials come from boto3's standard chain
     #: (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, instance or pod role).
     s3_bucket: str = ""
@@ -256,6 +267,10 @@ class DaemonConfig:
             raise ValueError(f"hold_share must be between 0 and 0.9 (a share of the smallest tier), got {self.hold_share}")
         if self.max_inline_bytes < 0:
             raise ValueError(f"max_inline_bytes must be 0 (max_message_bytes) or a size, got {self.max_inline_bytes}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
+        if self.admission not in ADMISSION_POLICIES:
+            raise ValueError(f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         for name, codec in (("disk_codec", self.disk_codec), ("s3_codec", self.s3_codec)):

@@ -37,6 +37,9 @@ class Metrics:
         self.evictions = Counter("kvstore_evictions", "Blocks evicted from a tier", ["tier"], registry=r)
         self.promotions = Counter("kvstore_promotions", "Blocks copied up into a tier", ["tier"], registry=r)
         self.demotions = Counter("kvstore_demotions", "Blocks moved down into a tier", ["tier"], registry=r)
+        self.not_admitted = Counter("kvstore_not_admitted", "Blocks a tier did not take (admission "
+                                    "\"reused\": never read since stored), at a Put or an eviction above it",
+                                    ["tier"], registry=r)
         self.corrupt = Counter("kvstore_corrupt_blocks", "Blocks that failed validation (deleted)", ["tier"], registry=r)
         self.write_errors = Counter("kvstore_write_errors", "Failed writes to a tier", ["tier"], registry=r)
         self.queue_dropped = Counter("kvstore_queue_dropped",

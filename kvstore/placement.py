@@ -35,6 +35,7 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator
 
 from kvstore.block import BlockHeader, payload_checksum
+from kvstore.config import ADMISSION_POLICIES, EVICTION_POLICIES
 from kvstore.holds import STREAM_HOLD_S, HoldRefused, Holds
 from kvstore.keys import KVLayout, LookupResult
 from kvstore.log_limit import LogLimit
@@ -66,12 +67,15 @@ class BlockStore:
                  queue_depth: int = 256, promote_on_get: bool = True, codecs: list[str | None] | None = None,
                  discover_timeout_s: float = DISCOVER_TIMEOUT_S, key_index: KeyIndexWriter | None = None,
                  events: EventPublisher | None = None, quotas: dict[str, int] | None = None,
-                 hold_share: float | None = None, tenants: int = 1) -> None:
+                 hold_share: float | None = None, tenants: int = 1, eviction: str = EVICTION_POLICIES[0],
+                 admission: str = ADMISSION_POLICIES[0]) -> None:
         if not tiers:
             raise ValueError("BlockStore needs at least one tier")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
+        if admission not in ADMISSION_POLICIES:
+            raise ValueError(f"admission must be one of {ADMISSION_POLICIES}, got {admission!r}")
         if codecs is not None and len(codecs) != len(tiers):
             raise ValueError(f"codecs must name one codec (or None) per tier: {len(codecs)} for {len(tiers)} tiers")
         #: Codec each tier re-encodes blocks into when the daemon copies them down (None: keep).
@@ -88,7 +92,10 @@ class BlockStore:
         #: Held by every change of what a tier holds, and by evictions.
         self.lock = asyncio.Lock()
         self.io = TierIO(tiers)
-        self.residency = Residency(tiers, self.io, key_index, events)
+        self.residency = Residency(tiers, self.io, key_index, events, eviction)
+        #: Which blocks lower tiers take (docs/policy.md): "all", or "reused": only blocks read
+        #: since they were stored (by write-through once read, and on eviction)
+        self.admission = admission
         #: Tenant -> most bytes it may hold in each tier it is charged in (0 or absent: no quota).
         self.quotas = dict(quotas or {})
         #: Share of the smallest bounded tier that all tenants' pins and leases may take together,
@@ -277,7 +284,7 @@ class BlockStore:
         self._layouts.setdefault(header.namespace, header.layout)
 
     async def put(self, header: BlockHeader, payload: memoryview, owner: str = "", quota: int = 0,
-                  durable: bool = False, hash_payload: bool = False) -> BlockHeader:
+                  durable: bool = False, hash_payload: bool = False, parent: bytes = b"") -> BlockHeader:
         """Store a block in the top tier (evicting as needed) and queue its copy to lower tiers;
         returns the header stored.
 
@@ -286,7 +293,8 @@ class BlockStore:
 
         ``owner`` with ``quota`` > 0: the owner may hold at most ``quota`` bytes in the top tier;
         its own least recently used blocks are evicted (demoted) first. ``durable``: return only
-        once a durable tier (fsynced disk, S3) holds the block. Raises ValueError for a layout
+        once a durable tier (fsynced disk, S3) holds the block. ``parent``: the key before it in its
+        chain (an eviction hint, ``Residency.link``). Raises ValueError for a layout
         that contradicts the namespace or a durable put without a durable tier, TierFullError when
         the block cannot fit even after evicting every unpinned block, TierError when the durable
         copy failed.
@@ -296,13 +304,16 @@ class BlockStore:
         if quota:
             self.quotas[owner] = quota
         async with self.lock:
+            self.residency.link(header.key, parent)
             header = await self.store_in(0, header, payload, hash_payload, owner=owner)
             self._note_layout(header)
         for level in range(1, durable_level + 1):
             if not await self.write_behind.copy(level, header.key):
                 raise TierError(f"the block could not be made durable in {self.tiers[durable_level].name}")
-        if self.write_through:
+        if self.write_through and (durable or self.admits(header.key)):
             self.write_behind.enqueue(durable_level + 1 if durable else 1, header.key)
+        elif self.write_through and len(self.tiers) > 1:
+            self.metrics.not_admitted.labels(self.tiers[1].name).inc()
         self.refresh_gauges()
         return header
 
@@ -395,9 +406,24 @@ class BlockStore:
         tier = self.tiers[level]
         return next((k for k in self.residency[level] if self.holds.evictable(tier, k)), None)
 
+    def admits(self, key: bytes) -> bool:
+        """May lower tiers take ``key`` now (``admission``)?"""
+        return self.admission == "all" or self.residency.reused(key)
+
+    def note_read(self, level: int, key: bytes) -> None:
+        """A Get found ``key`` in tier ``level``: under admission "reused" it now earns the copy
+        below that write-through skipped at its Put."""
+        if self.admission == "all" or self.residency.reused(key):
+            return
+        self.residency.mark_reused(key)
+        if self.write_through and level + 1 < len(self.tiers) and key not in self.tiers[level + 1]:
+            self.write_behind.enqueue(level + 1, key)
+
     async def _evict(self, level: int, key: bytes) -> None:
         if level + 1 < len(self.tiers) and key not in self.tiers[level + 1]:
-            if await self._copy_down(level, key):
+            if not self.admits(key):
+                self.metrics.not_admitted.labels(self.tiers[level + 1].name).inc()
+            elif await self._copy_down(level, key):
                 self.metrics.demotions.labels(self.tiers[level + 1].name).inc()
         await self.residency.delete(level, key)
         self.metrics.evictions.labels(self.tiers[level].name).inc()

@@ -78,7 +78,21 @@ class Reader:
         return None
 
     async def get_many_into(self, requests: list[tuple[bytes, memoryview]]) -> list[GetResult | None]:
-        """:meth:`get_into` for many blocks (one Get call); results in request order.
+        """:meth:`get_into` for many blocks (one Get call); results in request order. The hits are
+        used in each tier as one chain (``Residency.touch_chain``: a Get names a prompt's blocks
+        first to last)."""
+        results = await self._get_many_into(requests)
+        used: dict[str, list[bytes]] = {}
+        for (key, _), result in zip(requests, results):
+            if result is not None:
+                used.setdefault(result.tier, []).append(key)
+        for level, tier in enumerate(self.tiers):
+            if tier.name in used:
+                self._store.residency.touch_chain(level, used[tier.name])
+        return results
+
+    async def _get_many_into(self, requests: list[tuple[bytes, memoryview]]) -> list[GetResult | None]:
+        """The reads of :meth:`get_many_into`, the LRU not yet touched.
 
         Blocks whose highest copy is in a blocking tier are read in at most ``read_lanes`` executor
         calls (not one thread hop per block); so are blocks in a memory tier with thread-safe reads
@@ -105,7 +119,7 @@ class Reader:
             # One call: the GPU tier copies each run of pool- and destination-adjacent blocks at once.
             headers = self.tiers[level].read_many_into([requests[i] for i in indices])
             for i, header in zip(indices, headers):
-                results[i] = self._hit(level, requests[i][0], header)
+                results[i] = self._hit(level, requests[i][0], header, touch=False)
         if not blocking:
             return results
         loop = asyncio.get_running_loop()
@@ -124,7 +138,7 @@ class Reader:
             for i, outcome in zip(lane_indices, lane_outcomes):
                 key, dest = requests[i]
                 if isinstance(outcome, BlockHeader):
-                    results[i] = self._hit(level, key, outcome)
+                    results[i] = self._hit(level, key, outcome, touch=False)
                     continue
                 if isinstance(outcome, CorruptBlockError):
                     await self.drop_corrupt(level, key, outcome)
@@ -154,6 +168,7 @@ class Reader:
         results: list[GetResult | None] = [None] * len(requests)
         layered: list[tuple[memoryview, object, BlockHeader, Tier, bytes, bool]] = []
         whole: list[int] = []
+        used: dict[int, list[bytes]] = {}  # tier level -> keys streamed from it, in request order
         for i, (key, dest) in enumerate(requests):
             level = self._store.locate(key)
             tier = self.tiers[level] if level is not None else None
@@ -166,8 +181,11 @@ class Reader:
                 continue
             header = tier.header(key)
             held = holds.hold(key, header.block_len, owner)
-            results[i] = self._hit(level, key, header)
+            results[i] = self._hit(level, key, header, touch=False)
+            used.setdefault(level, []).append(key)
             layered.append((dest, source, header, tier, key, held))
+        for level, keys in used.items():
+            self._store.residency.touch_chain(level, keys)
         try:
             if whole:
                 found = await self.get_many_into([requests[i] for i in whole])
@@ -189,10 +207,12 @@ class Reader:
                 if held:
                     holds.unhold(key)
 
-    def _hit(self, level: int, key: bytes, header: BlockHeader) -> GetResult:
+    def _hit(self, level: int, key: bytes, header: BlockHeader, touch: bool = True) -> GetResult:
         store = self._store
         tier = self.tiers[level]
-        store.residency.touch(level, key)
+        if touch:
+            store.residency.touch(level, key)
+        store.note_read(level, key)
         store.metrics.hits.labels(tier.name).inc()
         store.metrics.bytes_out.labels(tier.name).inc(header.payload_len)
         if level > 0 and store.promote_on_get:

@@ -14,6 +14,12 @@ discovery) before :meth:`Residency.adopt_shared` takes them in here.
 
 Runs on the store's event loop; callers hold the store lock for changes (a read's ``touch`` needs
 none: no await).
+
+Eviction order (``eviction``, docs/policy.md): ``lru`` keeps each tier's keys in the order they were
+last used. ``prefix-lru`` knows chains: a Put names the key before each block (its parent), and
+whenever a block enters or is used in a tier its ancestors there are used right after it, so a
+chain's first blocks are always more recent than its last and a tier evicts a chain from its end:
+what stays is a prefix, still a hit (a Lookup's run may span tiers). Walks are bounded (`MAX_WALK` ancestors), so a forged chain costs its tenant's own Put.
 """
 
 from __future__ import annotations
@@ -22,12 +28,16 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Iterator
 
 from kvstore.block import BlockHeader
+from kvstore.config import EVICTION_POLICIES
 from kvstore.shm_index import KeyIndexWriter
 from kvstore.tier_io import TierIO
 from tiers.base import Tier
 
 if TYPE_CHECKING:
     from kvstore.events import EventPublisher
+
+#: Most ancestors one use refreshes: a chain of 1,024 blocks is 256k tokens of 256-token chunks.
+MAX_WALK = 1024
 
 
 class TierLRU:
@@ -118,11 +128,18 @@ class Residency:
     """The LRU of every tier (level 0 = top), mirrored into the key index and the event stream."""
 
     def __init__(self, tiers: list[Tier], io: TierIO, key_index: KeyIndexWriter | None = None,
-                 events: EventPublisher | None = None) -> None:
+                 events: EventPublisher | None = None, eviction: str = EVICTION_POLICIES[0]) -> None:
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
         self.tiers = tiers
         self._io = io
         self._index, self._events = key_index, events
         self._lru = [TierLRU() for _ in tiers]
+        self._chains = eviction == "prefix-lru"
+        #: key -> the key before it in its chain, while some tier holds it (prefix-lru only)
+        self._parent: dict[bytes, bytes] = {}
+        #: keys read since they were stored (lower-tier admission ``reused``), while some tier holds them
+        self._reused: set[bytes] = set()
         for level, tier in enumerate(tiers):
             for key in tier.keys():
                 self._added(level, key, oldest=False)
@@ -161,13 +178,28 @@ class Residency:
         return header
 
     def record(self, level: int, key: bytes, owner: str | None = None) -> None:
-        """Tier ``level`` holds ``key`` now (most recently used): a copy written outside the lock.
-        Its bytes there are charged to ``owner`` (None: the key's owner in another tier, if any)."""
+        """Tier ``level`` holds ``key`` now (most recently used, then its ancestors there): a copy
+        written outside the lock. Its bytes there are charged to ``owner`` (None: the key's owner
+        in another tier, if any)."""
         if owner is None:
             owner = self.owner(key)
         self._added(level, key, oldest=False)
         if owner:
             self._lru[level].set_owner(key, owner, self.tiers[level].header(key).block_len)
+        self._touch_ancestors(level, key)
+
+    def link(self, key: bytes, parent: bytes) -> None:
+        """``parent`` is the key before ``key`` in its chain (a Put's hint; kept while a tier holds
+        ``key``). Call before the block is recorded."""
+        if self._chains and parent and parent != key:
+            self._parent[key] = parent
+
+    def mark_reused(self, key: bytes) -> None:
+        self._reused.add(key)
+
+    def reused(self, key: bytes) -> bool:
+        """Was ``key`` read since it was stored?"""
+        return key in self._reused
 
     def owner(self, key: bytes) -> str:
         """The tenant ``key``'s bytes are charged to ("": none known, e.g. found on disk at start)."""
@@ -187,7 +219,31 @@ class Residency:
                 lru.set_owner(key, owner, self.tiers[level].header(key).block_len)
 
     def touch(self, level: int, key: bytes) -> None:
-        self._lru[level].touch(key)
+        self.touch_chain(level, [key])
+
+    def touch_chain(self, level: int, keys: list[bytes]) -> None:
+        """``keys`` (of one read, in request order) were used, in that order; under ``prefix-lru``
+        then each one's ancestors in the tier, last key first, so that every block ends more recent
+        than the blocks after it in its chain (one walk per chain: a Get names a prompt's blocks
+        first to last)."""
+        lru = self._lru[level]
+        for key in keys:
+            lru.touch(key)
+        if not self._chains:
+            return
+        walked: set[bytes] = set()
+        for key in reversed(keys):
+            if key not in walked:
+                walked.update(self._touch_ancestors(level, key))
+
+    def _touch_ancestors(self, level: int, key: bytes) -> list[bytes]:
+        """Use ``key``'s ancestors in tier ``level``, nearest first (at most `MAX_WALK`); returns them."""
+        lru, parent, touched = self._lru[level], self._parent.get(key), []
+        while parent is not None and parent in lru and len(touched) < MAX_WALK:
+            lru.touch(parent)
+            touched.append(parent)
+            parent = self._parent.get(parent)
+        return touched
 
     async def delete(self, level: int, key: bytes) -> None:
         """Remove ``key`` from tier ``level`` and forget it there."""
@@ -199,6 +255,9 @@ class Residency:
         """Tier ``level`` no longer holds ``key`` (deleted, or gone underneath: another host)."""
         if self._lru[level].remove(key):
             self._removed(level, key)
+            if not any(key in lru for lru in self._lru):
+                self._parent.pop(key, None)
+                self._reused.discard(key)
 
     async def clear(self, level: int) -> int:
         """Delete every recorded block of tier ``level``; returns how many."""

@@ -264,10 +264,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:
         tenant = self._tenant(context)
         stored_keys = self._stored_keys(tenant, [item.meta.key for item in request.items], "items")
-        prepared: list[tuple[BlockHeader, memoryview]] = []
+        prepared: list[tuple[BlockHeader, memoryview, bytes]] = []
         inline = shared = 0
         arena_ids: set[int] = set()
         for i, item in enumerate(request.items):
+            if item.parent and len(item.parent) != KEY_BYTES:
+                raise ValueError(f"items[{i}].parent is {len(item.parent)} bytes; keys are {KEY_BYTES} bytes")
+            # the tenant's own key space, like the block's: a parent names no other tenant's block
+            parent = tenant.stored_key(item.parent) if item.parent else b""
             which = item.WhichOneof("data")
             if which == "slice":
                 payload = self._slice(item.slice, tenant)
@@ -294,16 +298,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 raise ValueError(f"items[{i}]: {exc}") from None
             if self.autocal is not None:
                 self.autocal.note(header.namespace, tenant)
-            prepared.append((header, payload))
+            prepared.append((header, payload, parent))
         self._check_bytes(tenant, "this Put", 0, shared, arena_ids)
         # Validate everything before storing anything; then store, the checksum computed as the
         # payload is copied. (A client that rewrites its arena during the call spoils only this
         # block of its own, stored under its tenant's keys: in the CPU tier the checksum is of the
         # copy, so the block holds whatever was copied; in a tier that hashes first, it fails its
         # checksum and reads as a counted corrupt miss.)
-        for header, payload in prepared:
+        for header, payload, parent in prepared:
             await self.store.put(header, payload, owner=tenant.name, quota=tenant.quota_bytes,
-                                 durable=request.durable, hash_payload=True)
+                                 durable=request.durable, hash_payload=True, parent=parent)
             if tenant.name:
                 self._usage[tenant.name].bytes_in[self.store.tiers[0].name] += header.payload_len
         return pb.PutResponse(stored=len(prepared))

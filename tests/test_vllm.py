@@ -152,7 +152,8 @@ def scenario(hf_folder, reference, prompts):
         events = EventCollector()  # vLLM's KV-event stream of the first run
         runs = {"first": run_vllm(hf_folder, work, "first", [prompts["A"], prompts["B"], *edges, shared[0]],
                                   daemon.address, wait_stored=60, args=("--kv-events", events.endpoint)),
-                "fresh": run_vllm(hf_folder, work, "fresh", [prompts["A"], *edges], daemon.address),
+                "fresh": run_vllm(hf_folder, work, "fresh", [prompts["A"], *edges], daemon.address,
+                                  args=("--kv-extra", json.dumps({"trace_file": str(work / "trace.jsonl")}))),
                 "layerwise": run_vllm(hf_folder, work, "layerwise", [prompts["A"]], daemon.address,
                                       args=("--kv-extra", json.dumps({"layerwise": True}))),
                 "down": run_vllm(hf_folder, work, "down", [prompts["A"], prompts["B"]], down),
@@ -177,7 +178,8 @@ def scenario(hf_folder, reference, prompts):
                   + ", ".join(f"{o['num_cached_tokens']} cached in {o['seconds']:.2f} s" for o in run["outputs"]))
         with KVStoreClient(daemon.address, shared_memory=False) as client:
             stats = client.stats()
-        yield {"runs": runs, "daemon": daemon, "stats": stats, "events": events.stop()}
+        trace = [json.loads(line) for line in (work / "trace.jsonl").read_text().splitlines()]
+        yield {"runs": runs, "daemon": daemon, "stats": stats, "events": events.stop(), "trace": trace}
     finally:
         daemon.stop()
         victim.stop(signal_kill=True)
@@ -267,6 +269,19 @@ def test_long_prompt_is_a_hit_in_a_fresh_vllm_process(scenario, prompts):
     assert "KVStoreConnector worker: loaded" in fresh["log"]
     # the CPU page layout (ISA vec, vec16 or amx) was recognised and the native writer used
     assert "page writes by kvstore's native writer" in fresh["log"]
+
+
+def test_the_schedulers_access_trace_names_each_requests_chain_and_hit(scenario, prompts):
+    """``trace_file``: one line per request (bench/cache_policy.py replays them): its blocks
+    chained by parent, the daemon's hit and tiers, vLLM's own hit, the lookup's cost."""
+    trace, fresh = scenario["trace"], scenario["runs"]["fresh"]
+    assert len(trace) == 1 + len(prompts["edges"])
+    a = trace[0]
+    assert a["hits"] == len(a["blocks"]) and a["tiers"] == ["cpu"] * a["hits"]
+    assert sum(b["tokens"] for b in a["blocks"]) == page_hit(prompts["A"]) == fresh["outputs"][0]["num_cached_tokens"]
+    assert [b["parent"] for b in a["blocks"]] == [None] + [b["key"] for b in a["blocks"][:-1]]
+    assert all(b["bytes"] == b["tokens"] * 30 * 2 * 3 * 64 * 2 for b in a["blocks"])  # SmolLM2's bf16 KV
+    assert a["local_tokens"] == 0 and 0 < a["lookup_s"] < 1
 
 
 def test_layerwise_load_gives_the_same_answer(scenario, prompts):

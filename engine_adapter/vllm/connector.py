@@ -70,6 +70,7 @@ from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_t
 from engine_adapter.vllm.blend import BlendLoad, BlendRequests, BlendSpec, VllmBlender, brief
 from engine_adapter.vllm.layout import PagedKV, PagedSpan, PageLayout, measure_page_layout, split_cache_write
 from engine_adapter.vllm.plan import ChunkLoad, Planner, StepPlan
+from engine_adapter.vllm.trace import AccessTrace
 from blend.engine import DEFAULT_RATIO
 from blend.select import DEFAULT_SELECTOR, SELECTORS
 from kernels.page_copy import PageWriter
@@ -140,6 +141,7 @@ class ConnectorSettings:
     tls_key: str = ""
     tls_server_name: str = ""    # the name the daemon's certificate carries, when the address names it otherwise
     insecure: bool = False       # allow the token over plaintext TCP to an address that is not loopback
+    trace_file: str = ""         # append the scheduler's block access trace here (engine_adapter/vllm/trace.py)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorSettings":
@@ -371,6 +373,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._blend_requests = BlendRequests(self.settings.blend_separator,
                                                  model_config.tokenizer or model_config.model,
                                                  self.settings.blend_max_passages, log)
+            self._trace = (AccessTrace(self.settings.trace_file, self.namespace.layout, self.namespace.chunk_tokens)
+                           if self.settings.trace_file else None)
         else:
             self.paged: PagedKV | None = None
             self.loaded_chunks = 0
@@ -426,6 +430,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._blends[request_id] = (spec, num_computed_tokens)
             self._requests[request_id] = request
             return max(0, spec.cached_tokens - num_computed_tokens), False
+        started = time.perf_counter()
         keys = self.planner.keys_of(request_id, prompt)
         hits, tiers = 0, ()
         found = self.cache.lookup(keys)  # the local key index: no round trip
@@ -435,8 +440,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             found = self.cache.lookup(keys[: found.hits], lease_s=self.settings.lease_s)
         if found is not None:
             hits, tiers = found.hits, found.tiers
+        first = request_id not in self._requests  # vLLM asks again while a request waits for pages
         self._requests[request_id] = request
-        return self.planner.record_hit(request_id, hits, num_computed_tokens, tiers), False
+        tokens = self.planner.record_hit(request_id, hits, num_computed_tokens, tiers)
+        if self._trace is not None and first:
+            self._trace.record(request_id, keys, self.planner.requests[request_id].tail, num_computed_tokens,
+                               hits, tiers, time.perf_counter() - started)
+        return tokens, False
 
     def _blend_spec(self, request: "Request") -> BlendSpec | None:
         """The blend a request asks for (``kv_transfer_params``, or ``blend_separator`` in its
@@ -717,28 +727,31 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.dropped_chunks += len(saves)
             return
         if self.save_mode != "async":  # stored before this step ends (and its request returns)
-            copies = [(save.key, *self.paged.copy_pages(save.span), save.event) for save in saves]
+            copies = [(save.key, *self.paged.copy_pages(save.span), save.event, save.parent) for save in saves]
             self._saved(copies, len(copies) if self.cache.put(self._blocks(copies), self.save_mode == "durable") else 0)
             return
         room = self.cache.store_room()
         self.dropped_chunks += max(0, len(saves) - room)
         # a plain copy of the pages (vLLM may reuse them after this step); the store thread permutes
-        copies = [(save.key, *self.paged.copy_pages(save.span), save.event) for save in saves[:room]]
+        copies = [(save.key, *self.paged.copy_pages(save.span), save.event, save.parent) for save in saves[:room]]
         self.cache.store_blocks_async(len(copies), lambda i: self._blocks(copies[i : i + 1])[0],
                                       stored=lambda n: self._saved(copies, n))
 
     def _blocks(self, copies: list) -> list:
-        """Copied pages ``(key, pages, span, event)`` as blocks ``(key, tokens, payload)``."""
-        return [(key, span.tokens, self.paged.block_of_pages(pages, span)) for key, pages, span, _ in copies]
+        """Copied pages ``(key, pages, span, event, parent)`` as blocks ``(key, tokens, payload, parent)``."""
+        return [(key, span.tokens, self.paged.block_of_pages(pages, span), parent)
+                for key, pages, span, _, parent in copies]
 
     def _saved(self, copies: list, stored: int) -> None:
         """The daemon took the first ``stored`` of ``copies``: counted, their events reported."""
         self.saved_chunks += stored
         self.dropped_chunks += len(copies) - stored
-        self._stored_events.extend(event for *_, event in copies[:stored] if event is not None)
+        self._stored_events.extend(copy[3] for copy in copies[:stored] if copy[3] is not None)
 
     def shutdown(self) -> None:
         self.cache.close(timeout=30.0)  # after the chunks already queued
+        if self.role == KVConnectorRole.SCHEDULER and self._trace is not None:
+            self._trace.close()
         if self.role == KVConnectorRole.WORKER:
             log.info("KVStoreConnector worker: loaded %d pieces (%.1f MB, page writes %.1f ms, loads %.1f ms in all), "
                      "saved %d, dropped %d, daemon errors %d in %d outages; blended %d requests (%.1f ms)",

@@ -52,6 +52,7 @@ class ChunkSave:
     key: bytes
     span: PagedSpan
     event: object = None
+    parent: bytes = b""  # the key before it in the prompt's chain (b"": the first)
 
 
 @dataclass
@@ -187,7 +188,8 @@ class Planner:
             for i in range(first, last):
                 lo, hi = self._bounds(state, i)
                 event = event_of(request_id, lo, hi) if event_of is not None else None
-                plan.saves.append(ChunkSave(state.keys[i], PagedSpan.of(page_ids, self.page_tokens, lo, hi), event))
+                plan.saves.append(ChunkSave(state.keys[i], PagedSpan.of(page_ids, self.page_tokens, lo, hi), event,
+                                            state.keys[i - 1] if i else b""))
             state.saved_chunks = last
         return plan
 

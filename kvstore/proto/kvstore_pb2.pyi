@@ -75,14 +75,16 @@ class LookupResponse(_message.Message):
     def __init__(self, hits: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutItem(_message.Message):
-    __slots__ = ("meta", "inline", "slice")
+    __slots__ = ("meta", "inline", "slice", "parent")
     META_FIELD_NUMBER: _ClassVar[int]
     INLINE_FIELD_NUMBER: _ClassVar[int]
     SLICE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     meta: BlockMeta
     inline: bytes
     slice: ArenaSlice
-    def __init__(self, meta: _Optional[_Union[BlockMeta, _Mapping]] = ..., inline: _Optional[bytes] = ..., slice: _Optional[_Union[ArenaSlice, _Mapping]] = ...) -> None: ...
+    parent: bytes
+    def __init__(self, meta: _Optional[_Union[BlockMeta, _Mapping]] = ..., inline: _Optional[bytes] = ..., slice: _Optional[_Union[ArenaSlice, _Mapping]] = ..., parent: _Optional[bytes] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("items", "durable")

@@ -1,0 +1,199 @@
+"""Eviction and admission that know prefix chains (docs/policy.md): in process on real tiers, and
+through a real daemon with the client's parent keys."""
+
+import asyncio
+import random
+
+import pytest
+
+from kvstore.metrics import Metrics
+from kvstore.placement import BlockStore
+from kvstore.residency import MAX_WALK
+from tests.test_placement import BLOCK, blocks
+from tiers.cpu import CpuTier
+from tiers.disk import DiskTier
+
+
+def store_of(tmp_path, cpu_blocks, disk_blocks=0, **kw) -> BlockStore:
+    tiers = [CpuTier(cpu_blocks * BLOCK + 4096)]
+    if disk_blocks:
+        tiers.append(DiskTier(tmp_path, disk_blocks * BLOCK, fsync=False))
+    return BlockStore(tiers, Metrics(), write_through=bool(disk_blocks), **kw)
+
+
+async def put_chain(store, chain):
+    parent = b""
+    for header, payload in chain:
+        await store.put(header, payload, parent=parent)
+        parent = header.key
+
+
+async def get_all(store, chain):
+    dests = [(h.key, memoryview(bytearray(h.payload_len))) for h, _ in chain]
+    return await store.get_many_into(dests)
+
+
+@pytest.mark.parametrize("eviction, expected_hits", [("prefix-lru", 3), ("lru", 0)])
+def test_a_full_tier_evicts_a_chains_end_not_its_start(tmp_path, eviction, expected_hits):
+    """Five chained blocks in a tier of five; two more unrelated blocks come. LRU evicts the chain's
+    first two blocks, which leaves three blocks no lookup can reach; prefix-lru evicts its last two."""
+    async def scenario():
+        store = store_of(tmp_path, cpu_blocks=5, eviction=eviction)
+        store.start()
+        chain, other = blocks(5, start=100), blocks(2, start=200)
+        await put_chain(store, chain)
+        for header, payload in other:
+            await store.put(header, payload)
+        assert store.lookup([h.key for h, _ in chain]).hits == expected_hits
+        store.check_integrity()
+        await store.close()
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("eviction", ["prefix-lru", "lru"])
+def test_a_read_chain_keeps_its_prefix_through_later_puts(tmp_path, eviction):
+    """Two chains; the older is read again (one Get, first to last), then a third chain of three
+    comes. Plain LRU has the read chain's first block oldest and breaks it at once."""
+    async def scenario():
+        store = store_of(tmp_path, cpu_blocks=8, eviction=eviction)
+        store.start()
+        a, b, c = blocks(4, start=300), blocks(4, start=310), blocks(3, start=320)
+        await put_chain(store, a)
+        await put_chain(store, b)
+        assert all(r is not None for r in await get_all(store, a))
+        await put_chain(store, c)  # evicts three blocks: b's (older) under both policies
+        assert store.lookup([h.key for h, _ in a]).hits == 4
+        hits_b = store.lookup([h.key for h, _ in b]).hits
+        assert hits_b == (1 if eviction == "prefix-lru" else 0)
+        store.check_integrity()
+        await store.close()
+    asyncio.run(scenario())
+
+
+def test_prefix_lru_never_evicts_a_block_whose_child_stays(tmp_path):
+    """Random chains sharing prefixes, random reads, a tier far smaller than them: after every
+    operation each block the tier holds has its parent there too (no block is kept without the
+    blocks before it), except where the parent was never stored."""
+    async def scenario():
+        rng = random.Random(7)
+        store = store_of(tmp_path, cpu_blocks=12)
+        store.start()
+        pool = blocks(60, start=1000)
+        parent_of: dict[bytes, bytes] = {}
+        chains: list[list] = []
+        for step in range(80):
+            if chains and rng.random() < 0.4:
+                chain = rng.choice(chains)
+                await get_all(store, chain[: rng.randint(1, len(chain))])
+            else:
+                base = rng.choice(chains)[: rng.randint(1, 3)] if chains and rng.random() < 0.5 else []
+                chain = base + rng.sample(pool, rng.randint(1, 4))
+                if len({h.key for h, _ in chain}) < len(chain):
+                    continue
+                parent = b""
+                for header, payload in chain:
+                    # a key is one content address: its parent never changes
+                    if parent_of.setdefault(header.key, parent) != parent:
+                        break
+                    await store.put(header, payload, parent=parent)
+                    parent = header.key
+                else:
+                    chains.append(chain)
+            held = set(store.residency[0])
+            orphans = [k for k in held if parent_of.get(k) and parent_of[k] not in held]
+            assert not orphans, f"step {step}: {len(orphans)} blocks kept without their parent"
+        store.check_integrity()
+        await store.close()
+    asyncio.run(scenario())
+
+
+def test_a_forged_parent_cycle_or_deep_chain_costs_a_bounded_walk(tmp_path):
+    async def scenario():
+        store = store_of(tmp_path, cpu_blocks=4)
+        store.start()
+        (a, pa), (b, pb) = blocks(2, start=400)
+        await store.put(a, pa, parent=b.key)
+        await store.put(b, pb, parent=a.key)  # a cycle: a -> b -> a
+        residency = store.residency
+        assert len(residency._touch_ancestors(0, a.key)) == MAX_WALK
+        residency.touch_chain(0, [a.key, b.key])
+        store.check_integrity()
+        await store.close()
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("admission", ["all", "reused"])
+def test_reused_admission_writes_down_only_blocks_read_again(tmp_path, admission):
+    """Write-through under "reused": a block nobody reads stays out of the disk tier, and is not
+    demoted when the CPU tier evicts it; a block read once is copied down then."""
+    async def scenario():
+        store = store_of(tmp_path, cpu_blocks=3, disk_blocks=8, admission=admission)
+        store.start()
+        (read, pr), (unread, pu) = blocks(2, start=500)
+        await store.put(read, pr)
+        await store.put(unread, pu)
+        await store.write_behind.flush()
+        disk = store.tiers[1]
+        assert (read.key in disk, unread.key in disk) == ((True, True) if admission == "all" else (False, False))
+        assert (await get_all(store, [(read, pr)]))[0] is not None
+        await store.write_behind.flush()
+        assert read.key in disk
+        for header, payload in blocks(3, start=510):  # evicts both from the CPU tier
+            await store.put(header, payload)
+        await store.write_behind.flush()
+        assert store.locate(read.key) == 1
+        assert store.locate(unread.key) == (1 if admission == "all" else None)
+        # counted: each block's Put skipped the disk, and so did the unread block's eviction
+        m = store.metrics
+        assert m.value(m.not_admitted, tier="disk") == (0 if admission == "all" else 2 + 3 + 1)
+        store.check_integrity()
+        await store.close()
+    asyncio.run(scenario())
+
+
+def test_a_durable_put_is_written_down_whatever_the_admission(tmp_path):
+    async def scenario():
+        tiers = [CpuTier(3 * BLOCK + 4096), DiskTier(tmp_path, 8 * BLOCK, fsync=True)]
+        store = BlockStore(tiers, Metrics(), admission="reused")
+        store.start()
+        (header, payload), = blocks(1, start=600)
+        await store.put(header, payload, durable=True)
+        assert header.key in tiers[1]
+        await store.close()
+    asyncio.run(scenario())
+
+
+def test_unknown_policies_are_refused_with_their_names(tmp_path):
+    with pytest.raises(ValueError, match="eviction must be one of"):
+        store_of(tmp_path, 2, eviction="mru")
+    with pytest.raises(ValueError, match="admission must be one of"):
+        store_of(tmp_path, 2, admission="sometimes")
+
+
+@pytest.mark.parametrize("eviction, hits", [(None, 5), ("lru", 0)])
+def test_through_the_daemon_the_clients_parents_keep_a_prompts_prefix(daemon_factory, eviction, hits):
+    """A real daemon with a CPU tier of six blocks: a client Puts a chain of six with parents (as
+    the engines do), then an unrelated block. The default policy keeps the chain's first five (the
+    old one, still selectable, none); a parent of the wrong length is refused with a one-line reason."""
+    import grpc
+    import numpy as np
+
+    from engine_adapter.client import KVStoreClient
+    from kvstore.keys import KVLayout, Namespace, prefix_keys
+
+    layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, dtype="float16")
+    namespace = Namespace("policy-model", layout, chunk_tokens=32)
+    block_bytes = layout.block_bytes(32)  # 256 KiB: the CPU tier's 1 MiB least is four
+    daemon = daemon_factory(cpu_capacity=6 * block_bytes + 8192, disk_path="",
+                            **({"eviction": eviction} if eviction else {}))
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 1000, 7 * 32).tolist()
+    keys = prefix_keys(namespace, tokens)
+    payloads = [rng.standard_normal(block_bytes // 2).astype(np.float16) for _ in keys]
+    with KVStoreClient(daemon.address) as client:
+        client.put(namespace, [(k, 32, p, keys[i - 1] if i else b"") for i, (k, p) in enumerate(zip(keys[:6], payloads))])
+        client.put(namespace, [(keys[6][::-1], 32, payloads[6])])  # not part of the chain
+        assert client.lookup(keys[:6]).hits == hits
+        with pytest.raises(grpc.RpcError) as refused:
+            client.put(namespace, [(keys[6], 32, payloads[6], b"short")])
+        assert "parent is 5 bytes" in refused.value.details()
