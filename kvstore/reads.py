@@ -29,7 +29,7 @@ from tiers.base import Tier, TierUnavailableError
 if TYPE_CHECKING:
     from kvstore.placement import BlockStore
 
-log = logging.getLogger("kvstore.placement")
+log = logging.getLogger(__name__)
 
 #: A Get moving at least this many bytes copies memory-tier blocks in worker threads.
 OFFLOAD_GET_BYTES = 1 << 20

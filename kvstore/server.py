@@ -33,7 +33,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.shm_index import REPORT_HEADER, parse_report
 from kvstore.transcode import check_codec_params
-from kvstore.wire import layout_from_message, layout_message
+from kvstore.wire import encode_get_response, layout_from_message, layout_message
 from tiers.base import TierError, TierFullError
 
 log = logging.getLogger("kvstore.server")
@@ -52,6 +52,29 @@ class BadRequest(Exception):
         self.code = code
 
 
+#: The status each kind of handler error answers with (the first that matches); any other error
+#: is a bug: INTERNAL, logged with its traceback.
+_STATUS_OF = (
+    (BlockGoneError, grpc.StatusCode.ABORTED),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    ((TierFullError, HoldRefused, BudgetExhausted), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TierError, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    """End the call with the status ``exc`` maps to (the one mapping for unary and streamed RPCs)."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    if isinstance(exc, BadRequest):
+        await context.abort(exc.code, str(exc))
+    for kinds, code in _STATUS_OF:
+        if isinstance(exc, kinds):
+            await context.abort(code, str(exc))
+    log.error("%s failed", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{method}: {type(exc).__name__}: {exc}")
+
+
 def _rpc(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
     """Map exceptions to status codes; never let one escape into grpc as a crash."""
 
@@ -65,21 +88,10 @@ def _rpc(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
         started = time.perf_counter()
         try:
             return await method(self, request, context)
-        except BadRequest as exc:
-            await context.abort(exc.code, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except (TierFullError, HoldRefused, BudgetExhausted) as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except TierError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            log.exception("%s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status, none a crash
+            await _abort(context, method.__name__, exc)
         finally:
             self.store.publish_availability()  # clients' local Lookups see a tier going down at once
             histogram.observe(time.perf_counter() - started)
@@ -360,7 +372,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             context.add_done_callback(lambda _: self.inline.release(inline))
         by_reference = self._gpu_direct(request, plan, tenant) if request.gpu_direct else {}
         # Read every other found block in one batch (disk reads overlap; GPU runs copy once).
-        # Inline payloads are read into buffers that go into the reply as they are (_encode_get).
+        # Inline payloads are read into buffers that go into the reply as they are (encode_get_response).
         found_at = [i for i, (_, header, _) in enumerate(plan) if header is not None and i not in by_reference]
         buffers = {i: bytearray(plan[i][1].payload_len) for i in found_at if plan[i][2] is None}
         reads = [(plan[i][0], plan[i][2] if i not in buffers else memoryview(buffers[i])) for i in found_at]
@@ -372,7 +384,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         replies = [(by_reference[i][0] if i in by_reference else self._result(item.key, found),
                     None if found is None or i not in buffers else memoryview(buffers[i])[: found.header.payload_len])
                    for i, (item, found) in enumerate(zip(request.items, results))]
-        return _encode_get(replies) if buffers else pb.GetResponse(results=[r for r, _ in replies])
+        return encode_get_response(replies) if buffers else pb.GetResponse(results=[r for r, _ in replies])
 
     def _gpu_direct(self, request: pb.GetRequest, plan, tenant: Tenant) -> dict[int, tuple[pb.GetResult, GetResult]]:
         """Blocks in the GPU tier, by reference: their offsets in the exported pool, no copy. Only
@@ -413,12 +425,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 self._count(tenant, "get", ordered)
                 await _write(context, pb.LayerReady(layer=-1, results=[self._result(item.key, r)
                                                                        for item, r in zip(request.items, ordered)]))
-        except BadRequest as exc:
-            await context.abort(exc.code, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except BlockGoneError as exc:
-            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - as every unary RPC (_rpc)
+            await _abort(context, "GetLayers", exc)
         finally:
             if stream is not None:
                 await stream.aclose()  # the blocks' hold ends now, not when the generator is collected
@@ -444,7 +454,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @staticmethod
     def _result(client_key: bytes, found: GetResult | None) -> pb.GetResult:
-        """A result without its payload (which travels in the arena, or is appended by _encode_get)."""
+        """A result without its payload (which travels in the arena, or is appended by encode_get_response)."""
         if found is None:
             return pb.GetResult(found=False)
         meta = meta_from_header(found.header)
@@ -531,36 +541,6 @@ async def _write(context, message) -> None:
                          f"the reader took no message for {STREAM_HOLD_S:.0f} s") from None
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-#: Wire tags: GetResponse.results (field 1) and GetResult.inline (field 4), both length-delimited.
-_RESULTS_TAG, _INLINE_TAG = b"\x0a", b"\x22"
-
-
-def _encode_get(replies: list[tuple[pb.GetResult, memoryview | None]]) -> bytes:
-    """A serialized GetResponse whose inline payloads are copied once, from the buffers the tiers
-    read into straight into the reply (protobuf would copy each into the message, then out again)."""
-    pieces: list[bytes | memoryview] = []
-    for result, payload in replies:
-        head = result.SerializeToString()
-        if payload is None:
-            pieces += [_RESULTS_TAG, _varint(len(head)), head]
-            continue
-        inline_head = _INLINE_TAG + _varint(len(payload))
-        pieces += [_RESULTS_TAG, _varint(len(head) + len(inline_head) + len(payload)), head, inline_head, payload]
-    return b"".join(pieces)
-
-
 def _serializer(message_type) -> Callable[[object], bytes]:
     def serialize(message) -> bytes:
         return message if isinstance(message, bytes) else message_type.SerializeToString(message)
@@ -569,7 +549,7 @@ def _serializer(message_type) -> Callable[[object], bytes]:
 
 def add_to_server(service: KVStoreService, server: grpc.aio.Server) -> None:
     """Register the handlers, like the generated ``add_KVStoreServicer_to_server``, except that a
-    handler may return its reply already serialized (Get does, see :func:`_encode_get`)."""
+    handler may return its reply already serialized (Get does, see :func:`kvstore.wire.encode_get_response`)."""
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["KVStore"].methods:
         request_type = getattr(pb, method.input_type.name)

@@ -24,7 +24,7 @@ from tiers.base import TierError, TierUnavailableError
 if TYPE_CHECKING:
     from kvstore.placement import BlockStore
 
-log = logging.getLogger("kvstore.placement")
+log = logging.getLogger(__name__)
 
 
 class WriteBehind:

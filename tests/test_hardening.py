@@ -347,7 +347,7 @@ def test_misses_requests_capacity_and_rpc_latency_are_reported(daemon_factory):
 
 
 def test_get_replies_serialized_by_hand_parse_as_protobuf():
-    from kvstore.server import _encode_get
+    from kvstore.wire import encode_get_response
 
     rng = np.random.default_rng(68)
     replies = []
@@ -356,7 +356,7 @@ def test_get_replies_serialized_by_hand_parse_as_protobuf():
         payload = None if i == 2 else memoryview(rng.integers(0, 256, size=int(rng.integers(1, 300_000)),
                                                                dtype=np.uint8).tobytes())
         replies.append((result, payload))
-    parsed = pb.GetResponse.FromString(_encode_get(replies))
+    parsed = pb.GetResponse.FromString(encode_get_response(replies))
     for (result, payload), got in zip(replies, parsed.results):
         expected = pb.GetResult()
         expected.CopyFrom(result)

@@ -9,6 +9,7 @@ import pytest
 from kvstore.metrics import Metrics
 from kvstore.placement import BlockStore
 from kvstore.residency import MAX_WALK
+from tests.conftest import ROOT
 from tests.test_placement import BLOCK, blocks
 from tiers.cpu import CpuTier
 from tiers.disk import DiskTier
@@ -197,3 +198,58 @@ def test_through_the_daemon_the_clients_parents_keep_a_prompts_prefix(daemon_fac
         with pytest.raises(grpc.RpcError) as refused:
             client.put(namespace, [(keys[6], 32, payloads[6], b"short")])
         assert "parent is 5 bytes" in refused.value.details()
+
+
+@pytest.mark.parametrize("eviction", ["prefix-lru", "lru"])
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_the_simulator_predicts_the_daemons_hit_ratio(tmp_path, eviction, fraction):
+    """bench/cache_policy.py replays traces against models of the daemon's policies; the docs'
+    policy table rests on those models. Here the same synthetic multi-round trace runs through the
+    real BlockStore (a CPU tier, Lookup, Get, Put with parents, as the vLLM connector calls them)
+    and the two token hit ratios agree within 2 points."""
+    import hashlib
+    import sys
+
+    from kvstore.block import BlockHeader, payload_checksum
+    from tests.test_tiers import LAYOUT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from cache_policy import simulate, working_set_bytes
+    from cache_trace import synthetic_trace
+
+    tokens = 16
+    payload = bytes(range(256)) * (LAYOUT.block_bytes(tokens) // 256)
+    block_len = BlockHeader(key=b"k" * 16, namespace=b"n" * 16, layout=LAYOUT, tokens=tokens,
+                            payload_len=len(payload), checksum=0).block_len
+    trace = synthetic_trace(users=24, rounds=4, context_blocks=8, question_blocks=1, seed=5,
+                            block_tokens=tokens, token_bytes=block_len // tokens)
+    distinct = working_set_bytes(trace) // (block_len // tokens * tokens)
+    capacity_blocks = int(distinct * fraction)
+    key_of = {}
+
+    def key(name: str) -> bytes:
+        return key_of.setdefault(name, hashlib.blake2b(name.encode(), digest_size=16).digest())
+
+    async def replay() -> float:
+        rounded = (block_len + 63) // 64 * 64  # the CPU arena's extents
+        store = BlockStore([CpuTier(capacity_blocks * rounded + 32)], Metrics(), write_through=False, eviction=eviction)
+        store.start()
+        hit_tokens = total = 0
+        for request in trace:
+            keys = [key(b.key) for b in request.blocks]
+            hits = store.lookup(keys).hits
+            hit_tokens += hits * tokens
+            total += len(keys) * tokens
+            await store.get_many_into([(k, memoryview(bytearray(len(payload)))) for k in keys[:hits]])
+            for i in range(hits, len(keys)):
+                header = BlockHeader(key=keys[i], namespace=b"n" * 16, layout=LAYOUT, tokens=tokens,
+                                     payload_len=len(payload), checksum=payload_checksum(payload))
+                await store.put(header, memoryview(payload), parent=keys[i - 1] if i else b"")
+        store.check_integrity()
+        await store.close()
+        return hit_tokens / total
+
+    daemon = asyncio.run(replay())
+    simulated = simulate(trace, eviction, capacity_blocks * (block_len // tokens * tokens)).hit_ratio
+    print(f"{eviction} at {fraction:.0%}: daemon {daemon:.4f}, simulator {simulated:.4f}")
+    assert abs(daemon - simulated) <= 0.02, (daemon, simulated)

@@ -9,6 +9,7 @@ time and may call ``read_payload_into`` from worker threads for tiers with ``blo
 from __future__ import annotations
 
 import dataclasses
+import threading
 from abc import ABC, abstractmethod
 from typing import Iterator
 
@@ -166,3 +167,60 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Release resources (files, arenas). Idempotent."""
+
+
+class ExtentIndex:
+    """The key index of a tier whose blocks live at offsets of one arena (CPU, GPU): each key's
+    offset and header, and the bytes they hold. The tier keeps ``_blocks`` and ``_used`` as blocks
+    come and go; ``can_fit`` asks its allocator."""
+
+    _blocks: dict[bytes, tuple[int, BlockHeader]]
+    _used: int
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def keys(self) -> Iterator[bytes]:
+        return iter(list(self._blocks))
+
+    def header(self, key: bytes) -> BlockHeader:
+        return self._blocks[key][1]
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+
+class HeaderIndex:
+    """The key index of a tier that stores each block apart (a file, an object: disk, S3): each
+    key's header, under ``_lock`` where another thread indexes too, and the bytes they hold within
+    ``capacity_bytes`` (0: unbounded)."""
+
+    _blocks: dict[bytes, BlockHeader]
+    _used: int
+    _lock: threading.Lock
+    capacity_bytes: int
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def keys(self) -> Iterator[bytes]:
+        with self._lock:
+            return iter(list(self._blocks))
+
+    def header(self, key: bytes) -> BlockHeader:
+        return self._blocks[key]
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def can_fit(self, nbytes: int) -> bool:
+        return self.capacity_bytes == 0 or self._used + nbytes <= self.capacity_bytes
+

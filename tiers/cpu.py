@@ -15,13 +15,12 @@ import dataclasses
 import mmap
 import threading
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
 from kvstore.block import BlockHeader, CorruptBlockError, copy_checksummed
 from tiers.allocator import ExtentAllocator
-from tiers.base import Tier, TierError, TierFullError
+from tiers.base import ExtentIndex, Tier, TierError, TierFullError
 from tiers.memory import prefault
 
 #: A cgroup memory limit at or above this is "no limit" (cgroup v1 writes 2**63 - page size).
@@ -106,7 +105,7 @@ def _host_arena(capacity: int, pin: bool) -> np.ndarray:
     return np.frombuffer(region, dtype=np.uint8)
 
 
-class CpuTier(Tier):
+class CpuTier(ExtentIndex, Tier):
     blocking_io = False
     threadsafe_reads = True
 
@@ -131,22 +130,6 @@ class CpuTier(Tier):
         self._reading: dict[int, int] = {}  # extent offset -> reads in flight
         self._doomed: set[int] = set()      # extents deleted while read: freed by the last reader
         self._used = 0                      # block_len of the indexed blocks (Tier.used_bytes)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def keys(self) -> Iterator[bytes]:
-        return iter(list(self._blocks))
-
-    def header(self, key: bytes) -> BlockHeader:
-        return self._blocks[key][1]
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
 
     def can_fit(self, nbytes: int) -> bool:
         with self._lock:

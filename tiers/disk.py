@@ -30,7 +30,7 @@ from typing import Iterator
 import xxhash
 
 from kvstore.block import FIXED_BYTES, MAX_PARAMS_BYTES, BlockHeader, CorruptBlockError, payload_checksum
-from tiers.base import Tier, TierError, TierFullError, TierUnavailableError
+from tiers.base import HeaderIndex, Tier, TierError, TierFullError, TierUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ READ_CHUNK = 256 * 1024
 MIN_CAPACITY = 2**20
 
 
-class DiskTier(Tier):
+class DiskTier(HeaderIndex, Tier):
     blocking_io = True
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, name: str = "disk",
@@ -153,26 +153,6 @@ class DiskTier(Tier):
             self._used += header.block_len
 
     # -- Tier --------------------------------------------------------------------------------
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def keys(self) -> Iterator[bytes]:
-        with self._lock:
-            return iter(list(self._blocks))
-
-    def header(self, key: bytes) -> BlockHeader:
-        return self._blocks[key]
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    def can_fit(self, nbytes: int) -> bool:
-        return self._used + nbytes <= self.capacity_bytes
 
     def put(self, header: BlockHeader, payload: memoryview) -> None:
         if len(payload) != header.payload_len:

@@ -19,19 +19,18 @@ through CUDA IPC (``torch.multiprocessing`` reductions) to an engine on the same
 from __future__ import annotations
 
 import warnings
-from typing import Iterator
 
 import numpy as np
 import torch
 
 from kvstore.block import BlockHeader
 from tiers.allocator import ExtentAllocator
-from tiers.base import Tier, TierFullError
+from tiers.base import ExtentIndex, Tier, TierFullError
 
 _ALIGN = 256  # CUDA copies and vectorised kernels like 256-byte aligned starts
 
 
-class GpuTier(Tier):
+class GpuTier(ExtentIndex, Tier):
     blocking_io = False
 
     def __init__(self, capacity_bytes: int, device: str | torch.device = "cuda", name: str = "gpu") -> None:
@@ -51,22 +50,6 @@ class GpuTier(Tier):
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # -- index ----------------------------------------------------------------------------------
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def keys(self) -> Iterator[bytes]:
-        return iter(list(self._blocks))
-
-    def header(self, key: bytes) -> BlockHeader:
-        return self._blocks[key][1]
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
 
     def can_fit(self, nbytes: int) -> bool:
         return self._allocator.can_allocate(nbytes)

@@ -40,13 +40,12 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-from typing import Iterator
 
 import xxhash
 
 from kvstore.block import FIXED_BYTES, MAX_PARAMS_BYTES, BlockHeader, CorruptBlockError
 from kvstore.keys import KEY_BYTES
-from tiers.base import Tier, TierError, TierFullError
+from tiers.base import HeaderIndex, Tier, TierError, TierFullError
 from tiers.breaker import CircuitBreaker  # noqa: F401  (callers import it from here, as S3Config)
 from tiers.s3_auth import ObjectMac
 from tiers.s3_discovery import DISCOVER_THREADS, Discovery
@@ -60,7 +59,7 @@ SUFFIX = ".kvb"
 HEADER_PROBE_BYTES = 512
 
 
-class S3Tier(Tier):
+class S3Tier(HeaderIndex, Tier):
     blocking_io = True
     durable = True
     #: Several daemons may write the same bucket: keys may appear that this one did not put.
@@ -192,29 +191,9 @@ class S3Tier(Tier):
 
     # -- Tier -------------------------------------------------------------------------------
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def keys(self) -> Iterator[bytes]:
-        with self._lock:
-            return iter(list(self._blocks))
-
-    def header(self, key: bytes) -> BlockHeader:
-        return self._blocks[key]
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
     @property
     def available(self) -> bool:
         return self.breaker.state != "open"
-
-    def can_fit(self, nbytes: int) -> bool:
-        return self.capacity_bytes == 0 or self._used + nbytes <= self.capacity_bytes
 
     def take_new_keys(self) -> list[bytes]:
         with self._lock:
