@@ -65,7 +65,7 @@ def musique_items(path: str | os.PathLike | None, flag: str = "--data") -> list[
     """The MuSiQue JSON list in ``path``; when it cannot be used, exit (status 1) with one line
     naming the file, what is wrong and where the file comes from, before any model loads."""
     origin = (f"it is MuSiQue's dev set, a JSON list of {{question, answers, ctxs}}: {MUSIQUE_DEV} in this "
-              f"project's layout, or from https://github.com/StonyBrookNLP/musique (README: Results: reuse vs RAG)")
+              f"project's layout, or from https://github.com/StonyBrookNLP/musique (docs/benchmarks.md: Reuse vs RAG)")
     prog = os.path.basename(sys.argv[0] or "bench")
     if not path:
         raise SystemExit(f"{prog}: no {flag} given and no {MUSIQUE_DEV}; {origin}")
