@@ -577,6 +577,12 @@ def main() -> int:
     args = parser.parse_args()
     if args.limit < 1 or args.max_new_tokens < 1:
         parser.error("--limit and --max-new-tokens must be >= 1")
+    try:
+        from blend.controller import Ratio
+
+        Ratio(args.blend_ratio)  # the one check of a ratio's range
+    except ValueError as exc:
+        parser.error(f"--blend-ratio: {exc}")
     musique_items(args.data)  # before the model loads: one line naming the file when it cannot be used
     codecs = {spec: get_codec(spec) for spec in args.codecs}  # ValueError names the known codecs
     torch.set_num_threads(args.threads)

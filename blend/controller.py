@@ -21,7 +21,43 @@ and `RatioChoice` reports both times so the caller can see the balance.
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """The fraction of chunk tokens a blend recomputes, as chosen: ``value`` in [0, 1], fixed, or
+    None (`Ratio.AUTO`, written ``"auto"``): the loading controller picks it for each blend
+    (`LoadingController.choose`). Building one is the one check of a ratio's range (ValueError);
+    settings and requests build theirs where they are read."""
+
+    value: float | None = None
+    AUTO: ClassVar["Ratio"]
+
+    def __post_init__(self) -> None:
+        if self.value is not None:
+            if not 0.0 <= self.value <= 1.0:
+                raise ValueError(f"ratio must be in [0, 1], got {reprlib.repr(self.value)}")
+            object.__setattr__(self, "value", float(self.value))
+
+    @property
+    def auto(self) -> bool:
+        """True: the loading controller decides; False: ``value`` is the ratio."""
+        return self.value is None
+
+    @classmethod
+    def parse(cls, value: object) -> "Ratio":
+        """A ratio as a client or a file writes it: a number in [0, 1], or ``"auto"``."""
+        if isinstance(value, str) and value == "auto":
+            return cls.AUTO
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f'ratio must be a number in [0, 1] or "auto", got {reprlib.repr(value)}')
+        return cls(value)
+
+
+Ratio.AUTO = Ratio()
 
 
 @dataclass(frozen=True)

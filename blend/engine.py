@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 
 from blend.assemble import BlendLayout, Segment, chunk_block, place_block
-from blend.controller import LoadingController
+from blend.controller import LoadingController, Ratio
 from blend.recompute import blend_prefill
 from blend.select import DEFAULT_SELECTOR, TokenSelector, get_selector
 from engine_adapter.cached import model_namespace
@@ -164,21 +164,19 @@ class BlendEngine:
 
     ``selector`` is a registry name (see `blend.select.SELECTORS`; default ``stale_attention``)
     or an instance; ``ratio`` is the default fraction of chunk tokens recomputed; with a
-    ``controller`` and ``ratio=None`` in `generate`, the controller picks it from measured load and
-    compute speeds.
+    ``controller`` and ``ratio=None`` (or `Ratio.AUTO`) in `generate`, the controller picks it from
+    measured load and compute speeds.
     """
 
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer, client: KVStoreClient | None,
                  selector: str | TokenSelector = DEFAULT_SELECTOR, ratio: float = DEFAULT_RATIO,
                  controller: LoadingController | None = None, tenant: str = "",
                  cache: PrefixCache | None = None, namespace: Namespace | None = None) -> None:
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
         self.model = model
         self.tokenizer = tokenizer
         self.client = client
         self.selector = get_selector(selector) if isinstance(selector, str) else selector
-        self.ratio = ratio
+        self.ratio = Ratio(ratio)  # a fixed one: without a ratio, the controller's choice goes first
         self.controller = controller
         # another engine's guarded daemon link and namespace (the vLLM connector's) may be shared
         self.namespace = namespace or (cache.namespace if cache is not None else model_namespace(model, tenant))
@@ -188,6 +186,17 @@ class BlendEngine:
     def errors(self) -> int:
         """Daemon failures so far (each one cost misses, not a request)."""
         return self.cache.errors
+
+    def ratio_of(self, ratio: float | Ratio | None) -> Ratio:
+        """A call's ratio as chosen: a number is fixed; None is the controller's choice when the
+        engine has one, else the engine's ratio. ValueError for a number outside [0, 1] (`Ratio`)
+        or "auto" without a controller."""
+        if ratio is None:
+            return Ratio.AUTO if self.controller is not None else self.ratio
+        ratio = ratio if isinstance(ratio, Ratio) else Ratio(ratio)
+        if ratio.auto and self.controller is None:
+            raise ValueError('ratio "auto" needs a loading controller; this engine has none')
+        return ratio
 
     def chunk_keys(self, segments: Sequence[Sequence[int]]) -> list[bytes]:
         return [chunk_key(self.namespace, tokens) for tokens in segments]
@@ -258,7 +267,7 @@ class BlendEngine:
 
     @torch.inference_mode()
     def prefill(self, prefix: Sequence[int], chunks: Sequence[Sequence[int]], query: Sequence[int],
-                ratio: float | None = None, selector: str | TokenSelector | None = None, use_cache: bool = True,
+                ratio: float | Ratio | None = None, selector: str | TokenSelector | None = None, use_cache: bool = True,
                 room: int = 1, kv_only: bool = False, glue: Sequence[Sequence[int]] | None = None) -> BlendedPrompt:
         """Load, assemble and blend ``prefix + chunks + query`` (token ids): the cache then holds
         every prompt token's KV (chunks' selected tokens recomputed) and ``logits`` the first new
@@ -269,9 +278,11 @@ class BlendEngine:
         chunk i that belong to no stored segment (a separator tokenized inside the whole prompt):
         never looked up, computed on every layer (`blend.assemble`).
 
-        ``ratio`` None: the engine's default, or the controller's choice when it has one.
+        ``ratio``: a number or `Ratio`; None: the controller's choice when the engine has one, else
+        the engine's ratio (`ratio_of`).
         """
         start = time.perf_counter()
+        ratio = self.ratio_of(ratio)
         prefix, query = list(prefix), list(query)
         chunks = [list(c) for c in chunks]
         glue = [list(g) for g in glue] if glue is not None else [[] for _ in chunks]
@@ -295,12 +306,13 @@ class BlendEngine:
                 missing.append((keys[i], len(parts[i]), block))
                 computed_tokens += len(parts[i])
         result.computed_segments = len(missing)
-        if ratio is None and self.controller is not None:
+        if ratio.auto:  # the controller, from this blend's measured loads (ratio_of: it has one)
             per_tier: dict[str, int] = {}
             for tier, part in zip(result.tiers, (p for p, f in zip(parts, found) if f)):
                 per_tier[tier] = per_tier.get(tier, 0) + self.namespace.layout.block_bytes(len(part))
-            ratio = self.controller.choose(result.chunk_tokens, per_tier).ratio
-        result.ratio = self.ratio if ratio is None else ratio
+            result.ratio = self.controller.choose(result.chunk_tokens, per_tier).ratio
+        else:
+            result.ratio = ratio.value
         loaded_at = time.perf_counter()
         ids = torch.tensor(prefix + [t for g, c in zip(glue, chunks) for t in g + c] + query, dtype=torch.long)
         prefill = blend_prefill(self.model, kv, layout, ids, selector, result.ratio, kv_only=kv_only)
@@ -312,14 +324,15 @@ class BlendEngine:
 
     @torch.inference_mode()
     def generate(self, prefix: Sequence[int], chunks: Sequence[Sequence[int]], query: Sequence[int],
-                 max_new_tokens: int = 32, ratio: float | None = None, selector: str | TokenSelector | None = None,
+                 max_new_tokens: int = 32, ratio: float | Ratio | None = None, selector: str | TokenSelector | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
                  use_cache: bool = True, store: bool = True,
                  glue: Sequence[Sequence[int]] | None = None) -> BlendResult:
         """Generate after ``prefix + chunks + query`` (token ids), reusing each chunk's stored KV
         (:meth:`prefill`), then store the segments that were missing, in the background.
 
-        ``ratio`` None: the engine's default, or the controller's choice when it has one.
+        ``ratio``: a number or `Ratio`; None: the controller's choice when the engine has one, else
+        the engine's ratio.
         """
         blended = self.prefill(prefix, chunks, query, ratio, selector, use_cache, room=max_new_tokens, glue=glue)
         result = blended.result

@@ -128,8 +128,7 @@ def blend_prefill(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids
     total = layout.total
     if token_ids.shape != (total,):
         raise ValueError(f"token_ids must be [{total}] for this layout, got {tuple(token_ids.shape)}")
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+    assert 0.0 <= ratio <= 1.0, ratio  # checked where it was read (blend.controller.Ratio)
     if kv.capacity < total:
         kv.reserve(total)
     device = model.device

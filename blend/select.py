@@ -24,13 +24,15 @@ the assembled cache before anything is recomputed (`StaleReadView`, made by
     sinks                none         the first tokens of each chunk, budget split by chunk length (EPIC)
     query_aware          1            top-budget tokens by the attention the query pays them at the check layer
 
-Pick one with ``get_selector(name)``; unknown names raise ValueError listing the known ones.
+Pick one with ``get_selector(name)``; unknown names raise ValueError listing the known ones
+(``check_selector``).
 Why the default is stale_attention, with the probes' numbers: docs/blend.md.
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 from abc import ABC, abstractmethod
 from functools import cached_property
 
@@ -352,8 +354,14 @@ SELECTORS: dict[str, type[TokenSelector]] = {
 }
 
 
+def check_selector(name: object) -> str:
+    """``name`` if the registry knows it, else ValueError listing the known names: the one check of
+    a selector name (settings and requests call it where they are read)."""
+    if not isinstance(name, str) or name not in SELECTORS:
+        raise ValueError(f"unknown selector {reprlib.repr(name)}; known: {sorted(SELECTORS)}")
+    return name
+
+
 def get_selector(name: str) -> TokenSelector:
     """A selector with its default settings, by registry name."""
-    if name not in SELECTORS:
-        raise ValueError(f"unknown selector {name!r}; known: {sorted(SELECTORS)}")
-    return SELECTORS[name]()
+    return SELECTORS[check_selector(name)]()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from blend.controller import Ratio
 from blend.engine import DEFAULT_SEPARATOR, BlendPrompt, split_prompt
 from engine_adapter.loader import find_smollm2_gguf, gguf_config
 from engine_adapter.vllm.blend import (BLEND_PARAM, BlendSpec, blend_request, blend_spec, check_blend_cost,
@@ -50,11 +51,11 @@ def test_malformed_blend_parameters_are_refused_in_one_line(spec, match):
 
 def test_blend_spec_cuts_the_prompt_into_its_parts():
     spec = blend_spec({BLEND_PARAM: {"lengths": [2, 3, 1], "ratio": 0.3, "selector": "sinks"}}, 9)
-    assert spec == BlendSpec((2, 3, 1), 0.3, "sinks") and spec.cached_tokens == 6
+    assert spec == BlendSpec((2, 3, 1), Ratio(0.3), "sinks") and spec.cached_tokens == 6
     assert spec.parts(range(9)) == ([0, 1], [[2, 3, 4], [5]], [6, 7, 8], [[], []])
-    assert blend_spec({BLEND_PARAM: {"lengths": [0, 4], "ratio": "auto"}}, 5).ratio == "auto"
+    assert blend_spec({BLEND_PARAM: {"lengths": [0, 4], "ratio": "auto"}}, 5).ratio == Ratio.AUTO
     # no lengths: the text's separators mark the passages; ratio and selector still apply
-    assert blend_spec({BLEND_PARAM: {"ratio": 0.3, "selector": "sinks"}}, 5) == BlendSpec((), 0.3, "sinks")
+    assert blend_spec({BLEND_PARAM: {"ratio": 0.3, "selector": "sinks"}}, 5) == BlendSpec((), Ratio(0.3), "sinks")
 
 
 def test_blend_request_tokenizes_each_part_as_blend_engine_does(tokenizer):
@@ -64,7 +65,7 @@ def test_blend_request_tokenizes_each_part_as_blend_engine_does(tokenizer):
     split = split_prompt(tokenizer, text)
     spec = blend_spec(params, len(ids))
     assert spec.parts(ids) == (split.prefix, split.chunks, split.query, [[] for _ in split.chunks])
-    assert spec.ratio == 0.15 and spec.selector is None
+    assert spec.ratio == Ratio(0.15) and spec.selector is None
     with pytest.raises(ValueError, match="no .* in the prompt"):
         blend_request(tokenizer, "no marker at all")
 
@@ -228,7 +229,7 @@ def test_blend_requests_are_read_once_and_failures_are_plain_prompts(tokenizer, 
     spec = reader.spec("r1", marked, None)
     assert spec is not None and len(spec.lengths) == 3 and spec.glue
     assert reader.spec("r1", marked, None) is spec
-    assert reader.spec("r2", marked, {BLEND_PARAM: {"ratio": 0.3}}).ratio == 0.3  # markers + the request's ratio
+    assert reader.spec("r2", marked, {BLEND_PARAM: {"ratio": 0.3}}).ratio == Ratio(0.3)  # markers + the request's ratio
     too_many = tokenizer.encode(f"sys\n{SEP}\n{a}\n{SEP}\n{b}\n{SEP}\n{a}\n{SEP}\nQ?")
     with caplog.at_level("WARNING", logger="vllm.kvstore_connector"):
         assert reader.spec("r3", too_many, None) is None and reader.spec("r3", too_many, None) is None

@@ -19,11 +19,21 @@ connector's ``blend_separator``) and vLLM tokenizes it whole: :func:`separated_s
 (`blend.assemble`); each passage is its tokens in place, the same in every prompt, and the same
 blocks ``BlendEngine`` uses for ``split_prompt(..., whole=True)``.
 
-Through the connector (``connector.py``)::
+One request's blend has one form from the scheduler's reading to the recompute::
+
+    kv_transfer_params / markers  ->  BlendSpec      what the request asks (blend_spec, separated_spec;
+                                                     ratio and selector checked here, once)
+    + prompt, vLLM's own hit      ->  BlendRequest   with the ratio and selector it runs with: the
+                                                     request's, else the deployment's; its Ratio is
+                                                     fixed or AUTO (the loading controller's)
+    + vLLM's pages                ->  BlendRequest   (span set), in the step's plan, to the worker
+    worker                            VllmBlender.run -> BlendEngine.prefill -> blend_prefill
+
+Through the connector (``scheduler.py``, ``worker.py``)::
 
     scheduler  get_num_new_matched_tokens  a blend request reports prefix + passages as external hits
                update_state_after_alloc    the pages of those tokens (after vLLM's own hit)
-               build_connector_meta        a BlendLoad: prompt ids, lengths, ratio, selector, pages
+               build_connector_meta        the step's BlendRequests, in its plan
     worker     start_load_kv               VllmBlender: BlendEngine.prefill over the same weights
                                            (passages by chunk key from the daemon, missing ones
                                            computed alone), then the blended KV into vLLM's pages
@@ -44,8 +54,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from blend.controller import Ratio
 from blend.engine import DEFAULT_RATIO, DEFAULT_SEPARATOR, BlendEngine, split_prompt, split_tokens
-from blend.select import DEFAULT_SELECTOR, SELECTORS
+from blend.select import DEFAULT_SELECTOR, SELECTORS, check_selector
 from engine_adapter.vllm.layout import PagedSpan
 
 if TYPE_CHECKING:
@@ -81,11 +92,11 @@ BLEND_PARAM = "kvstore_blend"
 
 @dataclass(frozen=True)
 class BlendSpec:
-    """One request's blend: segment lengths (prefix, then passages), ratio and selector (None:
-    the deployment's; ratio "auto": the loading controller's)."""
+    """What one request asks to blend: segment lengths (prefix, then passages), ratio and selector
+    (None: the request names none, the deployment's apply; `BlendRequest` settles them)."""
 
     lengths: tuple[int, ...]
-    ratio: float | str | None = None
+    ratio: Ratio | None = None
     selector: str | None = None
     glue: tuple[int, ...] = ()  # separator tokens just before each passage (text markers); () for none
 
@@ -130,15 +141,16 @@ def blend_spec(params: dict[str, Any] | None, prompt_tokens: int) -> BlendSpec |
     if lengths and sum(lengths) >= prompt_tokens:
         raise ValueError(f"{BLEND_PARAM}.lengths cover {brief(sum(lengths))} of the prompt's {prompt_tokens} tokens; "
                          f"the query needs at least one")
-    ratio = spec.get("ratio")
-    if ratio is not None and ratio != "auto" and (
-            isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0):
-        raise ValueError(f"{BLEND_PARAM}.ratio must be a number in [0, 1] or \"auto\", got {brief(ratio)}")
-    selector = spec.get("selector")
-    if selector is not None and selector not in SELECTORS:
-        raise ValueError(f"{BLEND_PARAM}.selector {brief(selector)} is unknown; known: {sorted(SELECTORS)}")
-    return BlendSpec(tuple(int(n) for n in lengths), None if ratio is None else (ratio if ratio == "auto" else float(ratio)),
-                     selector)
+    ratio, selector = spec.get("ratio"), spec.get("selector")
+    try:
+        ratio = None if ratio is None else Ratio.parse(ratio)
+    except ValueError:
+        raise ValueError(f"{BLEND_PARAM}.ratio must be a number in [0, 1] or \"auto\", got {brief(ratio)}") from None
+    try:
+        selector = None if selector is None else check_selector(selector)
+    except ValueError:
+        raise ValueError(f"{BLEND_PARAM}.selector {brief(selector)} is unknown; known: {sorted(SELECTORS)}") from None
+    return BlendSpec(tuple(int(n) for n in lengths), ratio, selector)
 
 
 def blend_request(tokenizer: "Tokenizer", text: str, separator: str = DEFAULT_SEPARATOR,
@@ -243,15 +255,32 @@ class BlendRequests:
 
 
 @dataclass(frozen=True)
-class BlendLoad:
-    """A blend for the worker: tokens ``start .. spec.cached_tokens - 1`` of ``token_ids`` into ``span``
-    (``start``: vLLM's own prefix-cache hit, whose pages it already holds)."""
+class BlendRequest:
+    """One request's blend as the worker runs it, from the scheduler's reading to the recompute:
+    tokens ``hit .. spec.cached_tokens - 1`` of ``token_ids`` blended and written into ``span``.
+
+    ``hit`` is vLLM's own prefix-cache hit, whose pages it already holds. ``ratio`` and
+    ``selector`` are what the blend runs with, settled once (:meth:`of`): the request's, else the
+    deployment's. ``span`` is None until vLLM allocated the pages (``update_state_after_alloc``).
+    """
 
     request_id: str
     token_ids: tuple[int, ...]
     spec: BlendSpec
-    start: int
-    span: PagedSpan
+    hit: int
+    ratio: Ratio           # fixed, or Ratio.AUTO: the worker's loading controller picks it per blend
+    selector: str
+    span: PagedSpan | None = None
+
+    @classmethod
+    def of(cls, request_id: str, token_ids: Sequence[int], spec: BlendSpec, hit: int, ratio: Ratio,
+           selector: str) -> "BlendRequest":
+        """``spec``'s blend with the deployment's ``ratio`` (AUTO where it runs a controller) and
+        ``selector`` where the request names none. A request's "auto" is the controller's choice
+        where the deployment runs one, else the deployment's fixed ratio."""
+        asked = spec.ratio
+        return cls(request_id, tuple(token_ids), spec, hit, ratio if asked is None or asked.auto else asked,
+                   spec.selector or selector)
 
 
 class VllmBlender:
@@ -322,18 +351,16 @@ class VllmBlender:
         log.info("KVStoreConnector: blend model loaded from %s (%s, %s)", self.folder, self.dtype, self.device)
         return model, tokenizer
 
-    def run(self, load: BlendLoad, paged: "PagedKV") -> "BlendedPrompt":
-        """Blend ``load`` and write tokens ``load.start ..`` of the blended KV into vLLM's pages."""
+    def run(self, request: BlendRequest, paged: "PagedKV") -> "BlendedPrompt":
+        """Blend ``request`` and write tokens ``request.hit ..`` of the blended KV into its pages."""
         engine = self.engine()
-        prefix, passages, query, glue = load.spec.parts(load.token_ids)
-        # no ratio, or "auto": the controller's choice where the deployment runs one, else its ratio
-        ratio = None if load.spec.ratio == "auto" else load.spec.ratio
+        prefix, passages, query, glue = request.spec.parts(request.token_ids)
         # vLLM computes the query itself: only the passages' KV is blended here
-        blended = engine.prefill(prefix, passages, query, ratio=ratio, selector=load.spec.selector, kv_only=True,
-                                 glue=glue)
-        end = load.spec.cached_tokens
-        if load.start < end:
-            paged.scatter(blended.kv.export(load.start, end), load.span)
+        blended = engine.prefill(prefix, passages, query, ratio=request.ratio, selector=request.selector,
+                                 kv_only=True, glue=glue)
+        end = request.spec.cached_tokens
+        if request.hit < end:
+            paged.scatter(blended.kv.export(request.hit, end), request.span)
         result = blended.result
         self.blended += 1
         self.seconds += result.load_s + result.blend_s
@@ -342,7 +369,7 @@ class VllmBlender:
         # a GPU, set the "vllm.kvstore_connector" logger to WARNING)
         segments = len(blended.layout.cached)
         log.info("KVStoreConnector: blended request %s: %d of %d segments from the cache, %d of %d passage "
-                 "tokens recomputed (ratio %.2f, %s), load %.1f ms, blend %.1f ms", brief(load.request_id),
+                 "tokens recomputed (ratio %.2f, %s), load %.1f ms, blend %.1f ms", brief(request.request_id),
                  segments - result.computed_segments, segments, result.recomputed_tokens, result.chunk_tokens,
                  result.ratio, result.selector, result.load_s * 1e3, result.blend_s * 1e3)
         return blended

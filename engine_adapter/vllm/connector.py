@@ -7,8 +7,10 @@ Start vLLM with it (README: "Using kvstore with vLLM")::
         kv_role="kv_both", kv_load_failure_policy="recompute",
         kv_connector_extra_config={"address": "unix:/run/kvstore.sock"}))
 
-vLLM builds two instances: the scheduler side (in the engine-core process) and the worker side
-(in each worker process). A request's path through them:
+vLLM builds two instances, one per role: the scheduler side (in the engine-core process) and the
+worker side (in each worker process). Each builds its role's object and forwards its hooks to it:
+``ConnectorScheduler`` (scheduler.py) or ``ConnectorWorker`` (worker.py); the other role's hooks
+have nothing to call. A request's path through them:
 
     1. keys     get_num_new_matched_tokens  keys of prompt[:-1]: full chunks as the reference engine
                                             computes them, then a tail block up to the last page
@@ -29,10 +31,13 @@ vLLM builds two instances: the scheduler side (in the engine-core process) and t
                                             block and Puts it (save_mode async), or the step does
                                             (sync / durable, e.g. a kv_producer)
 
+Steps 1-3 are the scheduler side's, 4 and 6 the worker side's, which gets step 3's plan as vLLM's
+connector metadata.
+
 A request with ``{"kvstore_blend": ...}`` in its ``kv_transfer_params``, or whose prompt text marks
 its passages with ``blend_separator``, is blended instead (CacheBlend: RAG passages reused at any
 position; ``engine_adapter/vllm/blend.py``): every token before its query is an external hit, which
-the worker writes with ``BlendEngine.prefill`` over a copy of the weights.
+the worker writes with ``BlendEngine.prefill`` over vLLM's own layers (or a copy of the weights).
 
 A daemon that is down, slow or wrong costs misses, never a failed request: every call goes through
 the engines' shared guard (engine_adapter/prefix_cache.py: counted, each outage and each recovery
@@ -47,16 +52,12 @@ parallelism 1 (a block holds every layer and head), KV cache dtype "auto".
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
-import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_events import KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -66,17 +67,16 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engine_adapter.client import KVStoreClient
 from engine_adapter.loader import hf_rope
-from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
-from engine_adapter.vllm.blend import BlendLoad, BlendRequests, BlendSpec, VllmBlender, brief
-from engine_adapter.vllm.layout import PagedKV, PagedSpan, PageLayout, measure_page_layout, split_cache_write
-from engine_adapter.vllm.plan import ChunkLoad, Planner, StepPlan
-from engine_adapter.vllm.trace import AccessTrace
+from engine_adapter.prefix_cache import PrefixCache
+from engine_adapter.vllm.plan import StepPlan
+from engine_adapter.vllm.scheduler import ConnectorScheduler
+from engine_adapter.vllm.worker import ConnectorWorker, KVStoreEvents, cpu_cache_write
+from blend.controller import Ratio
 from blend.engine import DEFAULT_RATIO
-from blend.select import DEFAULT_SELECTOR, SELECTORS
-from kernels.page_copy import PageWriter
+from blend.select import DEFAULT_SELECTOR, check_selector
 from kvstore.config import default_listen
-from kvstore.dtypes import TORCH_DTYPE_NAMES, TORCH_DTYPES
-from kvstore.keys import KVLayout, Namespace, chunk_key
+from kvstore.dtypes import TORCH_DTYPE_NAMES
+from kvstore.keys import KVLayout, Namespace
 
 if TYPE_CHECKING:
     from vllm.attention.backends.abstract import AttentionMetadata
@@ -88,11 +88,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+__all__ = ["ConnectorSettings", "KVStoreConnector", "cpu_cache_write", "daemon_cache", "vllm_namespace"]
+
 # A child of vLLM's logger: the connector's lines go wherever vLLM's go, at vLLM's level.
 log = logging.getLogger("vllm.kvstore_connector")
-
-# daemon tier -> where vLLM's metrics say the hit came from
-_HIT_SOURCES = {"gpu": CacheHitSource.DEVICE, "cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 
 SAVE_MODES = ("auto", "async", "sync", "durable")
@@ -172,14 +171,20 @@ class ConnectorSettings:
         if settings.blend_weights not in BLEND_WEIGHTS:
             raise ValueError(f"kv_connector_extra_config['blend_weights'] must be one of {BLEND_WEIGHTS}, "
                              f"got {settings.blend_weights!r}")
-        if not 0.0 <= settings.blend_ratio <= 1.0:
-            raise ValueError(f"kv_connector_extra_config['blend_ratio'] must be in [0, 1], got {settings.blend_ratio}")
-        if settings.blend_selector not in SELECTORS:
-            raise ValueError(f"kv_connector_extra_config['blend_selector'] {settings.blend_selector!r} is unknown; "
-                             f"known: {sorted(SELECTORS)}")
+        for name, check in (("blend_ratio", Ratio), ("blend_selector", check_selector)):
+            try:
+                check(getattr(settings, name))
+            except ValueError as exc:
+                raise ValueError(f"kv_connector_extra_config[{name!r}]: {exc}") from None
         if settings.timeout_s <= 0 or settings.retry_s < 0 or settings.lease_s < 0:
             raise ValueError("kv_connector_extra_config 'timeout_s' must be > 0, 'retry_s' and 'lease_s' >= 0")
         return settings
+
+    @property
+    def default_blend_ratio(self) -> Ratio:
+        """The ratio of a blend whose request names none (or "auto"): the loading controller's
+        choice where it runs, else ``blend_ratio``."""
+        return Ratio.AUTO if self.blend_controller else Ratio(self.blend_ratio)
 
 
 def vllm_namespace(vllm_config: "VllmConfig", settings: ConnectorSettings) -> Namespace:
@@ -203,137 +208,35 @@ def vllm_namespace(vllm_config: "VllmConfig", settings: ConnectorSettings) -> Na
     return Namespace(model_id, layout, rope=rope, tenant=settings.tenant, chunk_tokens=settings.chunk_tokens)
 
 
-def cpu_cache_write(isa: str):
-    """vLLM's CPU cache-write op for ``isa`` in :func:`measure_page_layout`'s signature."""
-    from vllm import _custom_ops as ops
+def daemon_cache(settings: ConnectorSettings, namespace: Namespace, role: KVConnectorRole) -> PrefixCache:
+    """The guarded daemon link: connected lazily, stepping aside ``retry_s`` after a failure.
+    The worker moves blocks through a shared-memory arena; the scheduler moves none, and on a
+    unix socket registers a 1 MiB arena only to map the daemon's key index, so its per-step
+    Lookups need no round trip."""
+    address = settings.address or default_listen()
+    worker = role == KVConnectorRole.WORKER
+    arena_bytes = settings.arena_bytes if worker else 2**20
 
-    def write(key: torch.Tensor, value: torch.Tensor, plane: torch.Tensor, slots: torch.Tensor) -> None:
-        pages, heads, page_tokens, _ = plane.shape
-        key_cache, value_cache = plane.view(pages, heads, 2 * page_tokens, -1).chunk(2, dim=2)  # as CPU_ATTN does
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
-
-    return write
-
-
-class LayerwiseLoad:
-    """One step's loads, layer by layer: the daemon streams each layer of every block into the arena
-    (GetLayers) and a thread writes that layer's pages; vLLM's attention for layer i waits only for
-    layer i (``wait``). Any failure fails every piece from the first one not fully written."""
-
-    def __init__(self, connector: "KVStoreConnector", client: KVStoreClient, pieces: list[ChunkLoad], slot: int) -> None:
-        self.connector = connector
-        self.pieces = pieces
-        layers = connector.namespace.layout.num_layers
-        self.ready = [threading.Event() for _ in range(layers)]
-        self.failed = False
-        self._stack = contextlib.ExitStack()
-        self._thread: threading.Thread | None = None
+    def connect() -> KVStoreClient:
+        client = KVStoreClient(address, shared_memory=True if worker else None, arena_bytes=arena_bytes,
+                               timeout=settings.timeout_s, token_file=settings.token_file or None,
+                               tls_ca=settings.tls_ca or None, tls_cert=settings.tls_cert or None,
+                               tls_key=settings.tls_key or None, tls_server_name=settings.tls_server_name,
+                               insecure=settings.insecure)
         try:
-            stream = self._stack.enter_context(client.fetch_layers([p.key for p in pieces], slot))
-            layout = connector.namespace.layout
-            for piece, block in zip(pieces, stream.blocks):
-                if block is None or block.tokens != piece.tokens or block.layout != layout or block.codec != "raw":
-                    raise LookupError(f"block {piece.key.hex()} vanished or is not a raw block of this layout")
-        except Exception as exc:  # noqa: BLE001
-            self._fail("get", exc)
-            return
-        self._thread = threading.Thread(target=self._run, args=(stream,), name="kvstore-layer-load", daemon=True)
-        self._thread.start()
+            client.check(timeout=settings.timeout_s)  # why it cannot be used, in the outage's one line
+        except BaseException:
+            client.close()
+            raise
+        return client
 
-    def _run(self, stream) -> None:
-        paged = self.connector.paged
-        jobs = [(fetched_tensor(block)[:, :, :, p.lo : p.hi], paged.slots(p.span)) for p, block in zip(self.pieces, stream.blocks)]
-        began = time.perf_counter()
-        try:
-            for layer in stream:
-                for tensor, slots in jobs:
-                    paged.write_layers(tensor, slots, layer)
-                self.ready[layer].set()
-            if not all(event.is_set() for event in self.ready):
-                raise LookupError("the daemon's layer stream ended early")
-        except Exception as exc:  # noqa: BLE001
-            self._fail("get", exc)
-        self.connector.load_copy_s += time.perf_counter() - began
-
-    def _fail(self, what: str, exc: BaseException) -> None:
-        self.failed = True
-        self.connector.cache.failed(what, exc)
-        for event in self.ready:
-            event.set()  # never leave the forward waiting; the pages are reported failed
-
-    def wait(self, layer: int) -> None:
-        if not self.ready[layer].wait(self.connector.settings.timeout_s):
-            self._fail("get", TimeoutError(f"layer {layer} not loaded within {self.connector.settings.timeout_s} s"))
-
-    def finish(self) -> None:
-        if self._thread is not None:
-            self._thread.join(self.connector.settings.timeout_s)
-            if self._thread.is_alive():
-                self._fail("get", TimeoutError("the layer-wise load did not finish"))
-        self._stack.close()
-        connector = self.connector
-        if self.failed:
-            for piece in self.pieces:
-                connector._failed_pages.update(piece.span.page_ids)
-        else:
-            connector.loaded_chunks += len(self.pieces)
-            connector.load_bytes += sum(connector.namespace.layout.block_bytes(p.hi - p.lo) for p in self.pieces)
-            connector.cache.ok()
-
-
-class KVStoreEvents(KVConnectorKVEvents):
-    """The KV events of pieces the worker stored, carried to the scheduler in vLLM's connector
-    output (one worker: tensor and pipeline parallelism are 1)."""
-
-    def __init__(self, events: list | None = None) -> None:
-        self._events = list(events or [])
-
-    def add_events(self, events: list) -> None:
-        self._events.extend(events)
-
-    def aggregate(self) -> "KVStoreEvents":
-        return self
-
-    def increment_workers(self, count: int = 1) -> None:
-        return
-
-    def get_all_events(self) -> list:
-        return list(self._events)
-
-    def get_number_of_workers(self) -> int:
-        return 1
-
-    def clear_events(self) -> None:
-        self._events.clear()
-
-
-def stored_event(request: "Request", piece_start: int, piece_end: int, page_tokens: int, tier: str):
-    """vLLM's ``BlockStored`` for a piece kvstore now holds, in vLLM's own page hashes (a router
-    matches them to its own); None when the request has no hashes for those pages (vLLM computes
-    them only with its prefix cache on) or the piece does not cover whole pages."""
-    from vllm.distributed.kv_events import BlockStored
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-    first, last = piece_start // page_tokens, piece_end // page_tokens
-    hashes = list(getattr(request, "block_hashes", ()) or ())
-    if len(hashes) < last or piece_start % page_tokens or piece_end % page_tokens:
-        return None
-    medium = {"gpu": "GPU", "cpu": "CPU"}.get(tier, "STORAGE")
-    return BlockStored(block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:last]],
-                       parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
-                       token_ids=list(request.prompt_token_ids[piece_start:piece_end]), block_size=page_tokens,
-                       lora_id=None, medium=medium, lora_name=None, ownership=f"kvstore/{tier}")
-
-
-class KVStoreConnectorMetadata(KVConnectorMetadata):
-    """One step's :class:`StepPlan`, sent from the scheduler to the workers."""
-
-    def __init__(self, plan: StepPlan) -> None:
-        self.plan = plan
+    return PrefixCache(None, namespace, connect=connect, retry_s=settings.retry_s, address=address,
+                       max_queued=settings.save_queue_chunks, logger=log)
 
 
 class KVStoreConnector(KVConnectorBase_V1):
-    """Prefix KV from and to the kvstore daemon; see the module docstring for the hooks' roles."""
+    """Prefix KV from and to the kvstore daemon: this role's object (``scheduler`` or ``worker``;
+    the other is None) does the work; see the module docstring for the hooks' roles."""
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -342,419 +245,71 @@ class KVStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self.settings = ConnectorSettings.from_extra_config(
-            dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
-        self.namespace = vllm_namespace(vllm_config, self.settings)
-        self.page_tokens = vllm_config.cache_config.block_size
-        # prefill/decode through the cache: a producer stores what it computes before its request
-        # returns; a consumer only loads; kv_both does both, storing in the background
-        self.kv_role = vllm_config.kv_transfer_config.kv_role or "kv_both"
-        mode = self.settings.save_mode
-        self.save_mode = ("sync" if self.kv_role == "kv_producer" else "async") if mode == "auto" else mode
-        self.cache = self._daemon_cache(role)
-        log.info("KVStoreConnector (%s): model %s, %s, address %s", role.name, self.namespace.model_id,
-                 self.namespace.layout, self.cache.address)
+        settings = ConnectorSettings.from_extra_config(dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
+        namespace = vllm_namespace(vllm_config, settings)
+        cache = daemon_cache(settings, namespace, role)
+        log.info("KVStoreConnector (%s): model %s, %s, address %s", role.name, namespace.model_id, namespace.layout,
+                 cache.address)
+        self.scheduler: ConnectorScheduler | None = None
+        self.worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.planner = Planner(self.namespace, self.page_tokens, tails=self.settings.tail_blocks,
-                                   saves=self.kv_role != "kv_consumer")
-            # every request being served: its cached-token count is corrected after a failed load,
-            # and its page hashes name the pieces it stores in vLLM's KV events
-            self._requests: dict[str, "Request"] = {}
-            events = vllm_config.kv_events_config
-            self._events_on = bool(events is not None and events.enable_kv_cache_events)
-            self._events: list = []  # stored pieces reported by the worker, for take_events
-            # request -> (page ids, load start, end, step outputs seen): kept for two step outputs
-            # (the load's step and, with async scheduling, the one before it)
-            self._loading: dict[str, list] = {}
-            # blend requests: request -> (spec, vLLM's own hit), then the loads planned for the next step
-            self._blends: dict[str, tuple[BlendSpec, int]] = {}
-            self._blend_loads: list[BlendLoad] = []
-            model_config = vllm_config.model_config
-            self._blend_requests = BlendRequests(self.settings.blend_separator,
-                                                 model_config.tokenizer or model_config.model,
-                                                 self.settings.blend_max_passages, log)
-            self._trace = (AccessTrace(self.settings.trace_file, self.namespace.layout, self.namespace.chunk_tokens)
-                           if self.settings.trace_file else None)
+            self.scheduler = ConnectorScheduler(vllm_config, settings, namespace, cache)
         else:
-            self.paged: PagedKV | None = None
-            self.loaded_chunks = 0
-            self.saved_chunks = 0
-            self.dropped_chunks = 0  # completed chunks not saved (daemon down, or the save queue full)
-            self.load_copy_s = 0.0   # time in the page writes of loads (after the Get)
-            self.load_s = 0.0        # time in start_load_kv's loads, Gets included
-            self.load_bytes = 0
-            self._failed_pages: set[int] = set()
-            self._layer_index: dict[str, int] = {}
-            self._stored_events: list = []  # BlockStored of pieces Put since the last step (save thread appends)
-            self._layerwise: LayerwiseLoad | None = None  # this step's layer-wise load, until wait_for_save
-            self.blender: VllmBlender | None = None  # set in register_kv_caches unless blend is off
-            self._blend_stores: list = []  # passages a blend computed alone, stored after the forward
-        self.cache.client()  # connect (and map the arena) now, not on the first request
+            self.worker = ConnectorWorker(vllm_config, settings, namespace, cache)
+        cache.client()  # connect (and map the arena) now, not on the first request
 
-    def _daemon_cache(self, role: KVConnectorRole) -> PrefixCache:
-        """The guarded daemon link: connected lazily, stepping aside ``retry_s`` after a failure.
-        The worker moves blocks through a shared-memory arena; the scheduler moves none, and on a
-        unix socket registers a 1 MiB arena only to map the daemon's key index, so its per-step
-        Lookups need no round trip."""
-        settings = self.settings
-        address = settings.address or default_listen()
-        worker = role == KVConnectorRole.WORKER
-        arena_bytes = settings.arena_bytes if worker else 2**20
+    def _plan(self) -> StepPlan | None:
+        """This step's plan from the scheduler side (vLLM binds it before the forward), or None."""
+        return self._get_connector_metadata().plan if self.has_connector_metadata() else None
 
-        def connect() -> KVStoreClient:
-            client = KVStoreClient(address, shared_memory=True if worker else None, arena_bytes=arena_bytes,
-                                   timeout=settings.timeout_s, token_file=settings.token_file or None,
-                                   tls_ca=settings.tls_ca or None, tls_cert=settings.tls_cert or None,
-                                   tls_key=settings.tls_key or None, tls_server_name=settings.tls_server_name,
-                                   insecure=settings.insecure)
-            try:
-                client.check(timeout=settings.timeout_s)  # why it cannot be used, in the outage's one line
-            except BaseException:
-                client.close()
-                raise
-            return client
-
-        return PrefixCache(None, self.namespace, connect=connect, retry_s=settings.retry_s, address=address,
-                           max_queued=settings.save_queue_chunks, logger=log)
-
-    # ==== scheduler side ======================================================================
+    # ==== scheduler side: ConnectorScheduler ==================================================
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        prompt = request.prompt_token_ids
-        if not prompt:
-            return 0, False
-        request_id = request.request_id
-        spec = self._blend_spec(request)
-        self._blends.pop(request_id, None)  # a request asked again (preempted, or the daemon went down)
-        if spec is not None:  # a blend: the worker writes every token before the query
-            self._blends[request_id] = (spec, num_computed_tokens)
-            self._requests[request_id] = request
-            return max(0, spec.cached_tokens - num_computed_tokens), False
-        started = time.perf_counter()
-        keys = self.planner.keys_of(request_id, prompt)
-        hits, tiers = 0, ()
-        found = self.cache.lookup(keys)  # the local key index: no round trip
-        if found is not None and found.hits and self.settings.lease_s > 0 \
-                and self.planner.record_hit(request_id, found.hits, num_computed_tokens) > 0:
-            # a hit vLLM will load: confirm it and keep it from eviction until the load
-            found = self.cache.lookup(keys[: found.hits], lease_s=self.settings.lease_s)
-        if found is not None:
-            hits, tiers = found.hits, found.tiers
-        first = request_id not in self._requests  # vLLM asks again while a request waits for pages
-        self._requests[request_id] = request
-        tokens = self.planner.record_hit(request_id, hits, num_computed_tokens, tiers)
-        if self._trace is not None and first:
-            self._trace.record(request_id, keys, self.planner.requests[request_id].tail, num_computed_tokens,
-                               hits, tiers, time.perf_counter() - started)
-        return tokens, False
-
-    def _blend_spec(self, request: "Request") -> BlendSpec | None:
-        """The blend a request asks for (``kv_transfer_params``, or ``blend_separator`` in its
-        text; ``BlendRequests``), or None: it asks for none, blend is off, it cannot be blended
-        (logged once, served as a plain prompt), or the daemon is down (then blending would compute
-        every passage alone: vLLM's own prefill is faster)."""
-        if self.settings.blend == "off":
-            return None
-        prompt = request.prompt_token_ids
-        spec = self._blend_requests.spec(request.request_id, prompt, getattr(request, "kv_transfer_params", None))
-        if spec is None:
-            return None
-        # the daemon must answer (a client is made before any call, so a down daemon shows only in
-        # a call): one Lookup of the passages' keys, from the local key index on a unix socket
-        prefix, passages, _, _ = spec.parts(prompt)
-        if self.cache.lookup([chunk_key(self.namespace, p) for p in ([prefix] if prefix else []) + passages]) is None:
-            return None
-        return spec
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
-        sources: dict[CacheHitSource, int] = {}
-        if num_external_tokens > 0 and request.request_id in self.planner.requests:
-            for tier, tokens in self.planner.hit_sources(request.request_id, num_external_tokens).items():
-                source = _HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
-                sources[source] = sources.get(source, 0) + tokens
-        return sources
+        return self.scheduler.get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        blend = self._blends.get(request.request_id)
-        if blend is not None and num_external_tokens > 0:
-            spec, start = blend
-            page_ids = blocks.get_block_ids()[0]
-            end = start + num_external_tokens
-            self._blend_loads.append(BlendLoad(request.request_id, tuple(request.prompt_token_ids), spec, start,
-                                               PagedSpan.of(page_ids, self.page_tokens, start, end)))
-            self._loading[request.request_id] = [list(page_ids), start, end, 0]
-        elif num_external_tokens > 0:
-            page_ids = blocks.get_block_ids()[0]
-            self.planner.plan_load(request.request_id, page_ids, num_external_tokens)
-            start = self.planner.requests[request.request_id].local_tokens
-            self._loading[request.request_id] = [list(page_ids), start, start + num_external_tokens, 0]
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        scheduled = [(req.req_id, req.num_computed_tokens) for req in scheduler_output.scheduled_new_reqs]
-        cached = scheduler_output.scheduled_cached_reqs
-        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
-        counts = scheduler_output.num_scheduled_tokens
-        block_state = scheduler_output.kv_connector_block_state
-
-        def page_ids_of(request_id: str) -> list[int]:
-            block_ids = block_state.get_block_ids(request_id) if block_state is not None else None
-            if block_ids is None:
-                raise RuntimeError(f"vLLM gave no page table for request {brief(request_id)}")
-            return block_ids[0]
-
-        if scheduler_output.preempted_req_ids:
-            log.info("KVStoreConnector: %d requests preempted; their stored pieces are hits when they resume",
-                     len(scheduler_output.preempted_req_ids))
-        def event_of(request_id: str, start: int, end: int):
-            request = self._requests.get(request_id)
-            return stored_event(request, start, end, self.page_tokens, self.settings.event_tier) if request else None
-
-        plan = self.planner.plan_step([(rid, before, counts.get(rid, 0)) for rid, before in scheduled], page_ids_of,
-                                      event_of if self._events_on else None)
-        plan.blends, self._blend_loads = self._blend_loads, []
-        return KVStoreConnectorMetadata(plan)
+        return self.scheduler.build_connector_meta(scheduler_output)
 
     def take_events(self):
-        events, self._events = self._events, []
-        yield from events
+        return self.scheduler.take_events()
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        """After a step: for a load that failed, vLLM recomputes from the first failed page; make
-        its cached-token count say so, and save the recomputed pieces."""
-        if connector_output.kv_cache_events is not None:
-            self._events.extend(connector_output.kv_cache_events.get_all_events())
-        invalid = connector_output.invalid_block_ids or set()
-        for request_id, entry in list(self._loading.items()):
-            page_ids, start, end, seen = entry
-            entry[3] = seen + 1
-            if entry[3] >= 2:
-                del self._loading[request_id]
-            page = self.page_tokens
-            failed = [i for i in range(start // page, (end + page - 1) // page) if page_ids[i] in invalid]
-            if not failed:
-                continue
-            self._loading.pop(request_id, None)
-            kept = failed[0] * page  # vLLM truncates the computed tokens at the first failed page
-            self.planner.lost(request_id, kept)
-            request = self._requests.get(request_id)
-            stats = getattr(request, "prefill_stats", None) if request is not None else None
-            if stats is not None and hasattr(stats, "set"):
-                local = stats.num_local_cached_tokens
-                stats.set(num_prompt_tokens=stats.num_prompt_tokens, num_local_cached_tokens=local,
-                          num_external_cached_tokens=max(0, kept - local))
-            log.warning("KVStoreConnector: request %s loaded %d of %d hit tokens; vLLM computes the rest",
-                        brief(request_id), max(0, kept - start), end - start)
+        self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.planner.forget(request.request_id)
-        self._requests.pop(request.request_id, None)
-        self._loading.pop(request.request_id, None)
-        self._blends.pop(request.request_id, None)
-        self._blend_requests.forget(request.request_id)
-        return False, None  # saves copy their pages within the step: vLLM may free them now
+        return self.scheduler.request_finished(request, block_ids)
 
-    # ==== worker side =========================================================================
+    # ==== worker side: ConnectorWorker ========================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.model_executor.models.utils import extract_layer_index
-        from vllm.platforms import current_platform
-
-        layout = self.namespace.layout
-        names = sorted(kv_caches, key=extract_layer_index)
-        if len(names) != layout.num_layers:
-            raise ValueError(f"vLLM has {len(names)} KV-cache layers, the namespace {layout.num_layers}")
-        caches = [kv_caches[name] for name in names]
-        if caches[0].dtype != self.namespace_dtype:
-            raise ValueError(f"vLLM's KV cache is {caches[0].dtype}, the namespace says {layout.dtype}")
-        kernel_tokens = caches[0].shape[2]
-        if current_platform.is_cpu():
-            if not all(cache.is_contiguous() for cache in caches):
-                raise ValueError("KVStoreConnector expects CPU KV caches laid out [pages, kv_heads, page_tokens, 2*head_dim]")
-            isa = self._cpu_isa(names[0], kernel_tokens)
-            write = cpu_cache_write(isa)
-            page_layout = measure_page_layout(write, layout.num_kv_heads, kernel_tokens, layout.head_dim, caches[0].dtype)
-            native = self._native_writer(caches, page_layout)
-            log.info("KVStoreConnector: CPU attention ISA %s, page layout %s; page writes by %s", isa,
-                     page_layout.name() or "measured", "kvstore's native writer" if native else "vLLM's cache-write op")
-        else:
-            page_layout, write, native = PageLayout.split(kernel_tokens, layout.head_dim), split_cache_write, None
-        self.paged = PagedKV(caches, page_layout, layout.num_kv_heads, self.page_tokens, write=write, native=native)
-        self._layer_index = {name: i for i, name in enumerate(names)}
-        if self.settings.blend != "off":
-            settings = self.settings
-            vllm_model = None
-            if settings.blend_weights == "vllm":
-                attention = self._vllm_config.compilation_config.static_forward_context.get(names[0])
-
-                def vllm_model():
-                    from engine_adapter.vllm.model_view import find_vllm_model
-
-                    return None if attention is None else find_vllm_model(names[0], attention)
-
-            self.blender = VllmBlender(self._vllm_config.model_config.model, self.namespace_dtype, self.cache,
-                                       self.namespace, settings.blend_ratio, settings.blend_selector,
-                                       settings.blend_controller, device=caches[0].device, vllm_model=vllm_model)
-            if settings.blend == "start":
-                self.blender.engine()
-
-    def _native_writer(self, caches: list[torch.Tensor], page_layout: PageLayout) -> PageWriter | None:
-        """The native page writer for these CPU caches, or None (turned off, a layout it does not
-        know, or no C compiler: then vLLM's own op writes the pages)."""
-        name = page_layout.name()
-        if not self.settings.native_copy or name is None:
-            return None
-        try:
-            return PageWriter(caches, name)
-        except (RuntimeError, ValueError) as exc:
-            log.warning("KVStoreConnector: native page writer unavailable (%s); vLLM's cache-write op writes pages", exc)
-            return None
-
-    def _cpu_isa(self, layer_name: str, kernel_tokens: int) -> str:
-        """The ISA the CPU attention backend chose for this model (it packs pages by it)."""
-        layer = self._vllm_config.compilation_config.static_forward_context.get(layer_name)
-        isa = getattr(layer, "isa", None)
-        if isa is None:
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-            isa = _get_attn_isa(self.namespace_dtype, kernel_tokens, self.namespace.layout.head_dim,
-                                self._vllm_config.cache_config.cache_dtype)
-        return isa
-
-    @property
-    def namespace_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.namespace.layout.dtype]
+        self.worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        if not self.has_connector_metadata():
-            return
-        plan: StepPlan = self._get_connector_metadata().plan
-        began = time.perf_counter()
-        pieces = [chunk for chunks in plan.loads.values() for chunk in chunks]
-        if self.settings.layerwise and pieces and self._start_layerwise(pieces):
-            self.load_s += time.perf_counter() - began
-            return
-        for chunks in plan.loads.values():
-            self._load(chunks)
-        for blend in plan.blends:
-            self._blend(blend)
-        self.load_s += time.perf_counter() - began
-
-    def _blend(self, load: BlendLoad) -> None:
-        """Blend one request into its pages; on any failure its pages are reported failed (vLLM
-        recomputes them) and the request is served as a plain prompt."""
-        try:
-            if self.blender is None or self.paged is None:
-                raise RuntimeError("blend is off in this worker")
-            blended = self.blender.run(load, self.paged)
-        except Exception as exc:  # noqa: BLE001 - a blend that fails is a prefill, never a failed request
-            log.warning("KVStoreConnector: blend of request %s failed (%s: %s); vLLM prefills it",
-                        brief(load.request_id), type(exc).__name__, exc)
-            self._failed_pages.update(load.span.page_ids)
-            return
-        self._blend_stores.extend(blended.missing)
-
-    def _start_layerwise(self, pieces: list[ChunkLoad]) -> bool:
-        """Start this step's loads layer by layer (GetLayers, then a thread writing each layer's
-        pages as it lands); False when they do not fit the arena at once (then they load whole)."""
-        client = self.cache.client()
-        if client is None or self.paged is None:
-            return False
-        slot = fetch_slot_bytes(self.namespace.layout, self.namespace.chunk_tokens)
-        if len(pieces) > client.max_fetch_blocks(slot):
-            return False
-        self._layerwise = LayerwiseLoad(self, client, pieces, slot)
-        return True
-
-    def _load(self, chunks: list[ChunkLoad]) -> None:
-        """Load one request's pieces in order; the pages of any piece not loaded are reported failed."""
-        layout = self.namespace.layout
-        loaded = 0
-
-        def take(index: int, block) -> bool:
-            nonlocal loaded
-            chunk = chunks[index]
-            if block is None or block.tokens != chunk.tokens or block.layout != layout:
-                log.info("KVStoreConnector: block %s vanished or has another layout", chunk.key.hex())
-                return False
-            tensor = fetched_tensor(block)  # [L, 2, H, n, D]; a view of the arena for raw
-            began = time.perf_counter()
-            self.paged.scatter(tensor[:, :, :, chunk.lo : chunk.hi], chunk.span)
-            self.load_copy_s += time.perf_counter() - began
-            self.load_bytes += layout.block_bytes(chunk.hi - chunk.lo)
-            loaded += 1
-            return True
-
-        if self.paged is not None:
-            self.cache.fetch_blocks([c.key for c in chunks], fetch_slot_bytes(layout, self.namespace.chunk_tokens), take)
-        self.loaded_chunks += loaded
-        for chunk in chunks[loaded:]:
-            self._failed_pages.update(chunk.span.page_ids)
-
-    def get_kv_connector_kv_cache_events(self) -> KVStoreEvents | None:
-        if not self._stored_events:
-            return None
-        events, self._stored_events = self._stored_events, []  # a swap: the save thread appends to the new list
-        return KVStoreEvents(events)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed_pages = self._failed_pages, set()
-        return failed
+        self.worker.start_load_kv(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._layerwise is not None:  # otherwise loads finished in start_load_kv
-            self._layerwise.wait(self._layer_index.get(layer_name, self.namespace.layout.num_layers - 1))
-
-    def _finish_layerwise(self) -> None:
-        if self._layerwise is not None:
-            self._layerwise.finish()
-            self._layerwise = None
+        self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
         return  # pieces are saved whole, after the forward (wait_for_save)
 
     def wait_for_save(self) -> None:
-        self._finish_layerwise()  # before vLLM asks for load errors
-        if self._blend_stores:  # passages blends computed alone, stored now that the forward is done
-            stores, self._blend_stores = self._blend_stores, []
-            self.cache.store_blocks_async(len(stores), stores.__getitem__)
-        if not self.has_connector_metadata() or self.paged is None:
-            return
-        saves = self._get_connector_metadata().plan.saves
-        if not saves:
-            return
-        if self.cache.client() is None:
-            self.dropped_chunks += len(saves)
-            return
-        if self.save_mode != "async":  # stored before this step ends (and its request returns)
-            copies = [(save.key, *self.paged.copy_pages(save.span), save.event, save.parent) for save in saves]
-            self._saved(copies, len(copies) if self.cache.put(self._blocks(copies), self.save_mode == "durable") else 0)
-            return
-        room = self.cache.store_room()
-        self.dropped_chunks += max(0, len(saves) - room)
-        # a plain copy of the pages (vLLM may reuse them after this step); the store thread permutes
-        copies = [(save.key, *self.paged.copy_pages(save.span), save.event, save.parent) for save in saves[:room]]
-        self.cache.store_blocks_async(len(copies), lambda i: self._blocks(copies[i : i + 1])[0],
-                                      stored=lambda n: self._saved(copies, n))
+        self.worker.wait_for_save(self._plan())
 
-    def _blocks(self, copies: list) -> list:
-        """Copied pages ``(key, pages, span, event, parent)`` as blocks ``(key, tokens, payload, parent)``."""
-        return [(key, span.tokens, self.paged.block_of_pages(pages, span), parent)
-                for key, pages, span, _, parent in copies]
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
 
-    def _saved(self, copies: list, stored: int) -> None:
-        """The daemon took the first ``stored`` of ``copies``: counted, their events reported."""
-        self.saved_chunks += stored
-        self.dropped_chunks += len(copies) - stored
-        self._stored_events.extend(copy[3] for copy in copies[:stored] if copy[3] is not None)
+    def get_kv_connector_kv_cache_events(self) -> KVStoreEvents | None:
+        return self.worker.get_kv_connector_kv_cache_events()
+
+    # ==== both ================================================================================
 
     def shutdown(self) -> None:
-        self.cache.close(timeout=30.0)  # after the chunks already queued
-        if self.role == KVConnectorRole.SCHEDULER and self._trace is not None:
-            self._trace.close()
-        if self.role == KVConnectorRole.WORKER:
-            log.info("KVStoreConnector worker: loaded %d pieces (%.1f MB, page writes %.1f ms, loads %.1f ms in all), "
-                     "saved %d, dropped %d, daemon errors %d in %d outages; blended %d requests (%.1f ms)",
-                     self.loaded_chunks, self.load_bytes / 1e6, self.load_copy_s * 1e3, self.load_s * 1e3,
-                     self.saved_chunks, self.dropped_chunks, self.cache.errors, self.cache.outages,
-                     self.blender.blended if self.blender else 0, (self.blender.seconds if self.blender else 0) * 1e3)
+        (self.scheduler or self.worker).shutdown()

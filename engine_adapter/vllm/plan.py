@@ -1,7 +1,7 @@
 """What the scheduler side tells the workers each step: chunks to load, chunks to save.
 
-Pure Python (no vLLM import), so the range arithmetic is unit-tested on its own. The connector in
-``connector.py`` feeds it vLLM's requests and scheduler output.
+Pure Python (no vLLM import), so the range arithmetic is unit-tested on its own. The connector's
+scheduler side (``scheduler.py``) feeds it vLLM's requests and scheduler output.
 
 Per request, the prompt minus its last token is cut into chunks with chained keys, exactly as the
 reference engine does (``CachedEngine``), so a block stored by either engine is a hit for both;
@@ -61,7 +61,7 @@ class StepPlan:
 
     loads: dict[str, list[ChunkLoad]] = field(default_factory=dict)  # request id -> pieces, in order
     saves: list[ChunkSave] = field(default_factory=list)
-    blends: list = field(default_factory=list)  # blend.BlendLoad of requests blended this step
+    blends: list = field(default_factory=list)  # blend.BlendRequest (pages set) of requests blended this step
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.saves or self.blends)
