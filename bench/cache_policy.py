@@ -288,7 +288,7 @@ def table(results: Sequence[tuple[float, float, Result]]) -> str:
     return "\n".join(lines)
 
 
-_LINE_STYLES = {"lru": "-", "prefix-lru": ":", "prefix-tinylfu": "-.", "prefix-tinylfu-duel": "--"}
+_LINE_STYLES = ("-", ":", "-.", (0, (5, 1)), (0, (1, 3)), (0, (3, 1, 1, 1)))  # one per write mode and admission
 
 
 def plot(results: Sequence[tuple[float, float, Result]], path: str) -> None:
@@ -303,11 +303,13 @@ def plot(results: Sequence[tuple[float, float, Result]], path: str) -> None:
         curves: dict[str, list[tuple[float, float]]] = {}
         for fraction, _, r in (row for row in results if row[1] == lower):
             curves.setdefault(r.label, []).append((fraction, 100 * r.hit_ratio))
-        modes = sorted({label.partition(" ")[2] for label in curves})  # one colour each, a line style per policy
+        modes = sorted({label.partition(" ")[2] for label in curves})  # a line style each, a colour per policy
+        policies = sorted({label.partition(" ")[0] for label in curves} - {"belady"})
         for label, points in curves.items():
             policy, _, mode = label.partition(" ")
             style = {"color": "black", "linestyle": "--"} if policy == "belady" else \
-                {"marker": "o", "color": f"C{modes.index(mode)}", "linestyle": _LINE_STYLES.get(policy, "-")}
+                {"marker": "o", "color": f"C{policies.index(policy)}",
+                 "linestyle": _LINE_STYLES[modes.index(mode) % len(_LINE_STYLES)]}
             axes.plot(*zip(*sorted(points)), label=label, **style)
         axes.set(title="top tier only" if not lower else f"lower tier {lower:g}x the top",
                  xlabel="top tier, fraction of working set", ylabel="token hit ratio %")
