@@ -305,7 +305,11 @@ class BlockStore:
             self.quotas[owner] = quota
         async with self.lock:
             self.residency.link(header.key, parent)
-            header = await self.store_in(0, header, payload, hash_payload, owner=owner)
+            try:
+                header = await self.store_in(0, header, payload, hash_payload, owner=owner)
+            except BaseException:
+                self.residency.unlink(header.key)  # no tier took it: nothing may keep its link
+                raise
             self._note_layout(header)
         for level in range(1, durable_level + 1):
             if not await self.write_behind.copy(level, header.key):

@@ -194,6 +194,11 @@ class Residency:
         if self._chains and parent and parent != key:
             self._parent[key] = parent
 
+    def unlink(self, key: bytes) -> None:
+        """Forget ``key``'s parent unless a tier holds it (a Put that stored nothing)."""
+        if not any(key in lru for lru in self._lru):
+            self._parent.pop(key, None)
+
     def mark_reused(self, key: bytes) -> None:
         self._reused.add(key)
 

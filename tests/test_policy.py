@@ -123,6 +123,26 @@ def test_a_forged_parent_cycle_or_deep_chain_costs_a_bounded_walk(tmp_path):
     asyncio.run(scenario())
 
 
+def test_a_put_that_stores_nothing_leaves_no_parent_link(tmp_path):
+    """A Put refused because every block is pinned keeps nothing of its parent hint: refused Puts
+    cannot grow the daemon."""
+    from tiers.base import TierFullError
+
+    async def scenario():
+        store = store_of(tmp_path, cpu_blocks=2)
+        store.start()
+        held = blocks(2, start=700)
+        for header, payload in held:
+            await store.put(header, payload)
+        store.pin([h.key for h, _ in held])
+        for header, payload in blocks(5, start=710):
+            with pytest.raises(TierFullError):
+                await store.put(header, payload, parent=held[0][0].key)
+        assert not store.residency._parent
+        await store.close()
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("admission", ["all", "reused"])
 def test_reused_admission_writes_down_only_blocks_read_again(tmp_path, admission):
     """Write-through under "reused": a block nobody reads stays out of the disk tier, and is not
