@@ -169,12 +169,11 @@ class Tier(ABC):
         """Release resources (files, arenas). Idempotent."""
 
 
-class ExtentIndex:
-    """The key index of a tier whose blocks live at offsets of one arena (CPU, GPU): each key's
-    offset and header, and the bytes they hold. The tier keeps ``_blocks`` and ``_used`` as blocks
-    come and go; ``can_fit`` asks its allocator."""
+class KeyIndex:
+    """The key index a tier keeps in memory: ``_blocks`` (key -> what the tier keeps of a block)
+    and ``_used``, the bytes its blocks hold, kept by the tier as blocks come and go."""
 
-    _blocks: dict[bytes, tuple[int, BlockHeader]]
+    _blocks: dict
     _used: int
 
     def __contains__(self, key: bytes) -> bool:
@@ -186,29 +185,28 @@ class ExtentIndex:
     def keys(self) -> Iterator[bytes]:
         return iter(list(self._blocks))
 
-    def header(self, key: bytes) -> BlockHeader:
-        return self._blocks[key][1]
-
     @property
     def used_bytes(self) -> int:
         return self._used
 
 
-class HeaderIndex:
-    """The key index of a tier that stores each block apart (a file, an object: disk, S3): each
-    key's header, under ``_lock`` where another thread indexes too, and the bytes they hold within
-    ``capacity_bytes`` (0: unbounded)."""
+class ExtentIndex(KeyIndex):
+    """A tier whose blocks live at offsets of one arena (CPU, GPU): each key's offset and header;
+    ``can_fit`` asks the tier's allocator."""
+
+    _blocks: dict[bytes, tuple[int, BlockHeader]]
+
+    def header(self, key: bytes) -> BlockHeader:
+        return self._blocks[key][1]
+
+
+class HeaderIndex(KeyIndex):
+    """A tier that stores each block apart (a file, an object: disk, S3): each key's header, read
+    under ``_lock`` where another thread indexes too, within ``capacity_bytes`` (0: unbounded)."""
 
     _blocks: dict[bytes, BlockHeader]
-    _used: int
     _lock: threading.Lock
     capacity_bytes: int
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
-
-    def __len__(self) -> int:
-        return len(self._blocks)
 
     def keys(self) -> Iterator[bytes]:
         with self._lock:
@@ -217,10 +215,5 @@ class HeaderIndex:
     def header(self, key: bytes) -> BlockHeader:
         return self._blocks[key]
 
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
     def can_fit(self, nbytes: int) -> bool:
         return self.capacity_bytes == 0 or self._used + nbytes <= self.capacity_bytes
-
