@@ -42,7 +42,7 @@ from kvstore.log_limit import LogLimit
 from kvstore.metrics import Metrics
 from kvstore.promotion import Promoter
 from kvstore.reads import OFFLOAD_GET_BYTES, BlockGoneError, GetResult, Reader
-from kvstore.residency import Residency
+from kvstore.residency import Residency, WalkBudget
 from kvstore.shm_index import TICK_S, KeyIndexWriter
 from kvstore.tier_io import READER_THREADS, TierIO
 from kvstore.write_behind import WriteBehind
@@ -284,7 +284,8 @@ class BlockStore:
         self._layouts.setdefault(header.namespace, header.layout)
 
     async def put(self, header: BlockHeader, payload: memoryview, owner: str = "", quota: int = 0,
-                  durable: bool = False, hash_payload: bool = False, parent: bytes = b"") -> BlockHeader:
+                  durable: bool = False, hash_payload: bool = False, parent: bytes = b"",
+                  walk: WalkBudget | None = None) -> BlockHeader:
         """Store a block in the top tier (evicting as needed) and queue its copy to lower tiers;
         returns the header stored.
 
@@ -294,7 +295,8 @@ class BlockStore:
         ``owner`` with ``quota`` > 0: the owner may hold at most ``quota`` bytes in the top tier;
         its own least recently used blocks are evicted (demoted) first. ``durable``: return only
         once a durable tier (fsynced disk, S3) holds the block. ``parent``: the key before it in its
-        chain (an eviction hint, ``Residency.link``). Raises ValueError for a layout
+        chain (an eviction hint, ``Residency.link``), whose ancestors are refreshed within ``walk``
+        (one budget for a whole call's blocks). Raises ValueError for a layout
         that contradicts the namespace or a durable put without a durable tier, TierFullError when
         the block cannot fit even after evicting every unpinned block, TierError when the durable
         copy failed.
@@ -304,12 +306,9 @@ class BlockStore:
         if quota:
             self.quotas[owner] = quota
         async with self.lock:
-            self.residency.link(header.key, parent)
-            try:
-                header = await self.store_in(0, header, payload, hash_payload, owner=owner)
-            except BaseException:
-                self.residency.unlink(header.key)  # no tier took it: nothing may keep its link
-                raise
+            header = await self.store_in(0, header, payload, hash_payload, owner=owner)
+            # linked once stored: a Put no tier took keeps nothing of its hint
+            self.residency.link(header.key, parent, 0, walk if walk is not None else WalkBudget())
             self._note_layout(header)
         for level in range(1, durable_level + 1):
             if not await self.write_behind.copy(level, header.key):

@@ -25,6 +25,7 @@ what stays is a prefix, still a hit (a Lookup's run may span tiers). Walks are b
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 from kvstore.block import BlockHeader
@@ -38,6 +39,14 @@ if TYPE_CHECKING:
 
 #: Most ancestors one use refreshes: a chain of 1,024 blocks is 256k tokens of 256-token chunks.
 MAX_WALK = 1024
+
+
+@dataclass
+class WalkBudget:
+    """Ancestor steps one call may still take, all its blocks together: a Put of thousands of
+    blocks naming deep parents costs at most this many, not thousands of walks."""
+
+    left: int = 8 * MAX_WALK
 
 
 class TierLRU:
@@ -188,16 +197,14 @@ class Residency:
             self._lru[level].set_owner(key, owner, self.tiers[level].header(key).block_len)
         self._touch_ancestors(level, key)
 
-    def link(self, key: bytes, parent: bytes) -> None:
-        """``parent`` is the key before ``key`` in its chain (a Put's hint; kept while a tier holds
-        ``key``). Call before the block is recorded."""
-        if self._chains and parent and parent != key:
-            self._parent[key] = parent
-
-    def unlink(self, key: bytes) -> None:
-        """Forget ``key``'s parent unless a tier holds it (a Put that stored nothing)."""
-        if not any(key in lru for lru in self._lru):
-            self._parent.pop(key, None)
+    def link(self, key: bytes, parent: bytes, level: int, budget: WalkBudget) -> None:
+        """``parent`` is the key before ``key`` in its chain (a Put's hint, kept while a tier holds
+        ``key``): ``key`` was just stored in tier ``level``, so its ancestors there are used now,
+        within what ``budget`` (the whole call's) has left."""
+        if not self._chains or not parent or parent == key or not any(key in lru for lru in self._lru):
+            return
+        self._parent[key] = parent
+        budget.left -= len(self._touch_ancestors(level, key, budget.left))
 
     def mark_reused(self, key: bytes) -> None:
         self._reused.add(key)
@@ -241,10 +248,12 @@ class Residency:
             if key not in walked:
                 walked.update(self._touch_ancestors(level, key))
 
-    def _touch_ancestors(self, level: int, key: bytes) -> list[bytes]:
-        """Use ``key``'s ancestors in tier ``level``, nearest first (at most `MAX_WALK`); returns them."""
+    def _touch_ancestors(self, level: int, key: bytes, most: int = MAX_WALK) -> list[bytes]:
+        """Use ``key``'s ancestors in tier ``level``, nearest first (at most ``most``, and never
+        more than `MAX_WALK`); returns them."""
         lru, parent, touched = self._lru[level], self._parent.get(key), []
-        while parent is not None and parent in lru and len(touched) < MAX_WALK:
+        most = min(most, MAX_WALK)
+        while parent is not None and parent in lru and len(touched) < most:
             lru.touch(parent)
             touched.append(parent)
             parent = self._parent.get(parent)

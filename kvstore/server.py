@@ -29,6 +29,7 @@ from kvstore.keys import KEY_BYTES
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYER_COPIES, MAX_LAYERS, MAX_LEASE_MS
 from kvstore.log_limit import LogLimit
 from kvstore.placement import STREAM_HOLD_S, BlockGoneError, BlockStore, GetResult, HoldRefused
+from kvstore.residency import WalkBudget
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.shm_index import REPORT_HEADER, parse_report
@@ -317,9 +318,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         # block of its own, stored under its tenant's keys: in the CPU tier the checksum is of the
         # copy, so the block holds whatever was copied; in a tier that hashes first, it fails its
         # checksum and reads as a counted corrupt miss.)
+        walk = WalkBudget()  # one for the call: many blocks naming deep parents cost one bounded walk
         for header, payload, parent in prepared:
             await self.store.put(header, payload, owner=tenant.name, quota=tenant.quota_bytes,
-                                 durable=request.durable, hash_payload=True, parent=parent)
+                                 durable=request.durable, hash_payload=True, parent=parent, walk=walk)
             if tenant.name:
                 self._usage[tenant.name].bytes_in[self.store.tiers[0].name] += header.payload_len
         return pb.PutResponse(stored=len(prepared))

@@ -143,6 +143,29 @@ def test_a_put_that_stores_nothing_leaves_no_parent_link(tmp_path):
     asyncio.run(scenario())
 
 
+def test_one_put_call_shares_one_walk_budget(tmp_path):
+    """Many blocks in one call, each naming the end of a deep chain as parent, walk no more than the
+    call's budget together (the server gives each Put one `WalkBudget`): a hostile Put of thousands
+    of tiny blocks cannot hold the event loop for thousands of walks."""
+    from kvstore.residency import WalkBudget
+
+    async def scenario():
+        store = store_of(tmp_path, cpu_blocks=60)
+        store.start()
+        chain, extra = blocks(40, start=800), blocks(10, start=900)
+        await put_chain(store, chain)
+        walk = WalkBudget(left=50)
+        for header, payload in extra:
+            await store.put(header, payload, parent=chain[-1][0].key, walk=walk)
+        assert walk.left == 0  # the first walk took 40 steps (the whole chain), the second the last 10
+        order = list(store.residency[0])
+        assert order.index(extra[1][0].key) < order.index(chain[30][0].key)  # the second walk reached it
+        assert order.index(chain[29][0].key) < order.index(extra[1][0].key)  # ... and stopped before this
+        store.check_integrity()
+        await store.close()
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("admission", ["all", "reused"])
 def test_reused_admission_writes_down_only_blocks_read_again(tmp_path, admission):
     """Write-through under "reused": a block nobody reads stays out of the disk tier, and is not
