@@ -32,7 +32,7 @@ import torch
 from engine_adapter.client import KVStoreClient
 from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
 from engine_adapter.generate import decode_after, sample_next
-from engine_adapter.model import LlamaModel, ModelConfig
+from engine_adapter.model import KVCache, LlamaModel, ModelConfig
 from engine_adapter.tokenizer import Tokenizer
 from kvstore.dtypes import TORCH_DTYPE_NAMES
 from kvstore.keys import KVLayout, Namespace, prefix_keys
@@ -76,6 +76,29 @@ class CachedEngine:
         self.client = client
         self.namespace = model_namespace(model, tenant, chunk_tokens)
         self.cache = PrefixCache(client, self.namespace)
+        # The KV cache of the last request, kept for the next once its store is done: like an
+        # engine's preallocated KV memory, a warm request then pays no allocation and no first
+        # touch of fresh pages (at 4k tokens in fp32, 189 MB: as long as copying them in).
+        self._spare: tuple[KVCache, threading.Event] | None = None
+        self._spare_lock = threading.Lock()
+
+    def _take_cache(self, capacity: int) -> KVCache:
+        """An empty KV cache for ``capacity`` tokens: the spare if its store is done, else a new one."""
+        with self._spare_lock:
+            spare = self._spare if self._spare is not None and self._spare[1].is_set() else None
+            if spare is not None:
+                self._spare = None
+        if spare is None:  # none yet, or the last request's chunks are still being stored from it
+            return self.model.new_cache(capacity)
+        kv = spare[0]
+        kv.truncate(0)
+        kv.reserve(capacity)
+        return kv
+
+    def _keep_cache(self, kv: KVCache, stored: threading.Event) -> None:
+        with self._spare_lock:
+            if self._spare is None or self._spare[0].capacity <= kv.capacity:
+                self._spare = (kv, stored)
 
     @property
     def errors(self) -> int:
@@ -145,7 +168,7 @@ class CachedEngine:
         prompt_ids = list(prompt_ids)
         n = self.namespace.chunk_tokens
         keys = prefix_keys(self.namespace, prompt_ids[: len(prompt_ids) - 1])  # the last token is computed
-        kv = self.model.new_cache(len(prompt_ids) + max(max_new_tokens, 1))
+        kv = self._take_cache(len(prompt_ids) + max(max_new_tokens, 1))
         tiers: list[str] = []
         logits = self._prefill_layerwise(keys, prompt_ids, kv, tiers) if use_cache and layerwise else None
         if logits is not None:
@@ -166,6 +189,7 @@ class CachedEngine:
         result.tokens = decode_after(self.model, kv, first, max_new_tokens, self.tokenizer.eos_token_ids,
                                      temperature, top_p, generator)
         result.total_s = time.perf_counter() - start
+        self._keep_cache(kv, result.store_done)
         return result
 
     def ingest(self, context_ids: Sequence[int], progress=None) -> tuple[int, int]:

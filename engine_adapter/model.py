@@ -193,21 +193,27 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.length = 0
-        shape = (num_kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._allocate(torch.empty((num_layers, 2, num_kv_heads, capacity, head_dim), dtype=dtype, device=device))
+
+    def _allocate(self, data: torch.Tensor) -> None:
+        """One tensor [num_layers, 2, num_kv_heads, capacity, head_dim] holds every layer, so a
+        block loads or exports in one strided copy; ``keys[layer]`` and ``values[layer]`` are its
+        contiguous [num_kv_heads, capacity, head_dim] views. Tokens past ``length`` are unset."""
+        self._data = data
+        self.keys = [data[layer, 0] for layer in range(self.num_layers)]
+        self.values = [data[layer, 1] for layer in range(self.num_layers)]
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[1]
+        return self._data.shape[3]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.keys[0].dtype
+        return self._data.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.keys[0].device
+        return self._data.device
 
     def reserve(self, num_tokens: int) -> None:
         """Grow (doubling) until `num_tokens` fit; the valid tokens are copied over."""
@@ -216,11 +222,9 @@ class KVCache:
         capacity = self.capacity
         while capacity < num_tokens:
             capacity *= 2
-        for store in (self.keys, self.values):
-            for layer, old in enumerate(store):
-                new = old.new_zeros((self.num_kv_heads, capacity, self.head_dim))
-                new[:, : self.length] = old[:, : self.length]
-                store[layer] = new
+        old = self._data
+        self._allocate(old.new_empty((*old.shape[:3], capacity, self.head_dim)))
+        self._data[:, :, :, : self.length] = old[:, :, :, : self.length]
 
     def truncate(self, num_tokens: int) -> None:
         """Keep tokens 0..num_tokens-1; the rest become invalid (memory is kept)."""
@@ -246,8 +250,7 @@ class KVCache:
         """A copy of tokens start..end-1 as a block [num_layers, 2, num_kv_heads, end-start, head_dim]."""
         if not 0 <= start <= end <= self.length:
             raise ValueError(f"export({start}, {end}) is outside the filled range 0..{self.length}")
-        layers = [torch.stack((k[:, start:end], v[:, start:end])) for k, v in zip(self.keys, self.values)]
-        return torch.stack(layers)
+        return self._data[:, :, :, start:end].clone(memory_format=torch.contiguous_format)
 
     def load(self, block: torch.Tensor, start: int) -> None:
         """Write a block [num_layers, 2, num_kv_heads, n, head_dim] at tokens start..start+n-1.
@@ -265,10 +268,7 @@ class KVCache:
             raise ValueError(f"load at {start} would leave a gap after length {self.length}; load blocks in order")
         end = start + block.shape[3]
         self.reserve(end)
-        block = block.to(device=self.device, dtype=self.dtype)
-        for layer in range(self.num_layers):
-            self.keys[layer][:, start:end] = block[layer, 0]
-            self.values[layer][:, start:end] = block[layer, 1]
+        self._data[:, :, :, start:end].copy_(block)  # one strided copy, cast to this cache's dtype and device
         self.length = max(self.length, end)
 
 
