@@ -245,27 +245,32 @@ class KVStoreClient:
             raise ValueError(f"{len(sizes)} blocks of up to {max(sizes)} bytes need {needed} arena bytes; the "
                              f"arena has {self._allocator.capacity}: move fewer blocks per call (see "
                              f"max_fetch_blocks) or create the client with a larger arena_bytes")
-        offsets: list[int] = []
         with self._space:
-            while True:
-                offsets = []
-                for size in sizes:
-                    offset = self._allocator.allocate(max(size, 1))
-                    if offset is None:
-                        break
-                    offsets.append(offset)
-                if len(offsets) == len(sizes):
-                    break
-                for offset in offsets:
-                    self._allocator.free(offset)
+            while (offsets := self._reserve(sizes)) is None:
                 self._space.wait()
         try:
             yield offsets
         finally:
-            with self._space:
-                for offset in offsets:
-                    self._allocator.free(offset)
-                self._space.notify_all()
+            self._free(offsets)
+
+    def _reserve(self, sizes: Sequence[int]) -> list[int] | None:
+        """Arena extents for ``sizes`` now, or None (nothing kept) when they do not fit; under ``_space``."""
+        assert self._allocator is not None
+        offsets: list[int] = []
+        for size in sizes:
+            offset = self._allocator.allocate(max(size, 1))
+            if offset is None:
+                for taken in offsets:
+                    self._allocator.free(taken)
+                return None
+            offsets.append(offset)
+        return offsets
+
+    def _free(self, offsets: Sequence[int]) -> None:
+        with self._space:
+            for offset in offsets:
+                self._allocator.free(offset)
+            self._space.notify_all()
 
     def _planned_bytes(self) -> int:
         """Arena bytes one call is planned to take: half the arena (none: no limit)."""
@@ -375,6 +380,73 @@ class KVStoreClient:
             reply = self._call(self._stub.Get, pb.GetRequest(items=items, allow_missing=allow_missing))
             yield [_fetched(k, r, self._arena.buffer[o : o + r.meta.payload_len]) if r.found else None
                    for k, r, o in zip(keys, reply.results, offsets)]
+
+    def fetch_ahead(self, keys: Sequence[bytes], max_payload_bytes: int, batch: int
+                    ) -> Iterator[tuple[int, list[FetchedBlock | None]]]:
+        """:meth:`fetch` of ``keys`` in Gets of ``batch`` blocks, yielding ``(index of the batch's
+        first key, its blocks)`` in order, misses as None. While the caller takes one batch, the
+        next Get is in flight whenever the arena has room for it at once, so the daemon's copy into
+        the arena overlaps the caller's copy out of it (a load then costs about one copy, not two)::
+
+            daemon  |copy 0|copy 1|copy 2|copy 3|
+            caller         |take 0|take 1|take 2|take 3|
+
+        A batch's views are valid until the generator moves on or is closed (``with
+        contextlib.closing(...)`` or running it to the end). A look-ahead never waits for space,
+        so two threads' fetches cannot each hold half the arena and wait for the other half."""
+        batch = max(1, min(batch, self.max_fetch_blocks(max_payload_bytes)))
+        starts = range(0, len(keys), batch)
+        if self._arena is None or len(starts) < 2:
+            for first in starts:
+                with self.fetch(keys[first : first + batch], max_payload_bytes) as blocks:
+                    yield first, blocks
+            return
+        sent: list[tuple[int, list[int], Any]] = []  # (first, arena offsets, reply future), oldest first
+
+        def send(first: int, wait: bool) -> bool:
+            part = keys[first : first + batch]
+            sizes = [max_payload_bytes] * len(part)
+            with self._space:  # reserved here, freed once the caller has taken the batch
+                offsets = self._reserve(sizes)
+                while offsets is None and wait:
+                    self._space.wait()
+                    offsets = self._reserve(sizes)
+            if offsets is None:
+                return False
+            items = [pb.GetItem(key=k, dest=pb.ArenaSlice(arena_id=self._arena_id, offset=o, length=max_payload_bytes))
+                     for k, o in zip(part, offsets)]
+            try:
+                future = self._call(self._stub.Get.future, pb.GetRequest(items=items, allow_missing=True))
+            except BaseException:
+                self._free(offsets)
+                raise
+            sent.append((first, offsets, future))
+            return True
+
+        following = iter(starts)
+        try:
+            send(next(following), wait=True)
+            upcoming = next(following, None)
+            while sent:
+                if upcoming is not None and send(upcoming, wait=False):  # the look-ahead
+                    upcoming = next(following, None)
+                first, offsets, future = sent[0]
+                reply = future.result()
+                part = keys[first : first + batch]
+                yield first, [_fetched(k, r, self._arena.buffer[o : o + r.meta.payload_len]) if r.found else None
+                              for k, r, o in zip(part, reply.results, offsets)]
+                sent.pop(0)
+                self._free(offsets)
+                if not sent and upcoming is not None:  # no room for a look-ahead: the next in turn
+                    send(upcoming, wait=True)
+                    upcoming = next(following, None)
+        finally:
+            for _, offsets, future in sent:  # closed early or failed: each Get ends before its space is reused
+                try:
+                    future.result()
+                except Exception:  # noqa: BLE001 - cancelled or failed: the daemon no longer writes
+                    pass
+                self._free(offsets)
 
     @contextlib.contextmanager
     def fetch_layers(self, keys: Sequence[bytes], max_payload_bytes: int,
