@@ -4,12 +4,15 @@ Blocks are the size of one 256-token SmolLM2-135M chunk: 30 layers x 2 x 3 kv he
 64 x 2 bytes = 5.9 MB. Baselines are measured in the same run on the same bytes:
 
 - CPU tier: numpy memcpy of the same blocks (the ceiling for any copy into the client's memory);
-- disk tier: plain ``write``/``read`` of the same bytes as files in the same folder.
+- disk tier: plain ``write``/``read`` of the same bytes as files in the same folder;
+- remote client (no shared memory, the daemon's data channel on TCP loopback): a plain TCP socket
+  on loopback, one thread ``sendall``-ing the same bytes and the other ``recv_into``-ing them into
+  one buffer, measured in rounds alternating with the client's Puts and Gets.
 
 Disk reads of both the daemon and the baseline come from the page cache (the files were just
 written); ``--o-direct`` makes the daemon bypass it (the baseline then uses O_DIRECT too).
 
-    python bench/daemon_throughput.py [--blocks 48] [--batch 8] [--json out.json]
+    python bench/daemon_throughput.py [--blocks 48] [--batch 8] [--json out.json] [--remote-only]
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import mmap
 import multiprocessing
 import os
 import shutil
+import socket
 import statistics
+import threading
 import sys
 import tempfile
 import time
@@ -249,7 +254,100 @@ def interleaved_disk_rounds(address: str, block_dir: Path, client_id: int, n: in
     return {"get": get, "read": read, "ratio": get / read}
 
 
+# -- remote client: the data channel against a plain TCP socket ------------------------------------
+
+
+def socket_gbps(nbytes: int, chunk: int) -> float:
+    """A plain loopback TCP socket: a thread sendall-s ``nbytes`` in ``chunk``-byte calls, this
+    thread recv_into-s them into one prefaulted buffer of ``chunk`` bytes."""
+    source = np.random.default_rng(1).integers(1, 256, chunk, dtype=np.uint8)
+    sink = memoryview(np.ones(chunk, dtype=np.uint8))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        sender = socket.create_connection(listener.getsockname())
+        receiver, _ = listener.accept()
+
+    def send() -> None:
+        with sender:
+            for at in range(0, nbytes, chunk):
+                sender.sendall(memoryview(source)[: min(chunk, nbytes - at)])
+
+    with receiver:
+        start = time.perf_counter()
+        thread = threading.Thread(target=send)
+        thread.start()
+        got = 0
+        while got < nbytes:
+            n = receiver.recv_into(sink)
+            if not n:
+                break
+            got += n
+        thread.join()
+        elapsed = time.perf_counter() - start
+    if got != nbytes:
+        raise RuntimeError(f"the socket baseline moved {got} of {nbytes} bytes")
+    return nbytes / elapsed / 1e9
+
+
+def remote_rounds(address: str, token: str, n: int, batch: int, rounds: int, passes: int) -> list[dict]:
+    """Per round: the socket baseline, a remote client's Put of ``n`` new blocks, its Gets of them
+    (``passes``), each in GB/s; the blocks are deleted after the round (untimed)."""
+    out = []
+    with KVStoreClient(address, token=token, shared_memory=False) as client:
+        if not client.data_channel:
+            raise RuntimeError(f"{address} offers no data channel")
+        for r in range(rounds):
+            keys, payloads = blocks_for(700 + r, n)
+            ns = namespace(700 + r)
+            baseline = socket_gbps(n * BLOCK, batch * BLOCK)
+            start = time.perf_counter()
+            for i in range(0, n, batch):
+                client.put(ns, [(k, CHUNK, p) for k, p in zip(keys[i:i + batch], payloads[i:i + batch])])
+            put = n * BLOCK / (time.perf_counter() - start) / 1e9
+            start = time.perf_counter()
+            for _ in range(passes):
+                for i in range(0, n, batch):
+                    with client.fetch(keys[i:i + batch], BLOCK) as fetched:
+                        if any(b is None for b in fetched):
+                            raise RuntimeError("blocks missing from the remote Get")
+            get = passes * n * BLOCK / (time.perf_counter() - start) / 1e9
+            client.delete(keys)
+            out.append({"round": r, "socket_gbps": baseline, "put_gbps": put, "get_gbps": get,
+                        "put_ratio": put / baseline, "get_ratio": get / baseline})
+            print(f"remote round {r}: socket {baseline:.2f} GB/s, put {put:.2f} ({put / baseline:.2f}x), "
+                  f"get {get:.2f} ({get / baseline:.2f}x)", flush=True)
+    return out
+
+
+def remote_rows(scratch: Path, n: int, batch: int, rounds: int, passes: int) -> tuple[list[dict], list[dict]]:
+    """A daemon on TCP loopback with a data channel; a client without shared memory."""
+    token = "bench-token-0123456789"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (scratch / "remote-run").mkdir()
+    cpu_bytes = 2 * n * (BLOCK + 8192)
+    daemon = DaemonProcess({"listen": f"127.0.0.1:{port}", "auth_token": token, "data_listen": "127.0.0.1:0",
+                            "cpu_capacity": cpu_bytes, "disk_path": "", "log_level": "WARNING"},
+                           log_path=scratch / "remote-run" / "daemon.log").start()
+    time.sleep(cpu_bytes / 250e6)  # the arena's prefault (see above)
+    try:
+        per_round = remote_rounds(f"127.0.0.1:{port}", token, n, batch, rounds, passes)
+    finally:
+        stop_daemon(daemon)
+    rows = []
+    for op in ("put", "get"):
+        rows.append(dict(tier="cpu", transport="data", clients=1, op=op,
+                         gbps=statistics.median(r[f"{op}_gbps"] for r in per_round), baseline="tcp socket",
+                         ratio=statistics.median(r[f"{op}_ratio"] for r in per_round),
+                         ratio_slots=statistics.median(r[f"{op}_ratio"] for r in per_round)))
+    return rows, per_round
+
+
 # -- main --------------------------------------------------------------------------------------------
+
+
+class _Done(Exception):
+    """--remote-only: the rest of the run is skipped."""
 
 
 def main() -> int:
@@ -263,13 +361,25 @@ def main() -> int:
     parser.add_argument("--o-direct", action="store_true", help="disk reads bypass the page cache")
     parser.add_argument("--rounds", type=int, default=7, help="alternating rounds for the paired disk Get (default 7)")
     parser.add_argument("--folder", default=None, help="scratch folder on the disk to test (default: a temp dir)")
+    parser.add_argument("--remote-rounds", type=int, default=5,
+                        help="alternating rounds of the socket baseline and a remote client's Put and Get (default 5)")
+    parser.add_argument("--remote-only", action="store_true", help="only the remote client against the socket")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="kvb-", dir=args.folder))
     rows: list[dict] = []
+    lookups: dict = {}
+    remote: list[dict] = []
+    mem: dict = {}
+    file_write, file_read = 0.0, {}
     try:
         n, batch = args.blocks, args.batch
+        # Remote client (no shared memory): the data channel against a plain TCP socket, alternating.
+        remote_figures, remote = remote_rows(scratch, n, batch, args.remote_rounds, args.get_passes)
+        rows += remote_figures
+        if args.remote_only:
+            raise _Done
         per_client = {c: max(batch, n // c) for c in args.clients}
         # Baselines copy into one cache-hot buffer ("hot") and, like a Get, into `batch` distinct
         # destinations of a prefaulted buffer ("slots"); ratios are given against both.
@@ -329,12 +439,15 @@ def main() -> int:
                              baseline="same files", ratio=paired["ratio"], ratio_slots=paired["ratio"]))
         finally:
             stop_daemon(proc)
+    except _Done:
+        pass
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
     print(f"\n{'tier':<5} {'transport':<9} {'clients':>7} {'op':<4} {'GB/s':>7} {'baseline':<11} "
           f"{'vs hot':>7} {'vs slots':>8}")
-    print("(get*: medians of alternating rounds against plain reads of the daemon's own block files)")
+    print("(get*: medians of alternating rounds against plain reads of the daemon's own block files; data: a "
+          "remote client on the data channel, medians of rounds alternating with a plain TCP socket)")
     for r in rows:
         print(f"{r['tier']:<5} {r['transport']:<9} {r['clients']:>7} {r['op']:<4} {r['gbps']:>7.2f} "
               f"{r['baseline']:<11} {r['ratio']:>7.2f} {r['ratio_slots']:>8.2f}")
@@ -347,7 +460,7 @@ def main() -> int:
             "block_bytes": BLOCK, "batch": batch, "blocks": n,
             "baselines": {"memcpy_gbps": mem, "file_write_gbps": file_write, "file_read_gbps": file_read,
                           "o_direct": args.o_direct},
-            "rows": rows, "lookup_ms": lookups}, indent=2))
+            "rows": rows, "lookup_ms": lookups, "remote_rounds": remote}, indent=2))
     return 0
 
 

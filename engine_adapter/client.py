@@ -2,8 +2,9 @@
 
 Transport is chosen at connect time. On a unix socket the client asks the daemon for a shared-memory
 arena (a sealed memfd handed over the arena socket, kvstore/arena.py); Put and Get then move block
-bytes through it and gRPC carries offsets only. Over TCP
-(another host) the bytes travel inline in the messages. The calls are the same either way.
+bytes through it and gRPC carries offsets only. Without one (TCP, another host) the bytes travel
+on the daemon's data channel when it offers one (raw bytes beside gRPC, same token and TLS:
+engine_adapter/data_channel.py), else inline in the messages. The calls are the same either way.
 
 A same-host client also maps the daemon's key index (kvstore/shm_index.py) and answers ``lookup``
 from it without a round trip; it asks the daemon when the index cannot answer (the daemon stopped,
@@ -35,8 +36,9 @@ import numpy as np
 
 from kvstore.arena import Arena, ArenaLease, arena_socket_path
 from kvstore.config import default_listen
-from kvstore.connect import (PYTHON_OPTIONS, OptionNames, client_tls, explain, is_unix, open_channel,
-                             plaintext_token_refusal, resolve_token)
+from engine_adapter.data_channel import DataChannelPool, open_pool
+from kvstore.connect import (PYTHON_OPTIONS, OptionNames, client_tls, data_channel_address, explain, is_unix,
+                             open_channel, plaintext_token_refusal, resolve_token)
 from kvstore.keys import KEY_BYTES, KVLayout, LookupResult, Namespace
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS
 from kvstore.proto import kvstore_pb2 as pb
@@ -122,6 +124,11 @@ class KVStoreClient:
         self._unreported = [0, 0, 0]
         self._reporter: threading.Thread | None = None
         self._closing = threading.Event()
+        self._insecure, self._max_message_bytes = insecure, max_message_bytes
+        #: The daemon's data channel, asked for at the first Put or Get without an arena
+        #: (`_data_channel`); False: it offers none, or it cannot be used from here.
+        self._data: DataChannelPool | None | bool = None
+        self._data_lock = threading.Lock()
         if shared_memory is None and self.address.startswith("unix:"):
             try:
                 self._register_arena(arena_bytes)
@@ -148,6 +155,42 @@ class KVStoreClient:
     @property
     def shared_memory(self) -> bool:
         return self._arena is not None
+
+    def _data_channel(self) -> DataChannelPool | None:
+        """The data channel for payloads when there is no arena: its port from Stats, its first
+        connection opened (the token checked); None when the daemon offers none or it cannot be
+        used (said once; payloads then go inline)."""
+        if self._arena is not None or self._data is False:
+            return None
+        if self._data is not None:
+            return self._data
+        with self._data_lock:
+            if self._data is None:
+                self._data = self._open_data_channel() or False
+        return self._data or None
+
+    def _open_data_channel(self) -> DataChannelPool | None:
+        try:
+            port = self._call(self._stub.Stats, pb.StatsRequest()).data_port
+        except grpc.RpcError:
+            return None  # the calls that follow meet the same problem and say it
+        if not port:
+            return None
+        address = data_channel_address(self.address, port)
+        refusal = plaintext_token_refusal(address, self.tls, self._token, self._insecure)
+        try:
+            if refusal:
+                raise ValueError(refusal)
+            return open_pool(address, self._token, self.tls, self.timeout, self._max_message_bytes)
+        except (OSError, ValueError, grpc.RpcError) as exc:
+            log.warning("the data channel of %s at %s cannot be used (%s); block bytes travel inline in gRPC",
+                        self.address, address, exc)
+            return None
+
+    @property
+    def data_channel(self) -> bool:
+        """Whether payloads travel on the daemon's data channel (asks the daemon the first time)."""
+        return self._data_channel() is not None
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
@@ -184,6 +227,10 @@ class KVStoreClient:
             if self._index is not None:
                 self._index.close()
                 self._index = None
+        with self._data_lock:
+            if self._data:
+                self._data.close()
+            self._data = False
         self._channel.close()
 
     def __enter__(self) -> "KVStoreClient":
@@ -273,8 +320,8 @@ class KVStoreClient:
             self._space.notify_all()
 
     def _planned_bytes(self) -> int:
-        """Arena bytes one call is planned to take: half the arena (none: no limit)."""
-        return self._allocator.capacity // 2 if self._allocator else 1 << 62
+        """Bytes one call is planned to take: half the arena, else half a message."""
+        return self._allocator.capacity // 2 if self._allocator else self._max_message_bytes // 2
 
     def _batches(self, sizes: Sequence[int]) -> Iterator[range]:
         """Split items into runs that fit `_planned_bytes` (a single larger item goes alone)."""
@@ -336,11 +383,16 @@ class KVStoreClient:
         views = [payload_view(block[2]) for block in blocks]
         parents = [(block[3] or b"") if len(block) > 3 else b"" for block in blocks]
         stored = 0
+        data = self._data_channel()
         for batch in self._batches([len(v) for v in views]):
             metas = [pb.BlockMeta(key=blocks[i][0], namespace=namespace.id, tokens=blocks[i][1],
                                   layout=layout,
                                   codec=codec, codec_params_json=params, payload_len=len(views[i]))
                      for i in batch]
+            if data is not None:  # payloads follow the message as they are
+                items = [pb.PutItem(meta=meta, parent=parents[i]) for meta, i in zip(metas, batch)]
+                stored += data.put(pb.PutRequest(items=items, durable=durable), [views[i] for i in batch])
+                continue
             if self._arena is None:
                 items = [pb.PutItem(meta=meta, inline=views[i].tobytes(), parent=parents[i])
                          for meta, i in zip(metas, batch)]
@@ -367,6 +419,20 @@ class KVStoreClient:
         ``inline``: payloads in the reply, not the arena (a Get made while this thread holds
         arena space, which it could otherwise wait for forever).
         """
+        data = self._data_channel()
+        if data is not None:
+            conn = data.take()
+            try:  # the payloads land in the connection's buffer; it is reused once this block ends
+                reply, payloads = conn.get(pb.GetRequest(items=[pb.GetItem(key=k) for k in keys],
+                                                         allow_missing=allow_missing))
+            except BaseException:
+                conn.close()
+                raise
+            try:
+                yield [_fetched(k, r, p) if r.found else None for k, r, p in zip(keys, reply.results, payloads)]
+            finally:
+                data.give_back(conn)
+            return
         if self._arena is None or inline:
             reply = self._call(self._stub.Get, pb.GetRequest(
                 items=[pb.GetItem(key=k) for k in keys], allow_missing=allow_missing))
@@ -504,9 +570,7 @@ class KVStoreClient:
                 self._call(self._stub.Release, pb.KeysRequest(keys=on_gpu))
 
     def max_fetch_blocks(self, max_payload_bytes: int) -> int:
-        """How many blocks one :meth:`fetch` can carry through the arena."""
-        if self._allocator is None:
-            return MAX_ITEMS_PER_CALL
+        """How many blocks one :meth:`fetch` can carry: through the arena, else in half a message."""
         return max(1, min(MAX_ITEMS_PER_CALL, self._planned_bytes() // _slot_bytes(max_payload_bytes)))
 
     def get(self, keys: Sequence[bytes], max_payload_bytes: int, inline: bool = False) -> list[bytes | None]:

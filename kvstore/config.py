@@ -244,6 +244,12 @@ class DaemonConfig:
     max_arena_bytes: int = 2 * 2**30
     max_arenas_per_client: int = 8
     max_arena_total_bytes: int = 8 * 2**30
+    #: The data channel for clients without shared memory (kvstore/data_channel.py): a TCP
+    #: ``host:port`` (port 0: any free one; clients learn it from Stats) where Put and Get payloads
+    #: travel as raw bytes beside gRPC, with the same tokens and TLS; "" (default): none.
+    data_listen: str = ""
+    #: Data-channel connections at once, authenticated or not; more are closed at once.
+    data_max_connections: int = 32
     #: PEM certificate chain and private key: TCP listening with TLS.
     tls_cert: str = ""
     tls_key: str = ""
@@ -349,6 +355,19 @@ class DaemonConfig:
         if self.admin_token and self.admin_token == self.auth_token:
             raise ValueError("admin_token must differ from auth_token: clients holding the auth token would be the "
                              "operator")
+        if self.data_listen:
+            if not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^:/\[\]]+):\d{1,5}", self.data_listen):
+                raise ValueError(f"data_listen must be 'host:port' or empty, got {self.data_listen!r}")
+            # the data channel reads and stores blocks as gRPC does: the same rule as listen
+            if not (self.auth_token or self.tenants_file):
+                if not is_loopback_host(self.data_listen.rpartition(":")[0]):
+                    raise ValueError(f"data_listen {self.data_listen} (not loopback) needs auth_token or "
+                                     f"tenants_file: anyone who reaches it would read and store blocks")
+                if not self.allow_anonymous_loopback:
+                    raise ValueError(f"data_listen {self.data_listen} without a token lets every local user read "
+                                     f"and store blocks: set KVSTORE_AUTH_TOKEN, or --allow-anonymous-loopback true")
+        if not 1 <= self.data_max_connections <= 4096:
+            raise ValueError(f"data_max_connections must be in 1..4096, got {self.data_max_connections}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both tls_cert and tls_key (PEM files)")
         if self.tls_cert and self.listen.startswith("unix:"):

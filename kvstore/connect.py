@@ -92,6 +92,17 @@ class ClientTLS:
         return grpc.ssl_channel_credentials(root_certificates=self.pem("ca"), private_key=self.pem("key"),
                                             certificate_chain=self.pem("cert"))
 
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same checks for a plain TLS socket (the data channel): the daemon's certificate
+        signed by ``ca`` and naming the host (or ``server_name``: see `server_hostname`). The
+        daemon asks for no client certificate, so none is shown."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.load_verify_locations(cadata=self.pem("ca").decode("ascii", "replace"))
+        return context
+
+    def server_hostname(self, host: str) -> str:
+        return self.server_name or host
+
 
 def client_tls(ca: str | bytes | None = None, cert: str | bytes | None = None, key: str | bytes | None = None,
                server_name: str = "", environ: Mapping[str, str] | None = None,
@@ -131,6 +142,15 @@ def is_loopback(address: str) -> bool:
     """True for a unix socket and for a TCP address whose host is loopback by address
     (`kvstore.config.is_loopback_host`: `localhost.example.com` counts only if it resolves there)."""
     return is_unix(address) or is_loopback_host(_host_port(address)[0])
+
+
+def data_channel_address(address: str, port: int) -> str:
+    """``host:port`` of the data channel of the daemon at gRPC ``address`` (kvstore/data_channel.py):
+    the host the client reached it at (loopback for a unix socket), the port the daemon told."""
+    if is_unix(address):
+        return f"127.0.0.1:{port}"
+    host = _host_port(address)[0]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def plaintext_token_refusal(address: str, tls: ClientTLS | None, token: str | None, insecure: bool,

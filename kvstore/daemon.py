@@ -23,6 +23,7 @@ from kvstore.auth import TenantDirectory, s3_mac_key
 from kvstore.autocal import AUTO_SPEC, MAX_CALIBRATION_BYTES, AutoCalibrator, CalibrationTooLarge
 from kvstore.block import BlockHeader, payload_checksum
 from kvstore.config import DaemonConfig, format_size
+from kvstore.data_channel import DataChannel, server_tls
 from kvstore.events import EventPublisher
 from kvstore.instance_lock import InstanceLock
 from kvstore.metrics import Metrics
@@ -171,6 +172,8 @@ class Daemon:
         #: Shared memory is offered on unix sockets only (kvstore/arena.py).
         self.arena_socket: ArenaSocket | None = None
         self._socket_lock: InstanceLock | None = None
+        #: Raw Put/Get payloads for clients without shared memory, on data_listen (kvstore/data_channel.py).
+        self.data_channel: DataChannel | None = None
         #: /metrics, /healthz, /readyz on metrics_listen (kvstore/probes.py); its heartbeat and the periodic summary.
         self.probes: ProbeServer | None = None
         self._chores: list[asyncio.Task] = []
@@ -289,6 +292,8 @@ class Daemon:
         await self.server.start()
         if socket_path is not None:
             os.chmod(socket_path, 0o600)
+        if self.config.data_listen:
+            self._start_data_channel()
         self.store.start()
         if socket_path is not None:
             index = self.store.key_index
@@ -305,6 +310,21 @@ class Daemon:
         if self.probes is not None:
             self.probes.ready()
         return address
+
+    def _start_data_channel(self) -> None:
+        """The data channel on data_listen, TLS with the gRPC listener's certificate when it has one;
+        an address that cannot be bound fails the start."""
+        config = self.config
+        tls = server_tls(config.tls_cert, config.tls_key) if config.tls_cert else None
+        self.data_channel = DataChannel(config.data_listen, self.service, self._loop, tls,
+                                        max_connections=config.data_max_connections,
+                                        max_message_bytes=config.max_message_bytes)
+        try:
+            self.service.data_port = self.data_channel.start()
+        except OSError as exc:
+            self.data_channel = None
+            reason = "address in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc)).lower()
+            raise OSError(f"cannot listen on data_listen {config.data_listen}: {reason}") from None
 
     def _start_metrics(self) -> None:
         """/metrics, /healthz and /readyz on metrics_listen (kvstore/probes.py), and the heartbeat
@@ -335,6 +355,10 @@ class Daemon:
         summary = f"every {config.summary_interval:g} s" if config.summary_interval > 0 else "off"
         lines = [f"kvstore serving on {address}, TLS {'on' if tls else 'off'}, auth: {auth}, tenants: {named}; "
                  f"metrics and probes: {metrics}; KV events: {events}; summary: {summary}"]
+        if self.data_channel is not None:
+            host = config.data_listen.rpartition(":")[0]
+            lines.append(f"data channel on {host}:{self.data_channel.port}, TLS {'on' if tls else 'off'}, at most "
+                         f"{config.data_max_connections} connections")
         if self.arena_socket is not None:
             lines.append(f"shared-memory arenas on {arena_socket_path(config.socket_path)}, shared key index "
                          f"{'on' if self.store.key_index is not None else 'off'}")
@@ -385,6 +409,9 @@ class Daemon:
             self.probes.stopping()  # /readyz: 503 "stopping" while queued writes drain
         if self.arena_socket is not None:
             await self.arena_socket.stop()
+        if self.data_channel is not None:
+            # its threads wait on this loop: close (and join them) off it
+            await asyncio.get_running_loop().run_in_executor(None, self.data_channel.close)
         if self.server is not None:
             await self.server.stop(grace)
         if self.config.write_policy == "write-back" and len(self.store.tiers) > 1:

@@ -63,17 +63,23 @@ _STATUS_OF = (
 )
 
 
-async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
-    """End the call with the status ``exc`` maps to (the one mapping for unary and streamed RPCs)."""
-    if isinstance(exc, grpc.aio.AbortError):
-        raise exc
+def status_of(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and message ``exc`` answers with (the one mapping for unary and streamed RPCs
+    and the data channel's error frames); an unexpected error is logged with its traceback."""
     if isinstance(exc, BadRequest):
-        await context.abort(exc.code, str(exc))
+        return exc.code, str(exc)
     for kinds, code in _STATUS_OF:
         if isinstance(exc, kinds):
-            await context.abort(code, str(exc))
+            return code, str(exc)
     log.error("%s failed", method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"{method}: {type(exc).__name__}: {exc}")
+    return grpc.StatusCode.INTERNAL, f"{method}: {type(exc).__name__}: {exc}"
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    """End the call with the status ``exc`` maps to (:func:`status_of`)."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    await context.abort(*status_of(method, exc))
 
 
 def _rpc(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
@@ -169,15 +175,22 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         #: Arenas handed out on the arena socket (kvstore/arenas.py); empty without one.
         self.arenas = arenas if arenas is not None else ArenaRegistry(max_arena_bytes=0, max_arenas_per_client=0)
         self.max_message_bytes = max_message_bytes
-        #: Inline Get reply bytes in flight, all calls together (default: one message's worth).
-        self.inline = ByteBudget(max_inline_bytes or max_message_bytes, "inline Get replies")
+        #: Inline Get reply bytes and data-channel transfers in flight, all calls together
+        #: (default: one message's worth).
+        self.inline = ByteBudget(max_inline_bytes or max_message_bytes, "inline payloads")
+        #: The data channel's TCP port, told to clients in Stats (kvstore/data_channel.py); 0: none.
+        self.data_port = 0
         self._usage: dict[str, _Usage] = defaultdict(_Usage)
         #: Lines about refused holds: one per tenant a minute (a client renewing leases in a loop).
         self._refusals = LogLimit()
 
     def _tenant(self, context, operator: bool = False) -> Tenant:
         """The caller's tenant; the operator (admin token) only where ``operator`` (Clear, Stats)."""
-        metadata = context.invocation_metadata()
+        return self.tenant_of(context.invocation_metadata(), operator)
+
+    def tenant_of(self, metadata, operator: bool = False) -> Tenant:
+        """The tenant of a call's metadata (for gRPC, or the data channel's first frame);
+        BadRequest when the token is missing or wrong, or is the admin token outside ``operator``."""
         tenant = self.tenants.resolve(metadata, operator=True)
         if tenant is None:  # the interceptor already refused it; this is the second line of defence
             raise BadRequest(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
@@ -275,7 +288,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:
-        tenant = self._tenant(context)
+        return pb.PutResponse(stored=await self.put_blocks(self._tenant(context), request))
+
+    async def put_blocks(self, tenant: Tenant, request: pb.PutRequest,
+                         payloads: list[memoryview] | None = None) -> int:
+        """Validate every item, then store them; the number stored. Payloads are the items' own
+        (inline or an arena slice), or ``payloads``, one per item, as the data channel received
+        them (kvstore/data_channel.py; its items then carry neither)."""
         stored_keys = self._stored_keys(tenant, [item.meta.key for item in request.items], "items")
         prepared: list[tuple[BlockHeader, memoryview, bytes]] = []
         inline = shared = 0
@@ -286,7 +305,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             # the tenant's own key space, like the block's: a parent names no other tenant's block
             parent = tenant.stored_key(item.parent) if item.parent else b""
             which = item.WhichOneof("data")
-            if which == "slice":
+            if payloads is not None:
+                if which is not None:
+                    raise ValueError(f"items[{i}] sets {which}: on the data channel payloads follow the message")
+                payload = payloads[i]
+                inline += len(payload)
+            elif which == "slice":
                 payload = self._slice(item.slice, tenant)
                 shared += len(payload)
                 arena_ids.add(item.slice.arena_id)
@@ -324,7 +348,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                  durable=request.durable, hash_payload=True, parent=parent, walk=walk)
             if tenant.name:
                 self._usage[tenant.name].bytes_in[self.store.tiers[0].name] += header.payload_len
-        return pb.PutResponse(stored=len(prepared))
+        return len(prepared)
 
     async def _plan_get(self, request: pb.GetRequest, tenant: Tenant, need_dest: bool
                         ) -> tuple[list[bytes], list[tuple[bytes, BlockHeader | None, memoryview | None]], int]:
@@ -366,27 +390,47 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Get(self, request: pb.GetRequest, context) -> pb.GetResponse | bytes:
-        tenant = self._tenant(context)
-        keys, plan, inline = await self._plan_get(request, tenant, need_dest=False)
+        replies, inline = await self.get_blocks(self._tenant(context), request)
         if inline:
             # Replies' buffers in flight are bounded across calls; they are freed once gRPC sent them.
-            await self.inline.acquire(inline, INLINE_WAIT_S)
             context.add_done_callback(lambda _: self.inline.release(inline))
+        if any(payload is not None for _, payload in replies):
+            return encode_get_response(replies)
+        return pb.GetResponse(results=[r for r, _ in replies])
+
+    async def get_blocks(self, tenant: Tenant, request: pb.GetRequest,
+                         allocate: Callable[[int], bytearray] = bytearray
+                         ) -> tuple[list[tuple[pb.GetResult, memoryview | None]], int]:
+        """Per item its result and, for one read inline (no dest), its payload (read into a buffer
+        from ``allocate``, which may be larger); and the inline bytes taken from ``self.inline``
+        for them, which the caller releases once it sent them."""
+        keys, plan, inline = await self._plan_get(request, tenant, need_dest=False)
+        if inline:
+            await self.inline.acquire(inline, INLINE_WAIT_S)
+        try:
+            return await self._read_blocks(request, tenant, plan, allocate), inline
+        except BaseException:
+            if inline:
+                self.inline.release(inline)
+            raise
+
+    async def _read_blocks(self, request: pb.GetRequest, tenant: Tenant, plan, allocate: Callable[[int], bytearray]
+                           ) -> list[tuple[pb.GetResult, memoryview | None]]:
         by_reference = self._gpu_direct(request, plan, tenant) if request.gpu_direct else {}
         # Read every other found block in one batch (disk reads overlap; GPU runs copy once).
         # Inline payloads are read into buffers that go into the reply as they are (encode_get_response).
         found_at = [i for i, (_, header, _) in enumerate(plan) if header is not None and i not in by_reference]
-        buffers = {i: bytearray(plan[i][1].payload_len) for i in found_at if plan[i][2] is None}
-        reads = [(plan[i][0], plan[i][2] if i not in buffers else memoryview(buffers[i])) for i in found_at]
+        buffers = {i: allocate(plan[i][1].payload_len) for i in found_at if plan[i][2] is None}
+        reads = [(plan[i][0], plan[i][2] if i not in buffers else memoryview(buffers[i])[: plan[i][1].payload_len])
+                 for i in found_at]
         results: list[GetResult | None] = [None] * len(plan)
         for i, found in zip(found_at, await self.store.get_many_into(reads)):
             results[i] = found
         self.store.metrics.misses.inc(sum(header is None for _, header, _ in plan))
         self._count(tenant, "get", [by_reference[i][1] if i in by_reference else r for i, r in enumerate(results)])
-        replies = [(by_reference[i][0] if i in by_reference else self._result(item.key, found),
-                    None if found is None or i not in buffers else memoryview(buffers[i])[: found.header.payload_len])
-                   for i, (item, found) in enumerate(zip(request.items, results))]
-        return encode_get_response(replies) if buffers else pb.GetResponse(results=[r for r, _ in replies])
+        return [(by_reference[i][0] if i in by_reference else self._result(item.key, found),
+                 None if found is None or i not in buffers else memoryview(buffers[i])[: found.header.payload_len])
+                for i, (item, found) in enumerate(zip(request.items, results))]
 
     def _gpu_direct(self, request: pb.GetRequest, plan, tenant: Tenant) -> dict[int, tuple[pb.GetResult, GetResult]]:
         """Blocks in the GPU tier, by reference: their offsets in the exported pool, no copy. Only
@@ -509,7 +553,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                 queue_depth=self.store.queue_depth, queue_dropped=m.value(m.queue_dropped),
                                 arenas=len(self.arenas), write_errors=self.store.write_errors,
                                 requested=m.total(m.requested), events_published=m.value(m.events_published),
-                                events_dropped=m.value(m.events_dropped))
+                                events_dropped=m.value(m.events_dropped), data_port=self.data_port,
+                                inline_bytes=self.inline.in_flight)
 
     def _tenant_stats(self, tenant: Tenant) -> pb.StatsResponse:
         """A named tenant's own traffic; nothing that moves with other tenants' use."""
@@ -518,7 +563,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                               bytes_in=usage.bytes_in[t.name], bytes_out=usage.bytes_out[t.name])
                  for t in self.store.tiers]
         return pb.StatsResponse(tiers=tiers, misses=usage.misses, requested=usage.requested,
-                                arenas=self.arenas.count(tenant.name))
+                                arenas=self.arenas.count(tenant.name), data_port=self.data_port)
 
     @_rpc
     async def RegisterArena(self, request: pb.RegisterArenaRequest, context) -> pb.RegisterArenaResponse:

@@ -1,10 +1,13 @@
 """Conversions between kvstore's own types and the ``kvstore.v1`` messages, for daemon and client.
 
 Torch-free and gRPC-free (the generated messages only), so the client and the daemon share it; also
-the Get reply serialized by hand, so inline payloads are copied once.
+the Get reply serialized by hand, so inline payloads are copied once; and the data channel's frames.
 """
 
 from __future__ import annotations
+
+import struct
+import time
 
 from kvstore.keys import KVLayout
 from kvstore.proto import kvstore_pb2 as pb
@@ -48,3 +51,57 @@ def encode_get_response(replies: list[tuple[pb.GetResult, memoryview | None]]) -
         inline_head = _INLINE_TAG + _varint(len(payload))
         pieces += [_RESULTS_TAG, _varint(len(head) + len(inline_head) + len(payload)), head, inline_head, payload]
     return b"".join(pieces)
+
+
+# -- the data channel's frames (kvstore/data_channel.py, engine_adapter/data_channel.py) -------------
+#
+#   frame   = head (kind: u8, body length: u32, big-endian) || body
+#   client  HELLO(token)  then  GET(GetRequest)            | PUT(PutRequest) || payloads
+#   daemon  READY()       then  GET_REPLY(GetResponse) || payloads | PUT_REPLY(PutResponse)
+#           or ERROR(status code: u8 || one line of UTF-8) instead of any of them
+#
+# Payloads are raw bytes right after the message, in item order, with no frame of their own: a
+# PUT's lengths are its items' meta.payload_len, a GET_REPLY's those of its found results.
+
+FRAME_HEAD = struct.Struct("!BI")
+HELLO, READY, GET, GET_REPLY, PUT, PUT_REPLY, ERROR = 1, 2, 3, 4, 5, 6, 15
+#: Longest bearer token a HELLO may carry.
+MAX_TOKEN_BYTES = 1024
+#: Longest GET or PUT message (payloads excluded): 4096 items of a few hundred bytes each.
+MAX_REQUEST_BYTES = 2 * 2**20
+
+
+def frame(kind: int, body: bytes = b"") -> bytes:
+    return FRAME_HEAD.pack(kind, len(body)) + body
+
+
+def error_frame(code: int, message: str) -> bytes:
+    """An ERROR frame: the gRPC status code's number and the message on one line (at most 1 KiB)."""
+    line = " ".join(message.split()).encode("utf-8", "replace")[:1024]
+    return frame(ERROR, bytes([code]) + line)
+
+
+def parse_error(body: bytes) -> tuple[int, str]:
+    return (body[0] if body else 2), body[1:].decode("utf-8", "replace")  # 2: UNKNOWN
+
+
+def recv_into_exactly(sock, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock``; ConnectionError when the peer closes first, TimeoutError
+    past ``deadline`` (time.monotonic; each recv is also bounded by the socket's timeout)."""
+    while len(view):
+        got = sock.recv_into(view)
+        if not got:
+            raise ConnectionError("the peer closed the connection mid-frame")
+        view = view[got:]
+        if deadline is not None and len(view) and time.monotonic() > deadline:
+            raise TimeoutError("the transfer took too long")
+
+
+def recv_frame_head(sock, deadline: float | None = None) -> tuple[int, int] | None:
+    """(kind, body length) of the next frame; None when the peer closed before sending one."""
+    head = bytearray(FRAME_HEAD.size)
+    got = sock.recv_into(head)
+    if not got:
+        return None
+    recv_into_exactly(sock, memoryview(head)[got:], deadline)
+    return FRAME_HEAD.unpack(head)

@@ -1,0 +1,176 @@
+"""The client's side of the daemon's data channel (kvstore/data_channel.py): Put and Get payloads as
+raw bytes on TCP, for clients without shared memory. `KVStoreClient` uses it when the daemon offers
+one (its port in Stats) and falls back to inline gRPC otherwise.
+
+    pool = DataChannelPool("kv1.internal:7071", token, tls, timeout=60, max_message_bytes=256 << 20)
+    stored = pool.put(put_request, payload_views)      # items carry meta.payload_len, no data
+    conn = pool.take()
+    response, payloads = conn.get(get_request)         # payloads: views into conn's buffer
+    ...                                                # valid until the connection is given back
+    pool.give_back(conn)
+
+A connection carries one request at a time; the pool keeps one per thread that uses it at once.
+A connection that met any error is closed, never reused (its stream may be out of step).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import grpc
+
+from kvstore.connect import ClientTLS, _host_port
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.wire import (ERROR, GET, GET_REPLY, HELLO, PUT, PUT_REPLY, READY, frame, parse_error,
+                          recv_frame_head, recv_into_exactly)
+
+_STATUS = {status.value[0]: status for status in grpc.StatusCode}
+#: Socket buffers, as the daemon's (kvstore/data_channel.py).
+SOCKET_BUFFER_BYTES = 4 * 2**20
+
+
+class DataChannelError(grpc.RpcError):
+    """The daemon's ERROR frame: its status and message, read like a failed gRPC call's."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class DataConnection:
+    """One authenticated connection (HELLO answered READY when built)."""
+
+    def __init__(self, address: str, token: str | None, tls: ClientTLS | None, timeout: float,
+                 max_message_bytes: int) -> None:
+        host, port = _host_port(address)
+        self.max_message_bytes = max_message_bytes
+        raw = socket.create_connection((host, port), timeout=timeout)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            raw.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        try:
+            self._sock = (tls.ssl_context().wrap_socket(raw, server_hostname=tls.server_hostname(host))
+                          if tls is not None else raw)
+        except BaseException:
+            raw.close()
+            raise
+        #: Where Get payloads land (recv_into); grown to the largest reply, reused after.
+        self._buffer = bytearray(0)
+        try:
+            self._sock.sendall(frame(HELLO, (token or "").encode()))
+            self._reply(READY)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def _reply(self, expected: int) -> bytes:
+        head = recv_frame_head(self._sock)
+        if head is None:
+            raise ConnectionError("the daemon closed the data channel")
+        kind, length = head
+        if length > self.max_message_bytes:
+            raise ConnectionError(f"the daemon sent a frame of {length} bytes, over max_message_bytes")
+        body = bytearray(length)
+        recv_into_exactly(self._sock, memoryview(body))
+        if kind == ERROR:
+            code, message = parse_error(bytes(body))
+            raise DataChannelError(_STATUS.get(code, grpc.StatusCode.UNKNOWN), message)
+        if kind != expected:
+            raise ConnectionError(f"the daemon answered frame kind {kind}, expected {expected}")
+        return bytes(body)
+
+    def put(self, request: pb.PutRequest, payloads: list[memoryview]) -> int:
+        """Send the request (items without data; meta.payload_len = len of each payload), then the payloads."""
+        try:
+            self._sock.sendall(frame(PUT, request.SerializeToString()))
+            for payload in payloads:
+                self._sock.sendall(payload)
+        except OSError:
+            # the daemon may have refused the Put before its payloads, said why and closed
+            self._sock.settimeout(1.0)
+            self._reply(PUT_REPLY)  # its ERROR frame if it sent one
+            raise
+        return pb.PutResponse.FromString(self._reply(PUT_REPLY)).stored
+
+    def get(self, request: pb.GetRequest) -> tuple[pb.GetResponse, list[memoryview | None]]:
+        """The reply and each found result's payload, a view into this connection's buffer."""
+        self._sock.sendall(frame(GET, request.SerializeToString()))
+        response = pb.GetResponse.FromString(self._reply(GET_REPLY))
+        lengths = [r.meta.payload_len if r.found else None for r in response.results]
+        total = sum(n for n in lengths if n is not None)
+        if total > self.max_message_bytes:
+            raise ConnectionError(f"the daemon announced {total} payload bytes, over max_message_bytes")
+        if len(self._buffer) < total:
+            self._buffer = bytearray(total)
+        view = memoryview(self._buffer)
+        recv_into_exactly(self._sock, view[:total])
+        payloads, at = [], 0
+        for n in lengths:
+            payloads.append(None if n is None else view[at : at + n])
+            at += n or 0
+        return response, payloads
+
+
+class DataChannelPool:
+    """Connections to one daemon's data channel: idle ones are reused, a thread that finds none opens one."""
+
+    def __init__(self, address: str, token: str | None, tls: ClientTLS | None, timeout: float,
+                 max_message_bytes: int, max_idle: int = 4) -> None:
+        self.address, self._token, self._tls = address, token, tls
+        self._timeout, self._max_message_bytes, self._max_idle = timeout, max_message_bytes, max_idle
+        self._idle: list[DataConnection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self) -> DataConnection:
+        with self._lock:
+            if self._closed:
+                raise ValueError("the data channel pool is closed")
+            if self._idle:
+                return self._idle.pop()
+        return DataConnection(self.address, self._token, self._tls, self._timeout, self._max_message_bytes)
+
+    def give_back(self, conn: DataConnection) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self._max_idle:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def put(self, request: pb.PutRequest, payloads: list[memoryview]) -> int:
+        conn = self.take()
+        try:
+            stored = conn.put(request, payloads)
+        except BaseException:
+            conn.close()
+            raise
+        self.give_back(conn)
+        return stored
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+def open_pool(address: str, token: str | None, tls: ClientTLS | None, timeout: float,
+              max_message_bytes: int) -> DataChannelPool:
+    """A pool whose first connection is open (and idle): the address, TLS and token work."""
+    pool = DataChannelPool(address, token, tls, timeout, max_message_bytes)
+    pool.give_back(pool.take())
+    return pool
