@@ -22,6 +22,7 @@ The client is thread-safe: an engine may store blocks from a background thread w
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -286,6 +287,15 @@ class KVStoreClient:
     def _slices(self, sizes: Sequence[int]) -> Iterator[list[int]]:
         """Reserve arena extents for one call, waiting while other threads hold the space;
         ValueError when the call needs more than the whole arena."""
+        offsets = self._reserve_waiting(sizes)
+        try:
+            yield offsets
+        finally:
+            self._free(offsets)
+
+    def _reserve_waiting(self, sizes: Sequence[int]) -> list[int]:
+        """Arena extents for ``sizes``, waiting while other threads hold the space (the caller
+        holds none); ValueError when they need more than the whole arena."""
         assert self._allocator is not None
         needed = sum(_slot_bytes(s) for s in sizes)
         if needed > self._allocator.capacity:
@@ -295,10 +305,7 @@ class KVStoreClient:
         with self._space:
             while (offsets := self._reserve(sizes)) is None:
                 self._space.wait()
-        try:
-            yield offsets
-        finally:
-            self._free(offsets)
+        return offsets
 
     def _reserve(self, sizes: Sequence[int]) -> list[int] | None:
         """Arena extents for ``sizes`` now, or None (nothing kept) when they do not fit; under ``_space``."""
@@ -398,15 +405,68 @@ class KVStoreClient:
                          for meta, i in zip(metas, batch)]
                 stored += self._call(self._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
                 continue
-            with self._slices([len(views[i]) for i in batch]) as offsets:
+            stored += self._put_through_arena(dict(zip(batch, metas)), views, parents, durable)
+        return stored
+
+    def _put_through_arena(self, metas: dict[int, pb.BlockMeta], views: list[memoryview], parents: list[bytes],
+                           durable: bool) -> int:
+        """Put blocks ``metas`` (index -> meta) in Puts of about a quarter of them, two in flight:
+        the daemon checksums and stores one while this thread copies the next into the arena, so
+        a Put costs about the slower of the two copies, not their sum::
+
+            client  |copy 0|copy 1|copy 2|copy 3|
+            daemon         |store 0|store 1|store 2|store 3|
+
+        A Put's space is taken without waiting while another is in flight (two threads' Puts
+        cannot each hold half the arena and wait for the other half)."""
+        order = list(metas)
+        step = max(1, -(-len(order) // 4))
+        sizes = [len(v) for v in views]
+        in_flight: collections.deque = collections.deque()  # (arena offsets, reply future), oldest first
+        stored = 0
+
+        def finish_oldest() -> int:
+            offsets, future = in_flight.popleft()
+            try:
+                return future.result().stored
+            finally:
+                self._free(offsets)
+
+        try:
+            for first in range(0, len(order), step):
+                part = order[first : first + step]
+                wanted = [sizes[i] for i in part]
+                with self._space:
+                    offsets = self._reserve(wanted)
+                while offsets is None and in_flight:  # no room beside the Puts in flight: end the oldest
+                    stored += finish_oldest()
+                    with self._space:
+                        offsets = self._reserve(wanted)
+                if offsets is None:  # nothing of ours in flight: waiting for others' space is safe
+                    offsets = self._reserve_waiting(wanted)
                 items = []
-                for meta, i, offset in zip(metas, batch, offsets):
-                    n = len(views[i])
-                    self._arena.buffer[offset : offset + n] = views[i]
-                    items.append(pb.PutItem(meta=meta, slice=pb.ArenaSlice(arena_id=self._arena_id,
-                                                                          offset=offset, length=n),
-                                            parent=parents[i]))
-                stored += self._call(self._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
+                try:
+                    for i, offset in zip(part, offsets):
+                        self._arena.buffer[offset : offset + sizes[i]] = views[i]
+                        items.append(pb.PutItem(meta=metas[i], slice=pb.ArenaSlice(
+                            arena_id=self._arena_id, offset=offset, length=sizes[i]), parent=parents[i]))
+                    future = self._call(self._stub.Put.future, pb.PutRequest(items=items, durable=durable))
+                except BaseException:
+                    self._free(offsets)
+                    raise
+                in_flight.append((offsets, future))
+                if len(in_flight) == 2:
+                    stored += finish_oldest()
+            while in_flight:
+                stored += finish_oldest()
+        finally:
+            while in_flight:  # a failure: each Put ends before its space is reused
+                offsets, future = in_flight.popleft()
+                try:
+                    future.result()
+                except Exception:  # noqa: BLE001 - the first failure is the one raised
+                    pass
+                self._free(offsets)
         return stored
 
     @contextlib.contextmanager
@@ -472,13 +532,13 @@ class KVStoreClient:
         def send(first: int, wait: bool) -> bool:
             part = keys[first : first + batch]
             sizes = [max_payload_bytes] * len(part)
-            with self._space:  # reserved here, freed once the caller has taken the batch
-                offsets = self._reserve(sizes)
-                while offsets is None and wait:
-                    self._space.wait()
+            if wait:  # reserved here, freed once the caller has taken the batch
+                offsets = self._reserve_waiting(sizes)
+            else:
+                with self._space:
                     offsets = self._reserve(sizes)
-            if offsets is None:
-                return False
+                if offsets is None:
+                    return False
             items = [pb.GetItem(key=k, dest=pb.ArenaSlice(arena_id=self._arena_id, offset=o, length=max_payload_bytes))
                      for k, o in zip(part, offsets)]
             try:
