@@ -29,7 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path("bench") / "daemon_throughput.py"
 #: The short run the #13 comparisons used (about 50 s per run on 2 cores).
-BENCH_ARGS = ["--clients", "1", "8", "--rounds", "7", "--lookup-calls", "50", "--get-passes", "1"]
+#: No remote rounds: revisions before the data channel (#42) have none to measure.
+BENCH_ARGS = ["--clients", "1", "8", "--rounds", "7", "--lookup-calls", "50", "--get-passes", "1", "--remote-rounds", "0"]
 
 
 def figures(run: dict) -> dict[str, float]:

@@ -362,7 +362,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7, help="alternating rounds for the paired disk Get (default 7)")
     parser.add_argument("--folder", default=None, help="scratch folder on the disk to test (default: a temp dir)")
     parser.add_argument("--remote-rounds", type=int, default=5,
-                        help="alternating rounds of the socket baseline and a remote client's Put and Get (default 5)")
+                        help="alternating rounds of the socket baseline and a remote client's Put and Get "
+                             "(default 5; 0: none, e.g. against a revision without the data channel)")
     parser.add_argument("--remote-only", action="store_true", help="only the remote client against the socket")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args()
@@ -376,8 +377,9 @@ def main() -> int:
     try:
         n, batch = args.blocks, args.batch
         # Remote client (no shared memory): the data channel against a plain TCP socket, alternating.
-        remote_figures, remote = remote_rows(scratch, n, batch, args.remote_rounds, args.get_passes)
-        rows += remote_figures
+        if args.remote_rounds > 0:
+            remote_figures, remote = remote_rows(scratch, n, batch, args.remote_rounds, args.get_passes)
+            rows += remote_figures
         if args.remote_only:
             raise _Done
         per_client = {c: max(batch, n // c) for c in args.clients}
