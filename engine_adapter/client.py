@@ -37,7 +37,7 @@ import numpy as np
 
 from kvstore.arena import Arena, ArenaLease, arena_socket_path
 from kvstore.config import default_listen
-from engine_adapter.data_channel import DataChannelPool, open_pool
+from engine_adapter.data_channel import DataChannelError, DataChannelPool, open_pool
 from kvstore.connect import (PYTHON_OPTIONS, OptionNames, client_tls, data_channel_address, explain, is_unix,
                              open_channel, plaintext_token_refusal, resolve_token)
 from kvstore.keys import KEY_BYTES, KVLayout, LookupResult, Namespace
@@ -79,6 +79,11 @@ def payload_view(payload: Any) -> memoryview:
     if isinstance(payload, np.ndarray):
         return memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
     return memoryview(payload).cast("B")
+
+
+#: Data-channel refusals a call answers by going inline in gRPC instead: connections or bytes at
+#: their cap, or the daemon stopping its channel.
+BUSY = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 
 
 class KVStoreClient:
@@ -398,8 +403,12 @@ class KVStoreClient:
                      for i in batch]
             if data is not None:  # payloads follow the message as they are
                 items = [pb.PutItem(meta=meta, parent=parents[i]) for meta, i in zip(metas, batch)]
-                stored += data.put(pb.PutRequest(items=items, durable=durable), [views[i] for i in batch])
-                continue
+                try:
+                    stored += data.put(pb.PutRequest(items=items, durable=durable), [views[i] for i in batch])
+                    continue
+                except DataChannelError as exc:
+                    if exc.code() not in BUSY:
+                        raise  # else the channel is full or stopping: this batch goes inline in gRPC
             if self._arena is None:
                 items = [pb.PutItem(meta=meta, inline=views[i].tobytes(), parent=parents[i])
                          for meta, i in zip(metas, batch)]
@@ -481,18 +490,19 @@ class KVStoreClient:
         """
         data = self._data_channel()
         if data is not None:
-            conn = data.take()
             try:  # the payloads land in the connection's buffer; it is reused once this block ends
-                reply, payloads = conn.get(pb.GetRequest(items=[pb.GetItem(key=k) for k in keys],
-                                                         allow_missing=allow_missing))
-            except BaseException:
-                conn.close()
-                raise
-            try:
-                yield [_fetched(k, r, p) if r.found else None for k, r, p in zip(keys, reply.results, payloads)]
-            finally:
-                data.give_back(conn)
-            return
+                conn, reply, payloads = data.get(pb.GetRequest(items=[pb.GetItem(key=k) for k in keys],
+                                                               allow_missing=allow_missing))
+            except DataChannelError as exc:
+                if exc.code() not in BUSY:
+                    raise
+                conn = None  # the channel is full or stopping: this Get goes inline in gRPC
+            if conn is not None:
+                try:
+                    yield [_fetched(k, r, p) if r.found else None for k, r, p in zip(keys, reply.results, payloads)]
+                finally:
+                    data.give_back(conn)
+                return
         if self._arena is None or inline:
             reply = self._call(self._stub.Get, pb.GetRequest(
                 items=[pb.GetItem(key=k) for k in keys], allow_missing=allow_missing))

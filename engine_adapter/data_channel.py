@@ -136,12 +136,43 @@ class DataChannelPool:
         self._closed = False
 
     def take(self) -> DataConnection:
+        return self._take()[0]
+
+    def _take(self) -> tuple[DataConnection, bool]:
+        """A connection, and whether it was idle in the pool (the daemon may have closed it since)."""
         with self._lock:
             if self._closed:
                 raise ValueError("the data channel pool is closed")
             if self._idle:
-                return self._idle.pop()
-        return DataConnection(self.address, self._token, self._tls, self._timeout, self._max_message_bytes)
+                return self._idle.pop(), True
+        return DataConnection(self.address, self._token, self._tls, self._timeout, self._max_message_bytes), False
+
+    def _run(self, call):
+        """``call(connection)`` on a pooled connection, once more on a new one when the pooled one
+        turns out closed (the daemon ends idle connections and restarts): a Get is read-only and a
+        Put of the same key replaces it. Returns (connection, result); the caller gives it back."""
+        conn, pooled = self._take()
+        try:
+            return conn, call(conn)
+        except (ConnectionError, OSError) as exc:
+            conn.close()
+            if not pooled:
+                raise
+        except BaseException:
+            conn.close()
+            raise
+        conn = self.take()
+        try:
+            return conn, call(conn)
+        except BaseException:
+            conn.close()
+            raise
+
+    def get(self, request: pb.GetRequest) -> tuple[DataConnection, pb.GetResponse, list[memoryview | None]]:
+        """:meth:`DataConnection.get` on a pooled connection; its payloads view the connection's
+        buffer until it is given back."""
+        conn, (response, payloads) = self._run(lambda c: c.get(request))
+        return conn, response, payloads
 
     def give_back(self, conn: DataConnection) -> None:
         with self._lock:
@@ -151,12 +182,7 @@ class DataChannelPool:
         conn.close()
 
     def put(self, request: pb.PutRequest, payloads: list[memoryview]) -> int:
-        conn = self.take()
-        try:
-            stored = conn.put(request, payloads)
-        except BaseException:
-            conn.close()
-            raise
+        conn, stored = self._run(lambda c: c.put(request, payloads))
         self.give_back(conn)
         return stored
 

@@ -370,8 +370,12 @@ class DaemonConfig:
             raise ValueError(f"data_max_connections must be in 1..4096, got {self.data_max_connections}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both tls_cert and tls_key (PEM files)")
-        if self.tls_cert and self.listen.startswith("unix:"):
+        if self.tls_cert and self.listen.startswith("unix:") and not self.data_listen:
             raise ValueError("TLS applies to TCP listening; a unix socket is already private (mode 0600)")
+        if (self.data_listen and not self.tls_cert and (self.auth_token or self.tenants_file)
+                and not is_loopback_host(self.data_listen.rpartition(":")[0])):
+            raise ValueError(f"data_listen {self.data_listen} is not loopback: set tls_cert and tls_key, or tokens "
+                             f"and blocks would cross the network in plaintext")
 
     def operator_token(self, warn: bool = True) -> str:
         """The admin token: ``admin_token``, or the one line of ``admin_token_file`` (ValueError naming

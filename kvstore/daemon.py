@@ -270,7 +270,7 @@ class Daemon:
         if self.config.metrics_listen:  # before gRPC: /readyz says "starting" until it serves
             self._start_metrics()
         credentials = None
-        if self.config.tls_cert:
+        if self.config.tls_cert and socket_path is None:  # on a unix socket, TLS is the data channel's alone
             try:
                 credentials = grpc.ssl_server_credentials([(Path(self.config.tls_key).read_bytes(),
                                                              Path(self.config.tls_cert).read_bytes())])

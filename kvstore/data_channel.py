@@ -20,10 +20,13 @@ open when the stream is still in step (a refused Get; a Put whose payloads were 
 closed otherwise (bad framing, a refused token, a Put refused before its payloads).
 
 Bounds, against a peer with or without a token: ``max_connections`` at once (more are closed at
-once), of which at most half wait for their HELLO (past that, a new connection closes the one
-that waited longest: a flood of peers without a token churns among itself, while a client that
-sends its token at once gets in) and, with named tenants, at most a quarter are one tenant's; HELLO within ``HELLO_TIMEOUT_S``; a request's head within ``IDLE_TIMEOUT_S``; each read
-within ``READ_TIMEOUT_S`` and a request's payloads, or a reply's sending, within ``TRANSFER_S``; a
+once), of which at most half wait for their HELLO (past that, or at the cap, a new connection
+closes the one that waited longest: a flood of peers without a token churns among itself, while a
+client that sends its token at once gets in; each waits at most HELLO_TIMEOUT_S in all) and, with
+named tenants, at most a quarter are one tenant's; a named tenant's transfers hold at most a
+quarter of the byte budget beyond its one largest (more wait for its own to end), so one tenant
+cannot keep the others' inline Gets waiting; HELLO within ``HELLO_TIMEOUT_S``; a request's head within ``IDLE_TIMEOUT_S``; each read
+within ``READ_TIMEOUT_S`` and a request's payloads, or a reply's sending, at ``MIN_RATE`` at least; a
 message at most MAX_REQUEST_BYTES; a Put's payloads at most max_message_bytes, and every payload
 byte held in the daemon's ``ByteBudget`` until stored or sent.
 """
@@ -50,10 +53,14 @@ from kvstore.wire import (GET, GET_REPLY, HELLO, MAX_REQUEST_BYTES, MAX_TOKEN_BY
 
 log = logging.getLogger("kvstore.data_channel")
 
+#: From accept to a known token (TLS handshake included), all of it: the accept loop closes later ones.
 HELLO_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 300.0
 READ_TIMEOUT_S = 10.0
-TRANSFER_S = 60.0
+#: A request's payloads, or a reply, move within max(TRANSFER_MIN_S, bytes / MIN_RATE): a peer that
+#: trickles holds the byte budget seconds, not minutes.
+TRANSFER_MIN_S = 5.0
+MIN_RATE = 8e6
 #: Longest a connection's thread waits for the event loop to run its store call.
 CALL_TIMEOUT_S = 120.0
 #: Socket buffers: large enough that a multi-MB payload moves in few system calls.
@@ -66,6 +73,10 @@ class _Refused(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, close: bool) -> None:
         super().__init__(message)
         self.code, self.close = code, close
+
+
+class _Abandoned(_Refused):
+    """A store call that outlived CALL_TIMEOUT_S: it may still use the request's buffers."""
 
 
 def tune(sock: socket.socket) -> None:
@@ -124,7 +135,9 @@ class DataChannel:
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, threading.Thread] = {}
         #: Connections waiting for their HELLO, oldest first, and each named tenant's (under _lock).
-        self._waiting: dict[socket.socket, None] = {}
+        self._waiting: dict[socket.socket, float] = {}  # accept time
+        self._held: dict[str, int] = {}  # a named tenant's payload bytes in flight here
+        self._held_changed = threading.Condition(self._lock)
         self._per_tenant: dict[str, int] = {}
         self._closed = threading.Event()
         self._logs = LogLimit()
@@ -168,6 +181,7 @@ class DataChannel:
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
+            self._close_late_hellos()
             try:
                 raw, peer = self._listener.accept()
             except (socket.timeout, TimeoutError):
@@ -182,11 +196,12 @@ class DataChannel:
             oldest = None
             with self._lock:
                 full = len(self._connections) >= self.max_connections
-                if not full and len(self._waiting) >= max(1, self.max_connections // 2):
-                    oldest = next(iter(self._waiting))
+                if self._waiting and (full or len(self._waiting) >= max(1, self.max_connections // 2)):
+                    oldest = next(iter(self._waiting))  # its thread ends, and with it its slot
                     del self._waiting[oldest]
+                    full = False
                 if not full:
-                    self._waiting[raw] = None
+                    self._waiting[raw] = time.monotonic()
                     thread = threading.Thread(target=self._serve, args=(raw,), name="kvstore-data", daemon=True)
                     self._connections[raw] = thread
             if oldest is not None:  # its thread's read fails at once, and it ends
@@ -198,6 +213,20 @@ class DataChannel:
                 self._turn_away(raw, peer)
             else:
                 thread.start()
+
+    def _close_late_hellos(self) -> None:
+        """Close connections that have waited HELLO_TIMEOUT_S for a known token, however slowly
+        their bytes (or TLS handshake) trickle in."""
+        late = time.monotonic() - HELLO_TIMEOUT_S
+        with self._lock:
+            stale = [sock for sock, since in self._waiting.items() if since < late]
+            for sock in stale:
+                del self._waiting[sock]
+        for sock in stale:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _turn_away(self, raw: socket.socket, peer) -> None:
         """Close a connection over the cap; in plaintext with one error frame, sent without waiting."""
@@ -291,7 +320,7 @@ class DataChannel:
         if length > most:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"a frame of {length} bytes; at most {most}", close=True)
         body = bytearray(length)
-        recv_into_exactly(sock, memoryview(body), time.monotonic() + TRANSFER_S)
+        recv_into_exactly(sock, memoryview(body), DataChannel._deadline(length))
         return bytes(body)
 
     def _hello(self, sock):
@@ -313,16 +342,23 @@ class DataChannel:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def _call(self, method: str, coroutine):
+    def _call(self, method: str, coroutine, abandoned=None):
         """Run a store coroutine on the daemon's loop (the store is confined to it) and wait;
-        its error as a _Refused that keeps the connection."""
+        its error as a _Refused that keeps the connection. Past CALL_TIMEOUT_S the connection ends
+        and ``abandoned(result)`` runs on the loop when the call finishes after all (the store may
+        still be reading into the request's buffers: they must never be reused)."""
+        if self._closed.is_set():
+            coroutine.close()
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the daemon is stopping", close=True)
         future = asyncio.run_coroutine_threadsafe(self._timed(method, coroutine), self._loop)
         try:
             return future.result(CALL_TIMEOUT_S)
         except FutureTimeout:
+            if abandoned is not None:
+                future.add_done_callback(lambda f: f.cancelled() or f.exception() or abandoned(f.result()))
             future.cancel()
-            raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: the daemon did not answer within "
-                           f"{CALL_TIMEOUT_S:.0f} s", close=True) from None
+            raise _Abandoned(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: the daemon did not answer within "
+                             f"{CALL_TIMEOUT_S:.0f} s", close=True) from None
         except Exception as exc:  # noqa: BLE001 - every error becomes a status, as in server._rpc
             raise _Refused(*status_of(method, exc), close=False) from None
 
@@ -341,6 +377,33 @@ class DataChannel:
             except RuntimeError:  # the loop is closed: the daemon is gone, and its budget with it
                 pass
 
+    @staticmethod
+    def _deadline(nbytes: int) -> float:
+        return time.monotonic() + max(TRANSFER_MIN_S, nbytes / MIN_RATE)
+
+    def _hold(self, tenant, nbytes: int) -> None:
+        """Count a named tenant's payload bytes in flight here; past a quarter of the byte budget
+        its next transfer waits (at most INLINE_WAIT_S) until its own earlier ones end."""
+        if not tenant.name:
+            return
+        share = max(1, self.service.inline.total // 4)
+        deadline = time.monotonic() + INLINE_WAIT_S
+        with self._held_changed:
+            while self._held.get(tenant.name, 0) and self._held[tenant.name] + nbytes > share:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed.is_set():
+                    raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"tenant {tenant.name!r} has "
+                                   f"{self._held[tenant.name]} payload bytes in flight on the data channel, its "
+                                   f"share of the daemon's inline budget; try again later", close=True)
+                self._held_changed.wait(min(left, 0.5))
+            self._held[tenant.name] = self._held.get(tenant.name, 0) + nbytes
+
+    def _unhold(self, tenant, nbytes: int) -> None:
+        if tenant.name and nbytes:
+            with self._held_changed:
+                self._held[tenant.name] -= nbytes
+                self._held_changed.notify_all()
+
     def _put(self, sock, tenant, body: bytes) -> None:
         try:
             request = pb.PutRequest.FromString(body)
@@ -354,27 +417,36 @@ class DataChannel:
         if total > self.max_message_bytes:
             raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this Put would carry {total} payload bytes; at most "
                            f"{self.max_message_bytes} (max_message_bytes): send fewer blocks per call", close=True)
-        if total:
-            try:  # refused before any payload byte is read: the stream is out of step
-                self._call("DataPut", self.service.inline.acquire(total, INLINE_WAIT_S))
-            except _Refused as exc:
-                exc.close = True
-                raise
-        kept = self._buffers.take(total)
-        buffer = payloads = None
+        self._hold(tenant, total)  # refused before any payload byte is read: the stream is out of step
         try:
-            buffer = memoryview(kept)[:total]
-            recv_into_exactly(sock, buffer, time.monotonic() + TRANSFER_S)
-            payloads, at = [], 0
-            for n in lengths:
-                payloads.append(buffer[at : at + n])
-                at += n
-            # the store copies each payload into its top tier and keeps no view of it (reused after)
-            stored = self._call("DataPut", self.service.put_blocks(tenant, request, payloads))
+            if total:
+                try:
+                    self._call("DataPut", self.service.inline.acquire(total, INLINE_WAIT_S))
+                except _Refused as exc:
+                    exc.close = True
+                    raise
+            kept, reusable = None, True
+            try:
+                kept = self._buffers.take(total)
+                buffer = memoryview(kept)[:total]
+                recv_into_exactly(sock, buffer, self._deadline(total))
+                payloads, at = [], 0
+                for n in lengths:
+                    payloads.append(buffer[at : at + n])
+                    at += n
+                # the store copies each payload into its top tier and keeps no view of it (reused after)
+                stored = self._call("DataPut", self.service.put_blocks(tenant, request, payloads),
+                                    abandoned=lambda _: None)
+            except _Abandoned:
+                reusable = False  # the store may still read it
+                raise
+            finally:
+                buffer = payloads = None  # no view of the buffer outlives the request
+                if kept is not None and reusable:
+                    self._buffers.give(kept)
+                self._release(total)
         finally:
-            del buffer, payloads  # no view of the buffer outlives the request
-            self._buffers.give(kept)
-            self._release(total)
+            self._unhold(tenant, total)
         sock.sendall(frame(PUT_REPLY, pb.PutResponse(stored=stored).SerializeToString()))
 
     def _get(self, sock, tenant, body: bytes) -> None:
@@ -391,20 +463,36 @@ class DataChannel:
             taken.append(self._buffers.take(nbytes))
             return taken[-1]
 
+        def abandoned(result) -> None:  # on the loop: the reply's bytes, which nobody will send
+            self.service.inline.release(result[1])
+
+        self._hold(tenant, 0)  # waits while the tenant holds its share
         try:
-            replies, inline = self._call("DataGet", self.service.get_blocks(tenant, request, allocate))
+            replies, inline = self._call("DataGet", self.service.get_blocks(tenant, request, allocate), abandoned)
+        except _Abandoned:
+            raise  # its buffers may still be written: dropped, never reused
         except _Refused:
             for kept in taken:
                 self._buffers.give(kept)
             raise
+        finally:
+            self._unhold(tenant, 0)
+        self._hold_sent(tenant, inline)
         try:
             reply = pb.GetResponse(results=[result for result, _ in replies]).SerializeToString()
-            deadline = time.monotonic() + TRANSFER_S  # the whole reply: a reader that stalls holds no budget long
+            deadline = self._deadline(inline)  # the whole reply: a reader that stalls holds no budget long
             for piece in [frame(GET_REPLY, reply)] + [p for _, p in replies if p is not None]:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))  # bounds all of one sendall
                 sock.sendall(piece)
         finally:
-            del replies
+            replies = None
             for kept in taken:
                 self._buffers.give(kept)
             self._release(inline)
+            self._unhold(tenant, inline)
+
+    def _hold_sent(self, tenant, nbytes: int) -> None:
+        """A Get's reply bytes, counted to its tenant while they are sent (never waits: they are read)."""
+        if tenant.name and nbytes:
+            with self._held_changed:
+                self._held[tenant.name] = self._held.get(tenant.name, 0) + nbytes

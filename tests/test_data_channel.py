@@ -298,3 +298,75 @@ def test_put_reply_frame_and_a_raw_round_trip(daemon_factory):
         got += sock.recv(len(payload) - len(got))
     assert got == payload.tobytes()
     sock.close()
+
+
+def test_a_peer_that_trickles_its_hello_or_fills_the_cap_never_locks_tenants_out(daemon_factory):
+    """A HELLO (or TLS handshake) that trickles in is closed HELLO_TIMEOUT_S after accept, however
+    slowly its bytes come; at the cap, a new connection closes the longest waiting one, so a client
+    that sends its token at once always gets in."""
+    d = serve(daemon_factory, data_max_connections=4)
+    port = data_port(d)
+    admitted = [hello(port), hello(port)]  # idle, as a client's pool keeps them
+    trickling = []
+    for _ in range(2):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(FRAME_HEAD.pack(HELLO, len(TOKEN))[:2])  # half a frame head, then nothing
+        trickling.append(sock)
+    started = time.monotonic()
+    newcomer = hello(port)  # at the cap (2 admitted + 2 waiting): the longest waiting makes room
+    newcomer.sendall(frame(GET, pb.GetRequest(allow_missing=True).SerializeToString()))
+    assert read_frame(newcomer)[0] == GET_REPLY
+    assert closed(trickling[0])
+    for sock in trickling[1:]:  # the rest: closed once they waited HELLO_TIMEOUT_S in all
+        sock.sendall(b"\x00")
+        assert closed(sock)
+    assert time.monotonic() - started < 15
+    for sock in admitted + trickling + [newcomer]:
+        sock.close()
+
+
+def test_a_pooled_connection_the_daemon_closed_is_replaced_once(daemon_factory):
+    d = serve(daemon_factory)
+    keys, stored = blocks(11)
+    with KVStoreClient(d.address, token=TOKEN, shared_memory=False) as c:
+        assert c.put(NS, stored) == len(stored)
+        for conn in c._data._idle:  # as when the daemon ended them (idle timeout, restart)
+            conn._sock.shutdown(socket.SHUT_RDWR)
+        assert c.get(keys, LAYOUT.block_bytes(64)) == [p.tobytes() for _, _, p in stored]
+        for conn in c._data._idle:
+            conn._sock.shutdown(socket.SHUT_RDWR)
+        assert c.put(NS, stored) == len(stored)
+
+
+def test_a_tenant_holds_at_most_its_share_of_the_byte_budget(daemon_factory, short_tmp):
+    """Tenant a trickles the payload of a Put that takes a quarter of the budget; its next Put waits
+    for its own and is refused after INLINE_WAIT_S, while tenant b's Put and Get go through."""
+    tenants = short_tmp / "tenants.toml"
+    tenants.write_text(f'[[tenant]]\nname = "a"\ntoken = "{TOKEN_A}"\n\n[[tenant]]\nname = "b"\ntoken = "{TOKEN_B}"\n')
+    tenants.chmod(0o600)
+    budget = 64 * 2**20
+    d = serve(daemon_factory, tenants_file=str(tenants), max_message_bytes=budget)
+    port = data_port(d, token=TOKEN_A)
+    big = LAYOUT.block_bytes(64)
+    tokens = 64
+    count = budget // 4 // big + 1  # past the share
+
+    def put_head(key_seed: int) -> bytes:
+        keys = prefix_keys(NS, np.random.default_rng(key_seed).integers(0, 49152, size=count * tokens))
+        items = [pb.PutItem(meta=pb.BlockMeta(key=k, namespace=NS.id, layout=layout_message(LAYOUT), tokens=tokens,
+                                              codec="raw", payload_len=big)) for k in keys]
+        return frame(PUT, pb.PutRequest(items=items).SerializeToString())
+
+    first = hello(port, TOKEN_A)
+    assert read_frame(first) == (READY, b"")
+    first.sendall(put_head(1) + b"\x01" * 4096)  # the rest of its payload never comes
+    second = hello(port, TOKEN_A)
+    assert read_frame(second) == (READY, b"")
+    second.sendall(put_head(2))
+    keys, stored = blocks(12)
+    with KVStoreClient(d.address, token=TOKEN_B, shared_memory=False) as b:
+        assert b.put(NS, stored) == len(stored)
+        assert b.get(keys, LAYOUT.block_bytes(64)) == [p.tobytes() for _, _, p in stored]
+    assert "share" in expect_error(second, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    for sock in (first, second):
+        sock.close()
