@@ -2,8 +2,8 @@
 
 Per MuSiQue question (the CacheBlend paper's prompt, top-k BM25 passages, k = --top-k; 0: all 10)::
 
-    full       vLLM's full prefill of the prompt (the quality reference), prefix cache on, first sight
-    resident   the same prompt again: vLLM's own prefix cache
+    full       vLLM's full prefill of the prompt (the quality and speed reference), first sight
+    resident   the same prompt again, in a vLLM of its own with its prefix cache on: vLLM's own reuse
     naive      a kvstore blend request at ratio 0: passages' KV reused as stored, only the query computed
     blend r    a kvstore blend request at ratio r (--ratios), selector --selector (default stale_attention)
     marked r   (--markers) the prompt as text with the passages marked (blend_separator), which vLLM
@@ -11,15 +11,20 @@ Per MuSiQue question (the CacheBlend paper's prompt, top-k BM25 passages, k = --
                prefill of that text (its tokens differ a little from the parts tokenized alone)
 
 Passages are stored first by the reference engine (``BlendEngine.ingest``), so every blend request
-finds them: vLLM reuses blocks another engine stored. vLLM's prefix cache is off for the kvstore
-modes, so their hits are kvstore's. TTFT is vLLM's own first-token latency of the request (engine
+finds them: vLLM reuses blocks another engine stored. full, naive and the blends run in one vLLM
+process (prefix cache off, kvstore as a kv_consumer: it loads and never stores, so a full prefill
+costs only a missed lookup more), question by question, in alternating order (full first, then
+last), --repeats times: load on the host falls on every side alike, and the speed-ups are paired
+within a question and repeat. The recompute's cost is ``(blend - naive) / full / r``: what
+recomputing a fraction r of the passages costs, as a multiple of r times the full prefill (1: as
+much per token as the full prefill). TTFT is vLLM's own first-token latency of the request (engine
 front end to first token, before detokenizing the logprobs); KL is KL(P_full || P) of the first
 new token over the whole vocabulary; top-1 agreement with full; F1 of the greedy answer. The
 reference engine's own blend KL (``BlendEngine`` at the first ratio against its own full prefill)
 is printed beside vLLM's.
 
-    .venv-vllm/bin/python bench/vllm_rag.py --questions 20 [--top-k 3] [--ratios 0.15 0.3]
-        [--markers] [--json out.json] [--plot bench/vllm_rag.png]
+    .venv-vllm/bin/python bench/vllm_rag.py --questions 20 [--top-k 3] [--ratios 0.15 0.3] [--repeats 3]
+        [--markers] [--no-reference] [--json out.json] [--plot bench/vllm_rag.png]
 """
 
 from __future__ import annotations
@@ -82,6 +87,11 @@ def ttft(output: dict) -> float:
     return output.get("first_token_latency_s") or output["seconds"]
 
 
+def spread(values: list[float]) -> str:
+    """min-max of ``values`` (e.g. a ratio over questions and repeats), as text."""
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--questions", type=int, default=20)
@@ -101,7 +111,14 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=None, help="PNG: TTFT and KL per mode")
     parser.add_argument("--markers", action="store_true",
                         help="also the marked-text mode: passages marked in the prompt's text, not in kv_transfer_params")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time each question's full, naive and blend requests this many times (alternating order)")
+    parser.add_argument("--no-reference", dest="reference", action="store_false",
+                        help="skip the reference engine's own full and blended prefill (its KL); passages are still "
+                             "stored by it")
     args = parser.parse_args()
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
     musique_items(args.data)  # before a run of minutes: one line naming the file when it cannot be used
     if args.plot:  # before a run of minutes, not after it
         try:
@@ -150,6 +167,9 @@ def main() -> None:
                 engine.ingest([p.prefix] + [p.chunks[i] for i in case["chosen"]])
                 if args.markers:  # the passages as the whole text's cut has them (docs/vllm.md)
                     engine.ingest([case["whole"].prefix] + case["whole"].chunks)
+                if not args.reference:
+                    reference_kl.append(float("nan"))
+                    continue
                 with torch.inference_mode():
                     full = model(torch.tensor(case["ids"]), model.new_cache(len(case["ids"]) + 1), 0, last_only=True)[-1]
                 blended = engine.generate(p.prefix, [p.chunks[i] for i in case["chosen"]], p.query, max_new_tokens=1,
@@ -161,6 +181,7 @@ def main() -> None:
         passage = cases[0]["prompt"].chunks[cases[0]["chosen"][0]]
         warm = {"prompt_token_ids": head + passage + tail,
                 "kv_transfer_params": blend_params(lengths=[len(head), len(passage)], ratio=args.ratios[0])}
+        # resident: vLLM's prefix cache (the prompt's second sight, in a run of its own)
         plain = run_vllm(folder, work, "plain", [warm["prompt_token_ids"]] + [c["ids"] for c in cases for _ in range(2)],
                          None, [], args.max_new_tokens, args.max_model_len, args.dtype)[1:]
         marked_full = []
@@ -168,62 +189,107 @@ def main() -> None:
             # cache (a text shares its head with the prompt above)
             marked_full = run_vllm(folder, work, "marked-full", [warm["prompt_token_ids"]] + [{"prompt": c["text"]} for c in cases],
                                    None, ["--no-prefix-caching"], args.max_new_tokens, args.max_model_len, args.dtype)[1:]
-        blends = []
-        for c in cases:
-            blends += [{"prompt_token_ids": c["ids"], "kv_transfer_params": blend_params(lengths=c["lengths"], ratio=r)}
-                       for r in [0.0, *args.ratios]]
+        if args.markers:
+            modes.append(marked_mode)
+        timed_modes = [m for m in modes if m != "resident"]  # one vLLM process, alternating order
+        timed, order = [], []  # the requests, and (question, repeat, mode) of each
+        for i, c in enumerate(cases):
+            requests = {"full": {"prompt_token_ids": c["ids"]},
+                        **{mode: {"prompt_token_ids": c["ids"],
+                                  "kv_transfer_params": blend_params(lengths=c["lengths"], ratio=r)}
+                           for mode, r in zip(timed_modes[1:], [0.0, *args.ratios])}}
             if args.markers:  # no lengths: the connector finds the passages from the separators in the text
-                blends.append({"prompt": c["text"], "kv_transfer_params": blend_params(ratio=args.ratios[0])})
-        blended_out = run_vllm(folder, work, "blend", [warm] + blends, daemon.address,
-                               ["--no-prefix-caching", "--kv-extra", json.dumps({"blend_separator": SEP})],
-                               args.max_new_tokens, args.max_model_len, args.dtype)[1:]
+                requests[marked_mode] = {"prompt": c["text"], "kv_transfer_params": blend_params(ratio=args.ratios[0])}
+            for repeat in range(args.repeats):
+                turn = timed_modes if (i * args.repeats + repeat) % 2 == 0 else timed_modes[::-1]
+                timed += [requests[mode] for mode in turn]
+                order += [(i, repeat, mode) for mode in turn]
+        timed_out = run_vllm(folder, work, "timed", [{"prompt_token_ids": warm["prompt_token_ids"]}, warm] + timed,
+                             daemon.address, ["--no-prefix-caching", "--kv-role", "kv_consumer",
+                                              "--kv-extra", json.dumps({"blend_separator": SEP})],
+                             args.max_new_tokens, args.max_model_len, args.dtype)[2:]
     finally:
         daemon.stop()
-    per_mode = len(args.ratios) + 1 + args.markers
-    if args.markers:
-        modes.append(marked_mode)
+    outputs: dict[tuple[int, int, str], dict] = dict(zip(order, timed_out))
     records = []
     for i, case in enumerate(cases):
-        outs = [plain[2 * i], plain[2 * i + 1], *blended_out[per_mode * i : per_mode * (i + 1)]]
         record = {"question": args.skip + i, "prompt_tokens": len(case["ids"]), "cached_tokens": sum(case["lengths"]),
                   "reference_blend_kl": reference_kl[i], "modes": {}}
-        for mode, out in zip(modes, outs):
-            full = marked_full[i] if mode == marked_mode else outs[0]  # the marked text's own reference
-            record["modes"][mode] = {"ttft_s": ttft(out), "kl": kl(full["first_logprobs"], out["first_logprobs"]),
+        fulls = [outputs[i, repeat, "full"] for repeat in range(args.repeats)]
+        for mode in modes:
+            if mode == "resident":
+                outs = [plain[2 * i + 1]]
+            else:
+                outs = [outputs[i, repeat, mode] for repeat in range(args.repeats)]
+            out = outs[0]
+            full = marked_full[i] if mode == marked_mode else fulls[0]  # the marked text's own reference
+            # a ratio to full within one repeat: the two ran next to each other (the resident's full is
+            # its run's first sight)
+            pairs = [(plain[2 * i], outs[0])] if mode == "resident" else \
+                [(marked_full[i], o) for o in outs] if mode == marked_mode else list(zip(fulls, outs))
+            record["modes"][mode] = {"ttft_s": statistics.median(ttft(o) for o in outs),
+                                     "ttft_repeats_s": [ttft(o) for o in outs],
+                                     "speedups": [ttft(f) / ttft(o) for f, o in pairs],
+                                     "kl": kl(full["first_logprobs"], out["first_logprobs"]),
                                      "agree": out["token_ids"][0] == full["token_ids"][0],
                                      "f1": f1_score(out["text"], case["answers"]),
                                      "cached": out["num_cached_tokens"], "text": out["text"],
-                                     "full_ttft_s": ttft(full)}
+                                     "full_ttft_s": statistics.median(ttft(f) for f, _ in pairs)}
+        naive = record["modes"]["naive"]
+        for r in args.ratios:  # the recompute's cost, per repeat: (blend - naive) / full / r
+            blend = record["modes"][f"blend r={r}"]
+            blend["recompute_cost"] = [(ttft(b) - ttft(n)) / ttft(f) / r for f, n, b in zip(
+                fulls, [outputs[i, k, "naive"] for k in range(args.repeats)],
+                [outputs[i, k, f"blend r={r}"] for k in range(args.repeats)])] if r > 0 else []
         records.append(record)
 
     print(f"{len(records)} questions, top-{args.top_k or 'all'} passages, "
           f"{statistics.mean(r['prompt_tokens'] for r in records):.0f} prompt tokens on average")
-    print(f"{'mode':<14}{'TTFT p50':>10}{'vs full':>9}{'KL mean':>10}{'top-1':>8}{'F1':>7}{'worse than naive':>18}")
+    print(f"full, naive and blends timed in one vLLM process, alternating order, {args.repeats} repeat(s) each; "
+          f"'vs full' is the median of per-question, per-repeat ratios (spread: min-max)")
+    print(f"{'mode':<14}{'TTFT p50':>10}{'vs full':>9}{'spread':>12}{'KL mean':>10}{'top-1':>8}{'F1':>7}"
+          f"{'worse than naive':>18}")
     summary = {}
     for mode in modes:
         rows = [r["modes"][mode] for r in records]
         ttfts = [row["ttft_s"] for row in rows]
-        speedup = statistics.median(r["modes"][mode]["full_ttft_s"] / r["modes"][mode]["ttft_s"] for r in records)
+        speedups = [x for row in rows for x in row["speedups"]]
+        speedup = statistics.median(speedups)
         worse = sum(r["modes"][mode]["kl"] > r["modes"]["naive"]["kl"] for r in records)
         summary[mode] = {"ttft_p50_s": statistics.median(ttfts), "speedup_vs_full": speedup,
+                         "speedup_min": min(speedups), "speedup_max": max(speedups),
                          "kl_mean": statistics.mean(row["kl"] for row in rows),
                          "agree": statistics.mean(row["agree"] for row in rows),
                          "f1": statistics.mean(row["f1"] for row in rows), "worse_than_naive": worse}
+        costs = [x for row in rows for x in row.get("recompute_cost", [])]
+        if costs:
+            summary[mode]["recompute_cost"] = statistics.median(costs)
+            summary[mode]["recompute_cost_spread"] = [min(costs), max(costs)]
         s = summary[mode]
-        print(f"{mode:<14}{s['ttft_p50_s'] * 1e3:>8.0f}ms{speedup:>8.2f}x{s['kl_mean']:>10.4f}{s['agree']:>8.0%}"
-              f"{s['f1']:>7.3f}{worse:>18}")
+        print(f"{mode:<14}{s['ttft_p50_s'] * 1e3:>8.0f}ms{speedup:>8.2f}x{spread(speedups):>12}{s['kl_mean']:>10.4f}"
+              f"{s['agree']:>8.0%}{s['f1']:>7.3f}{worse:>18}")
+    for r in args.ratios:
+        s = summary[f"blend r={r}"]
+        if "recompute_cost" in s:
+            low, high = s["recompute_cost_spread"]
+            print(f"recompute cost at r={r}: (blend - naive) / full / r = {s['recompute_cost']:.2f} median "
+                  f"({low:.2f}-{high:.2f}); (blend - naive) = {s['recompute_cost'] * r:.1%} of full prefill for "
+                  f"{r:.0%} of the passage tokens")
     first = f"blend r={args.ratios[0]}"
-    print(f"reference engine's own blend at r={args.ratios[0]}: KL mean "
-          f"{statistics.mean(reference_kl):.4f} (vLLM's: {summary[first]['kl_mean']:.4f})")
+    if args.reference:
+        print(f"reference engine's own blend at r={args.ratios[0]}: KL mean "
+              f"{statistics.mean(reference_kl):.4f} (vLLM's: {summary[first]['kl_mean']:.4f})")
     s, naive = summary[first], summary["naive"]
     checks = [("TTFT vs full prefill >= 3x", s["speedup_vs_full"], s["speedup_vs_full"] >= 3.0),
               ("KL <= 0.7x naive", s["kl_mean"] / max(naive["kl_mean"], 1e-12), s["kl_mean"] <= 0.7 * naive["kl_mean"]),
               ("worse than naive <= 1 in 5", s["worse_than_naive"] / len(records), s["worse_than_naive"] <= len(records) / 5)]
+    if "recompute_cost" in s:
+        checks.append(("recompute cost (blend - naive) / full / r <= 1.3", s["recompute_cost"], s["recompute_cost"] <= 1.3))
     for name, value, met in checks:
         print(f"target {name} at {first}: {value:.2f} {'met' if met else 'MISSED'}")
     if args.json:
         settings = {"dtype": args.dtype, "selector": args.selector, "top_k": args.top_k, "ratios": args.ratios,
-                    "skip": args.skip, "questions": args.questions}
+                    "skip": args.skip, "questions": args.questions, "repeats": args.repeats}
         args.json.write_text(json.dumps({"settings": settings, "summary": summary, "records": records,
                                          "reference_blend_kl": reference_kl}))
     if args.plot:

@@ -125,8 +125,7 @@ def place_block(model: LlamaModel, kv: KVCache, block: torch.Tensor, segment: Se
     if segment.start:
         old = torch.arange(n, device=kv.device)
         keys = rerotate_keys(keys, old, old + segment.start, model.inv_freq)
-    for layer in range(kv.num_layers):
-        kv.write(layer, segment.start, keys[layer], block[layer, 1])
+    kv.write_layers(segment.start, keys, block[:, 1])  # one copy for every layer
 
 
 @torch.inference_mode()

@@ -152,7 +152,7 @@ class BlendResult:
 class BlendedPrompt:
     """What :meth:`BlendEngine.prefill` leaves: the blended cache of every prompt token."""
 
-    kv: KVCache                     # tokens 0..layout.total-1 filled
+    kv: KVCache                     # tokens 0..layout.total-1 filled; kv.span(a, b) is a block, no copy
     layout: BlendLayout
     result: BlendResult             # ttft_s, tokens and total_s are the caller's to fill
     missing: list[tuple[bytes, int, torch.Tensor]]  # (chunk key, tokens, block) computed alone: to store
@@ -292,6 +292,7 @@ class BlendEngine:
             get_selector(selector) if isinstance(selector, str) else selector)
         keys = self.chunk_keys(parts)
         kv = self.model.new_cache(layout.total + max(room, 1))
+        kv.clear(layout.query.start, kv.capacity)  # never read before written; zeroed all the same
         result = BlendResult(tokens=[], first_logits=torch.empty(0), ttft_s=0.0, prompt_tokens=layout.total,
                              chunk_tokens=layout.chunk_positions.numel(), recomputed_tokens=0, prefilled_tokens=0.0,
                              loaded_tokens=0, loaded_bytes=0, computed_segments=0, tiers=[], ratio=0.0,

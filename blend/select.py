@@ -110,15 +110,32 @@ def row_blocks(rows: int, heads: int, keys: int, block_bytes: int | None = None)
     return [slice(start, min(rows, start + step)) for start in range(0, rows, step)]
 
 
-def attention_probs(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def attention_probs(q: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor,
+                    hidden: torch.Tensor | None = None) -> torch.Tensor:
     """[H, R, S] float32 causal attention of queries ``q`` [H, R, D] at positions ``rows`` [R] over
-    ``keys`` [KVH, S, D] (key j visible to row i iff j <= rows[i]; GQA groups repeat the keys).
+    ``keys`` [KVH, S, D] (key j visible to row i iff j <= rows[i]; GQA groups share the keys).
+    ``hidden``: `hidden_keys(rows, S)` where a caller has it already (the same rows on every layer).
     Callers bound R with `row_blocks`."""
-    q, k = q.float() / math.sqrt(q.shape[-1]), keys.float()
-    k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)  # [H, S, D]
-    scores = q @ k.transpose(1, 2)  # [H, R, S]
-    allowed = torch.arange(k.shape[1], device=q.device)[None, :] <= rows.to(q.device)[:, None]  # [R, S]
-    return scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    heads, num_rows, dim = q.shape
+    kv_heads, num_keys = keys.shape[0], keys.shape[1]
+    # GQA without repeating the keys: head h reads KV head h // G, so [H, R, D] is [KVH, G*R, D]
+    grouped = (q.float() / math.sqrt(dim)).reshape(kv_heads, heads // kv_heads * num_rows, dim)
+    scores = (grouped @ keys.float().transpose(1, 2)).view(heads, num_rows, num_keys)  # [H, R, S]
+    hidden = hidden_keys(rows.to(q.device), num_keys) if hidden is None else hidden  # [R, S - first]
+    first = num_keys - hidden.shape[1]  # keys before it are visible to every row
+    scores[:, :, first:].masked_fill_(hidden, float("-inf"))
+    return scores.softmax(-1)
+
+
+def hidden_keys(rows: torch.Tensor, num_keys: int, first: int = 0) -> torch.Tensor:
+    """Boolean [R, S - first], True where key first + j is after row i's position: masked. ``first``
+    (at most the rows' first position, known to the caller without reading ``rows``): every key
+    before it is visible to every row, so it is left out::
+
+        keys    0 ........ first ......... S-1
+        rows          (all visible) | hidden where key > row
+    """
+    return torch.arange(first, num_keys, device=rows.device)[None, :] > rows[:, None]
 
 
 def kv_deviation(fresh_k: torch.Tensor, fresh_v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor,

@@ -242,6 +242,25 @@ class KVCache:
         self.keys[layer][:, start:end] = keys
         self.values[layer][:, start:end] = values
 
+    def write_layers(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """:meth:`write` for every layer at once: ``keys`` and ``values`` [num_layers, num_kv_heads,
+        T, head_dim] at tokens start..start+T, one copy each. Does not move `length`."""
+        end = start + keys.shape[2]
+        self.reserve(end)
+        self._data[:, 0, :, start:end] = keys
+        self._data[:, 1, :, start:end] = values
+
+    def clear(self, start: int, end: int) -> None:
+        """Zero tokens start..end-1 of every layer (memory past `length` is otherwise unset)."""
+        self._data[:, :, :, start:end].zero_()
+
+    def span(self, start: int, end: int) -> torch.Tensor:
+        """Tokens start..end-1 as a block [num_layers, 2, num_kv_heads, end-start, head_dim]: a
+        view, valid until the cache grows or is written (`export` is the copy)."""
+        if not 0 <= start <= end <= self.length:
+            raise ValueError(f"span({start}, {end}) is outside the filled range 0..{self.length}")
+        return self._data[:, :, :, start:end]
+
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of one layer's keys and values for tokens 0..end-1, each [num_kv_heads, end, head_dim]."""
         return self.keys[layer][:, :end], self.values[layer][:, :end]

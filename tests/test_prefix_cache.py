@@ -135,3 +135,47 @@ def test_coded_blocks_are_decoded_ahead_in_order_and_waited_for_on_close():
     assert got[1] is broken and got[1].decoded is None and got[2].decoded is not None
     with pytest.raises(Exception):
         fetched_tensor(got[1])
+
+
+def test_loads_and_stores_with_two_calls_in_flight_keep_every_byte_and_never_deadlock(daemon):
+    """`KVStoreClient.fetch_ahead` and the pipelined Put (two Gets or Puts in flight) with four
+    threads sharing an arena that holds about two calls' worth: every block comes back whole and in
+    order, and no thread waits for space another waiting thread holds."""
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, dtype="float16")
+    n = 64
+    namespace = Namespace("pipelined", layout, chunk_tokens=n)
+    slot = layout.block_bytes(n)  # 32 KiB blocks; the arena holds about 12 of them
+    rng = np.random.default_rng(7)
+    with KVStoreClient(daemon.address, arena_bytes=400 * 1024) as client:
+        cache = PrefixCache(client, namespace)
+        runs = []
+        for t in range(4):
+            keys = prefix_keys(namespace, rng.integers(0, 5000, size=11 * n))
+            runs.append([(k, n, rng.integers(1, 255, slot, dtype=np.uint8)) for k in keys])
+        errors: list[BaseException] = []
+
+        def work(run) -> None:
+            try:
+                for _ in range(3):
+                    assert client.put(namespace, run) == len(run)
+                    got: list[bytes] = []
+                    cache.fetch_blocks([k for k, _, _ in run], slot,
+                                       lambda i, b: got.append(bytes(b.payload)) or True)
+                    assert got == [p.tobytes() for _, _, p in run]
+            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(run,)) for run in runs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads), "a thread is stuck waiting for arena space"
+        assert not errors, errors[0]
+        assert cache.errors == 0
+        # every batch was taken in order, with the view of a batch released before it is reused
+        seen = []
+        for first, batch in client.fetch_ahead([k for k, _, _ in runs[0]], slot, batch=3):
+            seen.append((first, [bytes(b.payload) for b in batch]))
+        assert [f for f, _ in seen] == [0, 3, 6, 9]
+        assert [p for _, ps in seen for p in ps] == [p.tobytes() for _, _, p in runs[0]]

@@ -360,7 +360,7 @@ class VllmBlender:
                                  kv_only=True, glue=glue)
         end = request.spec.cached_tokens
         if request.hit < end:
-            paged.scatter(blended.kv.export(request.hit, end), request.span)
+            paged.scatter(blended.kv.span(request.hit, end), request.span)  # a view of the blend's cache
         result = blended.result
         self.blended += 1
         self.seconds += result.load_s + result.blend_s
