@@ -47,8 +47,8 @@ def disk_ttft(model: LlamaModel, tokenizer, question, block: torch.Tensor, specs
     question. Median of ``repeats`` after one untimed run. kvtc calibrations are saved where the
     daemon and the engine resolve them (`calibration_store.save`).
 
-    ``question``: a `codec_quality.Question` (its ``index``, ``context_ids``, ``question_ids``);
-    ``block``: its context KV [L, 2, H, T, D] as stored (`codec_quality.context_block`).
+    ``question``: a `codec_eval.Question` (its ``index``, ``context_ids``, ``question_ids``);
+    ``block``: its context KV [L, 2, H, T, D] as stored (`codec_eval.context_block`).
     """
     for spec in specs:
         codec = codecs.get(spec)

@@ -48,28 +48,34 @@ flip a near-tie?) and how many questions got worse (any teacher-forced argmax ch
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import hashlib
 import json
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.codec_blend import blend_first_logits, blend_parts, segment_blocks  # noqa: E402
+from bench.codec_eval import (  # noqa: E402  (one question's evaluation)
+    CHUNK_TOKENS,
+    answer_text,
+    chunk_bounds,
+    context_block,
+    greedy_from,
+    kl_per_position,
+    load_questions,
+    load_through_codec,
+    teacher_forced_logits,
+)
+from bench.codec_kvtc import kvtc_codecs  # noqa: E402
 from compression import get_codec  # noqa: E402
-from compression.calibrate import SENSITIVITY_ALLOCATION, SENSITIVITY_LIMIT  # noqa: E402
 from engine_adapter.generate import decode_loop, prefill  # noqa: E402
 from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
-from engine_adapter.model import KVCache, LlamaModel  # noqa: E402
-from engine_adapter.prompts import document_prompt  # noqa: E402
 from reuse_vs_rag import MUSIQUE_DEV, f1_score, musique_items  # noqa: E402  (the benches' one data path, its check, F1)
 from codec_disk import disk_ttft, o_direct_read_gbps, print_disk_ttft  # noqa: E402
 
@@ -85,348 +91,8 @@ DEFAULT_CODECS = (
     "int2-g32+shuffle+zstd",
     "int2-g64+shuffle+zstd",
 )
-CHUNK_TOKENS = 256
-STORE_DTYPE = torch.float16
 REFERENCE = ("fp16: the context KV computed in fp32, stored as float16 (the store's block dtype) and "
              "loaded back unchanged")
-
-
-# -- questions ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class Question:
-    index: int  # position in dev.json
-    question: str
-    answers: list[str]
-    context_ids: list[int]
-    question_ids: list[int]
-
-
-def load_questions(path: Path, tokenizer, limit: int, seed: int, exclude: set[int] = frozenset()
-                   ) -> list[Question]:
-    """``limit`` dev questions picked with ``seed`` (in file order when seed < 0), never one of ``exclude``."""
-    items = json.loads(path.read_text())
-    order = [i for i in range(len(items)) if i not in exclude]
-    if seed >= 0:
-        random.Random(seed).shuffle(order)
-    picked = sorted(order[:limit])
-    questions = []
-    for i in picked:
-        item = items[i]
-        document = "\n\n".join(p["text"] for p in item["ctxs"])
-        context_ids, question_ids = document_prompt(tokenizer, document, item["question"])
-        questions.append(Question(i, item["question"], list(item["answers"]), context_ids, question_ids))
-    return questions
-
-
-# -- the context KV, cached on disk -----------------------------------------------------------------------
-
-
-def context_block(model: LlamaModel, context_ids: list[int], cache_dir: Path) -> tuple[torch.Tensor, float]:
-    """The context's KV as one float16 block [L, 2, KVH, T, D], and the prefill seconds (0 if cached)."""
-    digest = hashlib.sha256(model.config.model_id.encode() + torch.tensor(context_ids).numpy().tobytes())
-    path = cache_dir / f"ctx-{digest.hexdigest()[:20]}.pt"
-    if path.is_file():
-        return torch.load(path), 0.0
-    start = time.perf_counter()
-    kv = model.new_cache(len(context_ids))
-    prefill(model, context_ids, kv, start_pos=0)
-    block = kv.export(0, len(context_ids)).to(STORE_DTYPE)
-    seconds = time.perf_counter() - start
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(block, tmp)
-    tmp.rename(path)
-    return block, seconds
-
-
-def chunk_bounds(n_tokens: int) -> list[tuple[int, int]]:
-    """[start, end) of each 256-token chunk; the last one may be shorter.
-
-        tokens: 0 ..... 255 | 256 ..... 511 | ... | 256k ... n-1
-        chunk:  0           | 1             | ... | k (tail)
-    """
-    return [(s, min(s + CHUNK_TOKENS, n_tokens)) for s in range(0, n_tokens, CHUNK_TOKENS)]
-
-
-@dataclass
-class Transfer:
-    """What `load_through_codec` moved: bytes before and after the codec, and seconds in encode and decode."""
-
-    fp16_bytes: int = 0
-    encoded_bytes: int = 0
-    encode_s: float = 0.0
-    decode_s: float = 0.0
-
-
-def load_through_codec(kv: KVCache, block: torch.Tensor, codec) -> Transfer:
-    """Reset kv to the context passed chunk by chunk through ``codec`` (None: unchanged)."""
-    kv.truncate(0)
-    out = Transfer()
-    for start, end in chunk_bounds(block.shape[3]):
-        chunk = block[:, :, :, start:end].contiguous()  # [L, 2, KVH, t, D] float16
-        if codec is None:
-            decoded = chunk
-        else:
-            t0 = time.perf_counter()
-            encoded = codec.encode(chunk)
-            t1 = time.perf_counter()
-            decoded = codec.decode(encoded.payload, encoded.params, tuple(chunk.shape), chunk.dtype)
-            out.encode_s += t1 - t0
-            out.decode_s += time.perf_counter() - t1
-            out.encoded_bytes += encoded.nbytes
-        out.fp16_bytes += chunk.numel() * chunk.element_size()
-        kv.load(decoded, start)
-    return out
-
-
-# -- scoring -------------------------------------------------------------------------------------------------
-
-
-def answer_text(tokenizer, tokens: list[int]) -> str:
-    """The continuation up to its first newline, EOS dropped."""
-    tokens = [t for t in tokens if t not in tokenizer.eos_token_ids]
-    return tokenizer.decode(tokens).split("\n")[0].strip()
-
-
-@torch.inference_mode()
-def teacher_forced_logits(model: LlamaModel, kv: KVCache, context_len: int, question_ids: list[int],
-                          answer: list[int]) -> torch.Tensor:
-    """Next-token logits [len(answer), vocab] at each answer position, one forward over question + answer.
-
-    Row i predicts answer[i]: it is the output at question[-1] (i = 0) or answer[i-1].
-    """
-    ids = torch.tensor(question_ids + answer[:-1], dtype=torch.long)
-    logits = model(ids, kv, context_len)  # [Tq + Ta - 1, vocab]
-    return logits[len(question_ids) - 1:]
-
-
-@torch.inference_mode()
-def greedy_from(model: LlamaModel, kv: KVCache, context_len: int, question_ids: list[int], reference: list[int],
-                ref_argmax: torch.Tensor, logits: torch.Tensor, max_new_tokens: int, eos: tuple[int, ...]
-                ) -> list[int]:
-    """The codec's greedy continuation, given its teacher-forced ``logits`` over ``reference``.
-
-    Same as the reference up to the first position p whose argmax differs; from p it is decoded
-    on ``kv``, which holds the question + reference[:p] after truncating the forward's extra rows.
-    """
-    argmax = logits.argmax(-1)
-    differ = (argmax != ref_argmax).nonzero()
-    if differ.numel() == 0:
-        return list(reference)
-    p = int(differ[0])
-    kv.truncate(context_len + len(question_ids) + p)
-    return reference[:p] + decode_loop(model, kv, logits[p], max_new_tokens - p, eos)
-
-
-# -- the transform codec, calibrated on held-out contexts ---------------------------------------------------
-
-
-def parse_kvtc(text: str) -> dict:
-    """One --kvtc setting -> calibration options. ``KEY:VALUE[:DROP]`` (relative steps, post-RoPE keys, as
-    before) or ``key=0.2,value=0.2[,drop=0.5][,sinks=4][,rope=1][,sens=1][,limit=4][,metric=0]`` (``rope=1``:
-    keys coded before RoPE; ``sens``: strength of the per-layer steps from measured sensitivity, clipped to
-    [1/limit, limit]; ``metric=0``: plain PCA of the KV, no query / o_proj metric; ``auto=1``: the calibration a
-    daemon makes from a namespace's first blocks, without the model (`compression/blind.py`), from the
-    calibration items' 256-token chunks in order, item after item; only key, value and drop apply;
-    ``layers=N``: rows over N consecutive layers, `Calibration.layer_group`)."""
-    if "=" not in text:
-        parts = [float(v) for v in text.split(":")]
-        return {"key": parts[0], "value": parts[1], "drop": parts[2] if len(parts) > 2 else 0.5, "sinks": 0, "rope": 0,
-                "sens": 0, "limit": SENSITIVITY_LIMIT, "metric": 1, "auto": 0, "layers": 1}
-    out = {"key": None, "value": None, "drop": 0.5, "sinks": 0, "rope": 0, "sens": 0, "limit": SENSITIVITY_LIMIT,
-           "metric": 1, "auto": 0, "layers": 1}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        if name not in out:
-            raise SystemExit(f"--kvtc {text!r}: unknown field {name!r}; fields are {sorted(out)}")
-        out[name] = float(value)
-    if out["key"] is None or out["value"] is None:
-        raise SystemExit(f"--kvtc {text!r} needs key= and value= (relative steps)")
-    return out
-
-
-def calibration_stats(model: LlamaModel, tokenizer, args, log, on: str = "contexts"):
-    """`compression.calibrate.collect` over --calibration-items, cached in --cache-dir.
-
-    ``on="contexts"``: each item's whole document prompt, prefilled at 0..n-1 (a stored prefix's KV);
-    ``on="passages"``: each of its passages alone at 0..n-1, cut as the blend case cuts them (the
-    KV that `BlendEngine` stores per chunk).
-    """
-    from compression.calibrate import collect
-
-    items = json.loads(args.data.read_text())
-    texts = []
-    for i in args.calibration_items:
-        if on == "passages":
-            texts.extend(blend_parts(tokenizer, args.data, i).chunks)
-            continue
-        document = "\n\n".join(p["text"] for p in items[i]["ctxs"])
-        texts.append(document_prompt(tokenizer, document, items[i]["question"])[0])
-    digest = hashlib.sha256(model.config.model_id.encode() + json.dumps(texts).encode()).hexdigest()[:20]
-    path = args.cache_dir / f"calstats-{digest}.pt"
-    if path.is_file():
-        return texts, torch.load(path, weights_only=False)
-    start = time.perf_counter()
-    stats = collect(model, texts)
-    log(f"kvtc calibration statistics: {stats.tokens} tokens from dev items {args.calibration_items} ({on}) "
-        f"in {time.perf_counter() - start:.0f} s")
-    args.cache_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(stats, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)
-    return texts, stats
-
-
-def cached_sensitivity(model: LlamaModel, texts: list[list[int]], stats, calibration, cache_dir: Path, log):
-    """`compression.calibrate.row_sensitivity` of the calibration texts under ``calibration``, cached by its id."""
-    from compression.calibrate import row_sensitivity
-    from compression.transform import TransformCodec
-
-    path = cache_dir / f"sensitivity-{calibration.id[:20]}.pt"
-    if path.is_file():
-        return torch.load(path)
-    start = time.perf_counter()
-    sensitivity = row_sensitivity(model, texts, stats.blocks, TransformCodec(calibration), chunk_tokens=CHUNK_TOKENS)
-    log(f"per-row sensitivity under {calibration.id[:12]} in {time.perf_counter() - start:.0f} s: "
-        f"keys {sensitivity[0::2].sum():.4f}, values {sensitivity[1::2].sum():.4f} nats summed over layers")
-    torch.save(sensitivity, path)
-    return sensitivity
-
-
-def blind_calibration(blocks: list[torch.Tensor], source: str, log, layer_group: int = 1, allocation=None):
-    """What a daemon calibrates from these contexts' 256-token chunks stored in order, without the model
-    (at ``allocation``, default steps 0.5 / 0.5: per-layer rows take another one by `with_allocation`)."""
-    from compression.blind import BlindCalibration
-    from compression.calibration import Allocation
-
-    start = time.perf_counter()
-    n_layers, _, n_heads, _, head_dim = blocks[0].shape
-    blind = BlindCalibration(n_layers, n_heads, head_dim, layer_group=layer_group)
-    for block in blocks:
-        for s, e in chunk_bounds(block.shape[3]):
-            blind.add(block[:, :, :, s:e])
-    calibration = blind.calibration(allocation or Allocation(0.5, 0.5),
-                                    source=f"{source}, as {blind.blocks} blocks, no model")
-    log(f"blind calibration in {time.perf_counter() - start:.1f} s: {calibration.source}")
-    return calibration
-
-
-def kvtc_codecs(model: LlamaModel, tokenizer, args, evaluated: set[int], log) -> dict:
-    """``{spec: codec}`` for each --kvtc setting, calibrated on --calibration-items (never evaluated ones)."""
-    from compression import calibration_store
-    from compression.calibration import Allocation, calibrate
-
-    overlap = evaluated & set(args.calibration_items)
-    if overlap:
-        raise SystemExit(f"--calibration-items {sorted(overlap)} are also evaluated; calibrate on other contexts")
-    from compression.calibrate import sensitivity_scale
-
-    # the per-row sensitivities are always measured on whole contexts (row_sensitivity needs texts
-    # longer than a chunk plus its probe; passages are shorter), under the chosen basis
-    texts, stats = calibration_stats(model, tokenizer, args, log)
-    basis_stats = stats if args.calibrate_on == "contexts" else calibration_stats(model, tokenizer, args, log,
-                                                                                on=args.calibrate_on)[1]
-    source = f"MuSiQue dev items {args.calibration_items}, {basis_stats.tokens} tokens"
-    if args.calibrate_on != "contexts":  # (contexts: the source, hence the calibration ids, as before)
-        source += f", {args.calibrate_on} alone"
-    bases = {}
-    out = {}
-    for text in args.kvtc:
-        setting = parse_kvtc(text)
-        sinks, rope, metric = int(setting["sinks"]), bool(setting["rope"]), bool(setting["metric"])
-        base = sinks, rope, metric
-        layers = int(setting["layers"])
-        allocation = Allocation(setting["key"], setting["value"], setting["drop"], sink_tokens=sinks)
-        if setting["auto"] and layers > 1:  # the steps are in the grouped bases: the daemon's whole path again
-            calibration = blind_calibration(basis_stats.blocks, source, log, layers, allocation)
-        elif setting["auto"]:
-            if "auto" not in bases:
-                bases["auto"] = blind_calibration(basis_stats.blocks, source, log)
-            calibration = bases["auto"].with_allocation(
-                dataclasses.replace(allocation, sink_tokens=bases["auto"].allocation.sink_tokens))
-        else:
-            if base not in bases:
-                bases[base] = calibrate(basis_stats.blocks, Allocation(0.5, 0.5, sink_tokens=sinks),
-                                        metric=basis_stats.metric(1, pre_rope=rope) if metric else None,
-                                        source=source, rope_inv_freq=basis_stats.inv_freq if rope else None,
-                                        max_position=model.config.max_position_embeddings if rope else 0)
-            calibration = bases[base].with_allocation(allocation)
-            if setting["sens"]:
-                # measured once per basis, at one reference allocation: to first order every row's KL grows
-                # as step^2 alike, so the relative sensitivities hold at any step
-                reference = bases[base].with_allocation(dataclasses.replace(SENSITIVITY_ALLOCATION, sink_tokens=sinks))
-                sensitivity = cached_sensitivity(model, texts, stats, reference, args.cache_dir, log)
-                scale = sensitivity_scale(sensitivity, groups=1, strength=setting["sens"], limit=setting["limit"])
-                allocation = dataclasses.replace(allocation, row_scale=scale)
-                calibration = bases[base].with_allocation(allocation)
-            if layers > 1:  # the steps go into the bases: calibrated again from the statistics
-                calibration = calibrate(basis_stats.blocks, allocation,
-                                        metric=basis_stats.metric(1, pre_rope=rope) if metric else None,
-                                        source=source, rope_inv_freq=basis_stats.inv_freq if rope else None,
-                                        max_position=model.config.max_position_embeddings if rope else 0,
-                                        layer_group=layers)
-        calibration_store.register(calibration)
-        spec = f"kvtc@{calibration.id[:12]}"
-        log(f"{spec}: {text}, {int(calibration.kept.sum())}/{calibration.kept.numel()} components kept")
-        out[spec] = get_codec(spec)
-    return out
-
-
-# -- the blend case: chunks stored lossy, then blended --------------------------------------------------------
-
-
-def blend_parts(tokenizer, data: Path, index: int):
-    """The question's 10 passages as `bench/reuse_vs_rag.build_prompt` cuts them: prefix, chunks, query."""
-    from bench.reuse_vs_rag import build_prompt
-
-    item = json.loads(data.read_text())[index]
-    return build_prompt(tokenizer, [p["text"] for p in item["ctxs"]], item["question"])
-
-
-def segment_blocks(model: LlamaModel, parts: list[list[int]], cache_dir: Path) -> list[torch.Tensor]:
-    """Each part's KV computed alone at 0..n-1 (`blend.assemble.chunk_block`) as stored: float16, cached on disk."""
-    from blend.assemble import chunk_block
-
-    blocks = []
-    for tokens in parts:
-        digest = hashlib.sha256(b"blend" + model.config.model_id.encode() + torch.tensor(tokens).numpy().tobytes())
-        path = cache_dir / f"seg-{digest.hexdigest()[:20]}.pt"
-        if path.is_file():
-            blocks.append(torch.load(path))
-            continue
-        block = chunk_block(model, tokens).to(STORE_DTYPE)
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(block, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").rename(path)
-        blocks.append(block)
-    return blocks
-
-
-@torch.inference_mode()
-def blend_first_logits(model: LlamaModel, prompt, blocks: list[torch.Tensor], codec, ratio: float) -> torch.Tensor:
-    """First-token logits [vocab] of CacheBlend over ``blocks`` (prefix + chunks) passed through ``codec``.
-
-    Each block is one stored block, as `BlendEngine` stores a chunk; the codec sees it as the
-    daemon's tiers would (start position estimated, not told)::
-
-        |<prefix>|<chunk 0>|<chunk 1>| ... |<chunk 9>|<query>|
-         '--- stored blocks, encoded + decoded, placed (keys re-rotated) ---' '-- prefilled --'
-         blend_prefill: layer 0 + check layer in full, then `ratio` of chunk tokens and the query
-    """
-    from blend.assemble import BlendLayout, place_block
-    from blend.recompute import blend_prefill
-    from blend.select import DEFAULT_SELECTOR, get_selector
-
-    layout = BlendLayout.from_lengths(len(prompt.prefix), [len(c) for c in prompt.chunks], len(prompt.query))
-    kv = model.new_cache(layout.total + 1)
-    for block, segment in zip(blocks, layout.cached):
-        if codec is not None:
-            encoded = codec.encode(block)
-            block = codec.decode(encoded.payload, encoded.params, tuple(block.shape), block.dtype)
-        place_block(model, kv, block, segment)
-    ids = torch.tensor(prompt.prefix + [t for c in prompt.chunks for t in c] + prompt.query, dtype=torch.long)
-    return blend_prefill(model, kv, layout, ids, get_selector(DEFAULT_SELECTOR), ratio).logits
 
 
 # -- one run -----------------------------------------------------------------------------------------------------
@@ -483,13 +149,6 @@ def memcpy_gbps() -> float:
         x.clone()
         best = min(best, time.perf_counter() - start)
     return x.numel() * 2 / best / 1e9
-
-
-def kl_per_position(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """KL(p_ref || p) in nats for each row of logits [N, vocab]."""
-    log_p = F.log_softmax(ref_logits.double(), dim=-1)
-    log_q = F.log_softmax(logits.double(), dim=-1)
-    return (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
 def check_targets(rows: list[dict]) -> list[dict]:
@@ -555,7 +214,7 @@ def main() -> int:
                         help="torch threads (default 1: 2 threads on these shared cores measured 2x slower)")
     parser.add_argument("--kvtc", nargs="*", default=[], metavar="SETTING",
                         help="also measure the transform codec with these settings: KEY:VALUE[:DROP] relative steps "
-                             "(e.g. 0.2:0.2:0.2) or key=0.2,value=0.2,drop=0.2,sinks=4,rope=1 (see parse_kvtc)")
+                             "(e.g. 0.2:0.2:0.2) or key=0.2,value=0.2,drop=0.2,sinks=4,rope=1 (see codec_kvtc.parse_kvtc)")
     parser.add_argument("--calibration-items", type=int, nargs="+", default=[33, 5],
                         help="dev.json indices whose contexts calibrate kvtc (default 33 5; must not be evaluated)")
     parser.add_argument("--calibrate-on", choices=("contexts", "passages"), default="contexts",

@@ -389,7 +389,8 @@ def kvtc_calibration(shape: tuple[int, ...] = BLOCK_SHAPE, layer_group: int = 1)
     """A RoPE-aware kvtc calibration of two correlated synthetic contexts (a low-rank part per row,
     an outlier channel, offsets, noise) shaped like SmolLM2's blocks; and a third context to code.
     ``layer_group``: rows over that many layers (1,920 channels at 10, near `MAX_GROUP_CHANNELS`)."""
-    from compression.calibration import Allocation, calibrate, turn_keys
+    from compression.calibration import Allocation, turn_keys
+    from compression.calibration_fit import calibrate
 
     n_layers, _, n_heads, _, head_dim = shape
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))

@@ -38,7 +38,9 @@ import math
 
 import torch
 
-from compression.calibration import Allocation, Calibration, CalibrationStats, turn_keys
+from compression.calibration import Allocation, Calibration, turn_keys
+from compression.calibration_fit import fit
+from compression.calibration_stats import CalibrationStats
 from compression.transform import MAX_START, best_start
 
 WARMUP_BLOCKS = 4  # blocks held to fit theta and the first starts
@@ -197,8 +199,8 @@ class BlindCalibration:
                 raise ValueError("no blocks to calibrate on")
             self._start_statistics()
         sinks = SINK_TOKENS if self.stats.rope_inv_freq is not None else 0
-        fit = (f"RoPE theta {self.theta:.6g} fitted (coherence {self.fit[0]:.3f} against {self.fit[1]:.3f} unturned)"
-               if self.theta is not None else
-               f"post-RoPE (no RoPE theta fitted: coherence {self.fit[0]:.3f} against {self.fit[1]:.3f} unturned)")
+        rope = (f"RoPE theta {self.theta:.6g} fitted (coherence {self.fit[0]:.3f} against {self.fit[1]:.3f} unturned)"
+                if self.theta is not None else
+                f"post-RoPE (no RoPE theta fitted: coherence {self.fit[0]:.3f} against {self.fit[1]:.3f} unturned)")
         source = source or f"{self.blocks} blocks, {self.tokens} tokens, no model"
-        return self.stats.calibration(dataclasses.replace(allocation, sink_tokens=sinks), source=f"{source}; {fit}")
+        return fit(self.stats, dataclasses.replace(allocation, sink_tokens=sinks), source=f"{source}; {rope}")

@@ -1,23 +1,18 @@
-"""A transform-codec calibration: per (layer, k/v, head group) a PCA basis and a bit allocation.
+"""A transform-codec calibration: what it holds, its rows, its steps, and its bytes (the file format).
 
-Learned once per namespace (model, layout, dtype) from the model's own KV (`calibrate`), stored
-content-addressed (`Calibration.id` is the SHA-256 of its bytes) and named by that id in every
-block's codec params, so any reader that can fetch the id decodes the block; see
-`compression/calibration_store.py` for where calibrations live and `docs/compression.md` for the
-measurements behind the defaults.
+Per (layer, k/v, head group) a PCA basis and a bit allocation. Learned once per namespace (model,
+layout, dtype) from KV blocks: their statistics (`compression/calibration_stats.py`), fitted
+(`compression/calibration_fit.py`: the metric, the PCA), with the model
+(`compression/model_calibration.py`, `kvstore calibrate`) or without it (`compression/blind.py`,
+the daemon's `kvtc@auto`). Stored content-addressed (`Calibration.id` is the SHA-256 of its
+bytes) and named by that id in every block's codec params, so any reader that can fetch the id
+decodes the block; see `compression/calibration_store.py` for where calibrations live and
+`docs/compression.md` for the measurements behind the defaults.
 
 Rows: a block [L, 2, H, T, D] is cut into B = L * 2 * G rows (layer, k/v, group), each [T, C]
 with C = (H / G) * D: the heads of one group side by side per token::
 
     block[l, kv, g*H/G : (g+1)*H/G, t, :]  ->  x[b, t, :]     b = (l * 2 + kv) * G + g
-
-Metric: errors are measured where they act, not in raw KV units. A key error d moves attention
-logits by q . d, so keys are coded in a space whitened by the queries' second moment
-(E[q q^T] over the query heads that share the KV head); a value error reaches the residual
-stream through o_proj, so values are weighted by W_o^T W_o of those heads. With a metric M
-(symmetric PSD) and W = M^(1/2), rows are whitened (x W), PCA'd there (basis V), and::
-
-    analysis = W V   [C, C]      synthesis = V^T W^-1   [C, C]      (M = I: analysis = V, synthesis = V^T)
 
 Bit allocation: one quantization step per component. With an entropy coder behind it, a uniform
 step is what minimises squared error at a given rate (every kept component pays the same
@@ -28,14 +23,15 @@ layer's activations are what the next layer sees.
 
 Keys before RoPE (``rope_inv_freq`` set, format v3): RoPE turns each channel pair (i, i + D/2)
 of a key by ``position * inv_freq[i]``, which smears the keys' low-rank structure over positions.
-Such a calibration holds its key bases in the un-rotated frame: `calibrate` turns the keys of its
-blocks (computed at positions 0..n-1) back to position 0 before the statistics, and the codec
-does the same to a block at encode, with the block's start position, and rotates back at decode
+Such a calibration holds its key bases in the un-rotated frame: the statistics turn the keys of
+their blocks (computed at positions 0..n-1) back to position 0 (`turn_keys`), and the codec does
+the same to a block at encode, with the block's start position, and rotates back at decode
 (`compression/transform.py`). The first ``sink_tokens`` positions of a context (attention sinks:
 rare, huge-norm keys that every query reads) are left out of the statistics and stored raw.
 
 Per-row steps: ``allocation.row_scale`` multiplies each row's relative step, e.g. from a measured
-sensitivity of the model's output to each layer's keys and values (`compression.calibrate.row_sensitivity`).
+sensitivity of the model's output to each layer's keys and values
+(`compression.model_calibration.row_sensitivity`).
 
 Layer groups (``layer_group`` N > 1, format v4): a row is N consecutive layers' keys (or values)
 side by side, C = N * H/G * D channels, so one basis also takes out what neighbouring layers share
@@ -44,7 +40,7 @@ than 10 per-layer ones at the same weighted error; docs/compression.md). Each la
 metric and its own step (``rel_step * rms(layer) * row_scale``), folded into the basis: a layer's
 channels are whitened by its metric and divided by its step before the joint PCA, so every
 component of a grouped row has step 1 in its units, and the allocation cannot change without the
-statistics (`with_allocation` refuses; `calibrate` again). Decode costs about N times the products
+statistics (`with_allocation` refuses; fit again). Decode costs about N times the products
 of per-layer rows.
 
 Format: v2 files (no RoPE, no sinks, no row scales) still load and re-serialize to the same bytes, so their ids
@@ -285,10 +281,9 @@ class Calibration:
         if self.layer_group > 1:
             raise ValueError(f"calibration {self.id[:12]} groups {self.layer_group} layers a row: its steps are folded "
                              "into its bases, so another allocation needs the statistics (calibrate again)")
-        rms = _row_rms(self.std)
+        step = allocation_steps(self.std, row_rms(self.std), allocation, self.groups)
         return Calibration(self.num_layers, self.num_kv_heads, self.head_dim, self.groups, self.mean, self.analysis,
-                           self.synthesis, self.std, _steps(self.std, rms, allocation, self.groups), allocation,
-                           self.source, self.rope_inv_freq, self.max_position)
+                           self.synthesis, self.std, step, allocation, self.source, self.rope_inv_freq, self.max_position)
 
     @cached_property
     def is_key_row(self) -> torch.Tensor:
@@ -306,12 +301,12 @@ def check_layer_group(layer_group: int, num_layers: int, layer_channels: int) ->
                          f"{MAX_GROUP_CHANNELS} (a row's two [C, C] matrices grow as C^2)")
 
 
-def _row_rms(std: torch.Tensor) -> torch.Tensor:
+def row_rms(std: torch.Tensor) -> torch.Tensor:
     """[B]: RMS over components of each row's std (the row's RMS about its mean)."""
     return std.pow(2).mean(dim=1).sqrt()
 
 
-def _steps(std: torch.Tensor, rms: torch.Tensor, allocation: Allocation, groups: int) -> torch.Tensor:
+def allocation_steps(std: torch.Tensor, rms: torch.Tensor, allocation: Allocation, groups: int) -> torch.Tensor:
     """[B, C] steps: rel_step * rms per row, 0 where std < drop * step."""
     n_rows = std.shape[0]
     is_key = (torch.arange(n_rows) // groups) % 2 == 0  # row b = (l * 2 + kv) * G + g
@@ -346,164 +341,3 @@ def turn_keys(block: torch.Tensor, start: int, inv_freq: torch.Tensor, to_rope: 
     keys = block[:, 0]  # [L, H, T, D], a strided view
     kernels.rope_ops(keys, kernels_choice).rerotate_keys(keys, old, new, inv_freq.to(block.device), out=keys)
     return block
-
-
-class CalibrationStats:
-    """Running per-row sums of KV blocks of one namespace, from which `calibration` makes a Calibration.
-
-    What `calibrate` accumulates, kept apart so that a caller that sees blocks one at a time (the
-    daemon calibrating a namespace from its first blocks, `kvstore/autocal.py`) holds
-    B * C * C float64 numbers, not the blocks. With ``rope_inv_freq`` each block's keys are turned
-    back to position 0 from the start `add` is given (see `calibrate`).
-    """
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, groups: int = 1,
-                 rope_inv_freq: torch.Tensor | None = None, sink_tokens: int = 0, layer_group: int = 1) -> None:
-        if num_kv_heads % groups:
-            raise ValueError(f"groups ({groups}) must divide num_kv_heads ({num_kv_heads})")
-        check_layer_group(layer_group, num_layers, num_kv_heads // groups * head_dim)
-        n_chan = layer_group * num_kv_heads // groups * head_dim
-        n_rows = num_layers // layer_group * 2 * groups
-        eye = torch.eye(n_chan).expand(n_rows, n_chan, n_chan)
-        zeros = torch.zeros(n_rows, n_chan)
-        # the layout's rows (block_rows) without a basis yet
-        self._probe = Calibration(num_layers, num_kv_heads, head_dim, groups, zeros, eye, eye, zeros, zeros,
-                                  Allocation(1.0, 1.0, sink_tokens=sink_tokens), rope_inv_freq=rope_inv_freq,
-                                  layer_group=layer_group)
-        self.rope_inv_freq = rope_inv_freq
-        self.sink_tokens = sink_tokens
-        self.total = torch.zeros(n_rows, n_chan, dtype=torch.float64)
-        self.outer = torch.zeros(n_rows, n_chan, n_chan, dtype=torch.float64)
-        self.tokens = 0
-
-    def add(self, block: torch.Tensor, start: int = 0) -> None:
-        """Add a block [L, 2, H, T, D] (any dtype; not changed) whose keys are at positions start..start+T-1."""
-        if self.rope_inv_freq is not None:
-            # a copy: turn_keys turns in place, and a float32 block would otherwise be the caller's
-            block = turn_keys(block.to(torch.float32, copy=True), start, self.rope_inv_freq, to_rope=False,
-                              kernels_choice="torch")
-            block = block[:, :, :, max(0, self.sink_tokens - start):]  # sinks are stored raw, never projected
-        x = self._probe.block_rows(block).double()  # [B, T, C]
-        self.total += x.sum(dim=1)
-        self.outer += torch.bmm(x.transpose(1, 2), x)  # [B, C, T] @ [B, T, C] -> [B, C, C]
-        self.tokens += x.shape[1]
-
-    @property
-    def needed_tokens(self) -> int:
-        """Tokens (sink positions left out) `calibration` needs: twice a row's channels."""
-        return 2 * self._probe.channels
-
-    def key_mean(self) -> torch.Tensor:
-        """[L, H, D] float32: the mean key so far (before RoPE with ``rope_inv_freq``)."""
-        mean = (self.total / max(1, self.tokens)).float()
-        return self._probe.rows_block(mean[:, None, :])[:, 0, :, 0]
-
-    def calibration(self, allocation: Allocation, metric: torch.Tensor | None = None, source: str = "",
-                    max_position: int = 0) -> Calibration:
-        """The calibration of what was added (see `calibrate` for ``metric`` and ``max_position``)."""
-        probe = self._probe
-        n_layers, n_heads, head_dim, groups = probe.num_layers, probe.num_kv_heads, probe.head_dim, probe.groups
-        n_rows, n_chan = probe.rows, probe.channels
-        if allocation.sink_tokens != self.sink_tokens:
-            raise ValueError(f"allocation.sink_tokens ({allocation.sink_tokens}) is not the {self.sink_tokens} "
-                             f"the statistics left out")
-        if self.tokens < self.needed_tokens:
-            grouped = f" ({probe.layer_group} layers each)" if probe.layer_group > 1 else ""
-            raise ValueError(f"calibrate needs at least {self.needed_tokens} tokens for {n_chan}-channel rows"
-                             f"{grouped}, got {self.tokens}; give it more text"
-                             + (" or group fewer layers" if grouped else ""))
-        if probe.layer_group > 1:
-            return self._grouped(allocation, metric, source, max_position)
-        mean = self.total / self.tokens  # [B, C]
-        cov = self.outer / self.tokens - mean[:, :, None] * mean[:, None, :]  # [B, C, C]
-        if metric is None:
-            whiten = unwhiten = torch.eye(n_chan, dtype=torch.float64).expand(n_rows, n_chan, n_chan)
-        else:
-            if tuple(metric.shape) != (n_rows, n_chan, n_chan):
-                raise ValueError(f"metric must be [{n_rows}, {n_chan}, {n_chan}], got {tuple(metric.shape)}")
-            m_val, m_vec = torch.linalg.eigh(metric.double())  # M = U diag(m) U^T
-            m_val = m_val.clamp_min(m_val.amax(-1, keepdim=True) * 1e-6)  # keep W invertible
-            whiten = m_vec @ torch.diag_embed(m_val.sqrt()) @ m_vec.transpose(1, 2)  # W = M^(1/2)
-            unwhiten = m_vec @ torch.diag_embed(m_val.rsqrt()) @ m_vec.transpose(1, 2)  # W^-1
-        cov = whiten.transpose(1, 2) @ cov @ whiten  # covariance of x W
-        eigval, eigvec = torch.linalg.eigh(cov)  # ascending
-        eigval, eigvec = eigval.flip(-1).clamp_min(0), eigvec.flip(-1)  # by falling variance
-        std = eigval.sqrt().float()
-        analysis = (whiten @ eigvec).float().contiguous()  # [B, C, C]
-        synthesis = (eigvec.transpose(1, 2) @ unwhiten).float().contiguous()  # [B, C, C]
-        step = _steps(std, _row_rms(std), allocation, groups)
-        return Calibration(n_layers, n_heads, head_dim, groups, mean.float(), analysis, synthesis, std, step,
-                           allocation, source, self.rope_inv_freq, max_position)
-
-    def _grouped(self, allocation: Allocation, metric: torch.Tensor | None, source: str,
-                 max_position: int) -> Calibration:
-        """`calibration` (its checks passed) with rows over ``layer_group`` layers: each layer's channels whitened by its own
-        metric and divided by the step a per-layer row would get (``rel_step * rms(layer) * row_scale``),
-        then one PCA per row; every kept component has step 1 in those units."""
-        probe = self._probe
-        lg, groups = probe.layer_group, probe.groups
-        n_rows, n_chan, n_layer_rows = probe.rows, probe.channels, probe.layer_rows
-        sub = n_chan // lg  # one layer's channels in a row
-        if allocation.row_scale and len(allocation.row_scale) != n_layer_rows:
-            raise ValueError(f"allocation.row_scale has {len(allocation.row_scale)} factors for {n_layer_rows} rows")
-        if metric is not None and tuple(metric.shape) != (n_layer_rows, sub, sub):
-            raise ValueError(f"metric must be [{n_layer_rows}, {sub}, {sub}] (per layer row), got {tuple(metric.shape)}")
-        mean = self.total / self.tokens  # [B, C]
-        analysis = torch.empty(n_rows, n_chan, n_chan)
-        synthesis = torch.empty(n_rows, n_chan, n_chan)
-        std = torch.empty(n_rows, n_chan)
-        for b in range(n_rows):  # a row at a time: float64 [C, C] temporaries for one row only
-            first, kv, g = b // (2 * groups) * lg, b // groups % 2, b % groups
-            rel = allocation.key_step if kv == 0 else allocation.value_step
-            cov = self.outer[b] / self.tokens - mean[b, :, None] * mean[b, None, :]  # [C, C]
-            whiten = torch.zeros(n_chan, n_chan, dtype=torch.float64)
-            unwhiten = torch.zeros_like(whiten)
-            for j in range(lg):
-                layer_row = ((first + j) * 2 + kv) * groups + g  # row b of a per-layer calibration
-                part = slice(j * sub, (j + 1) * sub)
-                if metric is None:
-                    w = w_inv = torch.eye(sub, dtype=torch.float64)
-                else:
-                    m_val, m_vec = torch.linalg.eigh(metric[layer_row].double())
-                    m_val = m_val.clamp_min(m_val.amax() * 1e-6)
-                    w = m_vec @ torch.diag(m_val.sqrt()) @ m_vec.T
-                    w_inv = m_vec @ torch.diag(m_val.rsqrt()) @ m_vec.T
-                rms = float((w.T @ cov[part, part] @ w).diagonal().mean().clamp_min(0).sqrt())
-                step = rel * (allocation.row_scale[layer_row] if allocation.row_scale else 1.0) * rms
-                if not step > 1e-30:  # a layer without spread gets no components (its blocks stay 0): its
-                    continue  # channels decode to their mean, as a per-layer row's would with step 0
-                whiten[part, part] = w / step
-                unwhiten[part, part] = w_inv * step
-            eigval, eigvec = torch.linalg.eigh(whiten.T @ cov @ whiten)  # in units of each layer's step
-            eigval, eigvec = eigval.flip(-1).clamp_min(0), eigvec.flip(-1)
-            std[b] = eigval.sqrt().float()
-            analysis[b] = (whiten @ eigvec).float()
-            synthesis[b] = (eigvec.T @ unwhiten).float()
-        step = (std >= allocation.drop).float()  # step 1 (in the whitened, step-scaled units) or dropped
-        return Calibration(probe.num_layers, probe.num_kv_heads, probe.head_dim, groups, mean.float(), analysis,
-                           synthesis, std, step, allocation, source, self.rope_inv_freq, max_position, lg)
-
-
-def calibrate(blocks: list[torch.Tensor], allocation: Allocation, groups: int = 1,
-              metric: torch.Tensor | None = None, source: str = "",
-              rope_inv_freq: torch.Tensor | None = None, max_position: int = 0, layer_group: int = 1) -> Calibration:
-    """A calibration from KV blocks [L, 2, H, T_i, D] of one namespace (any token counts).
-
-    Per row: mean and covariance over all tokens of all blocks (float64); with ``metric``
-    [B, C, C] (symmetric PSD per row, e.g. from `compression.calibrate.model_metrics`) the
-    covariance is taken in the whitened space; eigenvectors by falling eigenvalue are the basis,
-    sqrt(eigenvalue) the component std; steps from `allocation`.
-
-    With ``rope_inv_freq`` [D/2] the blocks must each start at position 0 (a prefill of one text):
-    their keys are turned back to position 0 first and the first ``allocation.sink_tokens`` tokens
-    of each are left out; the key metric must then be in that frame too (`ModelStats.metric`).
-    ``max_position`` (the model's context length) bounds the start positions the codec considers.
-    ``layer_group``: layers per row (see the module's "Layer groups"); ``metric`` stays per layer row.
-    """
-    if not blocks:
-        raise ValueError("calibrate needs at least one KV block")
-    n_layers, _, n_heads, _, head_dim = blocks[0].shape
-    stats = CalibrationStats(n_layers, n_heads, head_dim, groups, rope_inv_freq, allocation.sink_tokens, layer_group)
-    for block in blocks:
-        stats.add(block)
-    return stats.calibration(allocation, metric, source, max_position)

@@ -364,7 +364,7 @@ def cmd_locate(args: argparse.Namespace) -> int:
     return 0
 
 
-#: `compression.calibrate`'s defaults, as `kvstore calibrate --help` shows them (written out here:
+#: `compression.model_calibration`'s defaults, as `kvstore calibrate --help` shows them (written out here:
 #: importing that module imports torch; tests/test_operator_errors.py holds them equal).
 CALIBRATE_DEFAULTS = {"key_step": 0.3, "value_step": 0.6, "sink_tokens": 4, "sensitivity_limit": 4.0}
 
@@ -408,9 +408,9 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from compression import calibrate  # the transform codec's calibration (kvtc): needs torch
+    from compression import model_calibration  # the transform codec's calibration (kvtc): needs torch
 
-    return calibrate.run(args)
+    return model_calibration.run(args)
 
 
 def _namespace_arguments(parser: argparse.ArgumentParser) -> None:

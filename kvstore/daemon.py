@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from compression.calibration_store import CALIBRATION_DIR_ENV
 from kvstore.arena import arena_socket_path
-from kvstore.arenas import ArenaRegistry, ArenaSocket
+from kvstore.arena_registry import ArenaRegistry, ArenaSocket
 from kvstore.auth import TenantDirectory, s3_mac_key
 from kvstore.autocal import AUTO_SPEC, MAX_CALIBRATION_BYTES, AutoCalibrator, CalibrationTooLarge
 from kvstore.block import BlockHeader, payload_checksum

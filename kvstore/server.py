@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from kvstore.arenas import ArenaNotFound, ArenaRegistry
+from kvstore.arena_registry import ArenaNotFound, ArenaRegistry
 from kvstore.auth import ANONYMOUS, Tenant, TenantDirectory
 from kvstore.block import BlockHeader
 from kvstore.budget import BudgetExhausted, ByteBudget
@@ -172,7 +172,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         #: kvtc@auto's calibrator (kvstore/autocal.py), told which tenant Puts each namespace
         self.autocal = autocal
         self.tenants = tenants or TenantDirectory([ANONYMOUS], required=False)
-        #: Arenas handed out on the arena socket (kvstore/arenas.py); empty without one.
+        #: Arenas handed out on the arena socket (kvstore/arena_registry.py); empty without one.
         self.arenas = arenas if arenas is not None else ArenaRegistry(max_arena_bytes=0, max_arenas_per_client=0)
         self.max_message_bytes = max_message_bytes
         #: Inline Get reply bytes and data-channel transfers in flight, all calls together

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_adapter.client import KVStoreClient
 from kvstore.arena import ArenaLease, arena_socket_path
-from kvstore.arenas import MAX_ARENAS
+from kvstore.arena_registry import MAX_ARENAS
 from kvstore.auth import TenantDirectory
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc

@@ -19,7 +19,8 @@ import torch
 
 from compression import calibration_store
 from compression.blind import BlindCalibration, fit_theta, groups_for, rope_freq
-from compression.calibration import Allocation, calibrate
+from compression.calibration import Allocation
+from compression.calibration_fit import calibrate
 from compression.transform import TransformCodec, estimate_start
 from kernels.rope_ref import rerotate_keys
 from kvstore.autocal import AUTO_ALLOCATION, MAX_RELATIVE_ERROR, MAX_TOKEN_ERROR, relative_errors

@@ -30,7 +30,8 @@ import torch
 
 from compression import QUANTIZERS, STAGES, calibration_store, get_codec
 from compression.base import CALIBRATED
-from compression.calibration import Allocation, Calibration, calibrate
+from compression.calibration import Allocation, Calibration
+from compression.calibration_fit import calibrate
 from tests.test_transform_codec import INV_FREQ, kv_block, rope_block
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,7 +213,8 @@ REPRO = """
 import json, resource, sys, tracemalloc
 import torch
 from compression import calibration_store, get_codec
-from compression.calibration import Allocation, calibrate
+from compression.calibration import Allocation
+from compression.calibration_fit import calibrate
 from tests.test_transform_codec import INV_FREQ, rope_block
 
 cal = calibrate([rope_block(300, 0, seed=1, dtype=torch.float32), rope_block(200, 0, seed=2, dtype=torch.float32)],

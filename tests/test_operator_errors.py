@@ -150,7 +150,8 @@ def test_a_known_calibration_starts_and_codes_disk_blocks_without_a_torch_warnin
     import torch
 
     from compression import calibration_store
-    from compression.calibration import Allocation, calibrate
+    from compression.calibration import Allocation
+    from compression.calibration_fit import calibrate
 
     keys, payloads = make_blocks(8, seed=5)  # 512 tokens: enough for 192-channel rows
     shape = LAYOUT.block_shape(64)
@@ -183,7 +184,8 @@ sys.path.insert(0, {str(ROOT)!r})
 import torch
 from compression import calibration_store
 from compression.base import tensor_bytes
-from compression.calibration import Allocation, calibrate
+from compression.calibration import Allocation
+from compression.calibration_fit import calibrate
 from kvstore.block import BlockHeader, payload_checksum
 from kvstore.transcode import decode_payload, transcode
 from tests.test_daemon import LAYOUT, make_blocks
@@ -428,7 +430,7 @@ def test_every_serve_setting_is_described_in_words():
 
 def test_calibrate_help_shows_its_defaults_as_numbers():
     """`kvstore calibrate --help` said "default: compression.calibrate.DEFAULT_ALLOCATION"."""
-    from compression.calibrate import DEFAULT_ALLOCATION, SENSITIVITY_LIMIT
+    from compression.model_calibration import DEFAULT_ALLOCATION, SENSITIVITY_LIMIT
     from kvstore.cli import CALIBRATE_DEFAULTS
 
     assert CALIBRATE_DEFAULTS == {"key_step": DEFAULT_ALLOCATION.key_step, "value_step": DEFAULT_ALLOCATION.value_step,

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from compression import calibration_store, decode_block, get_codec
-from compression.calibration import Allocation, Calibration, calibrate
+from compression.calibration import Allocation, Calibration
+from compression.calibration_fit import calibrate
 from compression.entropy import decode_rows, encode_rows
 from compression.transform import TransformCodec
 
@@ -270,7 +271,7 @@ def test_keys_before_rope_code_rotated_keys_better(rope_calibration):
 
 
 def test_sensitivity_scale_gives_sensitive_rows_finer_steps():
-    from compression.calibrate import sensitivity_scale
+    from compression.model_calibration import sensitivity_scale
 
     scale = sensitivity_scale(torch.tensor([1e-4, 4e-4, 1e-4, 1e-4]), groups=2)
     assert len(scale) == 8 and scale[0] == scale[1]  # one factor per head group
@@ -355,7 +356,8 @@ def test_v4_calibration_round_trips_and_refuses_what_it_cannot():
         Calibration.from_bytes(forge(raw, num_layers=None))
     with pytest.raises(ValueError, match="malformed"):
         Calibration.from_bytes(forge(raw, allocation={"key_step": 0.3}))
-    from compression.calibration import MAX_GROUP_CHANNELS, CalibrationStats
+    from compression.calibration import MAX_GROUP_CHANNELS
+    from compression.calibration_stats import CalibrationStats
 
     assert CalibrationStats(8, 8, 64, layer_group=4)._probe.channels == MAX_GROUP_CHANNELS  # 512 a layer
     with pytest.raises(ValueError, match=f"at most {MAX_GROUP_CHANNELS}"):  # two [C, C] matrices grow as C^2
@@ -403,7 +405,7 @@ def test_calibrate_model_groups_layers_with_per_layer_sensitivities():
     sys.path.insert(0, str(Path(__file__).parent))
     from test_blend import tiny_model
 
-    from compression.calibrate import calibrate_model
+    from compression.model_calibration import calibrate_model
 
     model = tiny_model(seed=3)
     g = torch.Generator().manual_seed(5)
@@ -430,7 +432,7 @@ def test_calibrate_refuses_a_layer_group_before_any_work():
     """`kvstore calibrate --layer-group` says what is wrong before the forwards, in one line."""
     from types import SimpleNamespace
 
-    from compression.calibrate import check_layer_group_early
+    from compression.model_calibration import check_layer_group_early
 
     smollm2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
     check_layer_group_early(10, smollm2, 1, tokens=11_000)

@@ -80,7 +80,8 @@ def test_rope_aware_codec_on_kernels_matches_reference(layer_group):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_transform_codec import INV_FREQ, rope_block
 
-    from compression.calibration import Allocation, calibrate
+    from compression.calibration import Allocation
+    from compression.calibration_fit import calibrate
     from compression.transform import TransformCodec
 
     calibration = calibrate([rope_block(300, 0, seed=1, dtype=torch.float32)], Allocation(0.2, 0.3, sink_tokens=4),

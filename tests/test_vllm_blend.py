@@ -32,7 +32,7 @@ from tests.test_vllm import run_vllm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from codec_quality import blend_parts  # noqa: E402
+from codec_blend import blend_parts  # noqa: E402
 from reuse_vs_rag import MUSIQUE_DEV, SEP, prompt_text  # noqa: E402
 from vllm_rag import kl  # noqa: E402
 

@@ -11,7 +11,7 @@
 block and, per layer, the second moment of the post-RoPE queries, read with a forward hook on
 `q_proj` (removed afterwards). The metric of a key row is the sum of E[q q^T] over the query heads
 that read the row's KV heads; of a value row, the sum of W_o^T W_o over those heads' o_proj
-columns (see `compression/calibration.py`).
+columns (see `compression/calibration_fit.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compression.calibration import Allocation, Calibration, calibrate
+from compression.calibration import Allocation, Calibration
+from compression.calibration_fit import calibrate
 
 DEFAULT_ALLOCATION = Allocation(key_step=0.3, value_step=0.6, sink_tokens=4)
 SENSITIVITY_ALLOCATION = Allocation(key_step=0.35, value_step=0.35, drop=0.2)  # where row_sensitivity measures

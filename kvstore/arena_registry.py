@@ -1,4 +1,4 @@
-"""The daemon's arenas: who holds which, what each may use, and the socket that hands them out.
+"""The daemon's arena registry: who holds which arena, what each may use, and the socket that hands them out.
 
 See kvstore/arena.py for the protocol and why arenas are sealed memfds. Here:
 
@@ -42,7 +42,7 @@ from typing import Callable
 from kvstore.arena import MAX_LINE, Arena
 from kvstore.auth import Tenant, TenantDirectory
 
-log = logging.getLogger("kvstore.arenas")
+log = logging.getLogger("kvstore.arena_registry")
 
 #: Arenas registered at once, all clients together (each holds the connection's fd and the mapping's).
 MAX_ARENAS = 256
