@@ -14,7 +14,11 @@ token (vLLM's own start-up is not in it). Per repeat, with a fresh daemon (CPU t
 - resident: one vLLM process without kvstore: the prompt cold, then again: vLLM's own prefix cache.
 
 The first token of every request of every repeat is checked against the cold one of vLLM without
-kvstore. Then the page copy of a load (kvstore's native page writer, as the connector runs it on
+kvstore. Where a warm request's time goes, from the connector's one-time log lines (connection and
+warm-up before the first request; the first hit's lookup, lease, Gets and page writes), is printed
+for the fresh and the running process side by side: what the connector does before a request is not
+in its TTFT, and the rest of the TTFT is vLLM's (scheduling, the forward of the last tokens,
+sampling, output). Then the page copy of a load (kvstore's native page writer, as the connector runs it on
 CPU, beside vLLM's own cache-write op) is timed against a plain memcpy of the same bytes, in this
 process (``--copy-only``: that alone).
 
@@ -90,6 +94,53 @@ def page_writes(log: str) -> tuple[float, float]:
     """(MB, ms) of the connector's page writes, from its shutdown line."""
     found = re.search(r"loaded \d+ pieces \(([\d.]+) MB, page writes ([\d.]+) ms", log)
     return (float(found.group(1)), float(found.group(2))) if found else (0.0, 0.0)
+
+
+# The connector's one-time log lines (engine_adapter/vllm/connector.py, scheduler.py, worker.py):
+# a line's start, and the phase each "name N ms" after it is; "" takes the name as it is.
+_FIRST_HIT_LINES = (
+    (r"KVStoreConnector \(WORKER\): connected to the daemon in", "worker connect"),
+    (r"KVStoreConnector \(SCHEDULER\): connected to the daemon in", "scheduler connect"),
+    (r"KVStoreConnector worker: load path warmed before the first request", "warm-up "),
+    (r"KVStoreConnector scheduler: lookups warmed before the first request", "warm-up "),
+    (r"KVStoreConnector scheduler: first hit:", ""),
+    (r"KVStoreConnector worker: first load: \d+ pieces in [\d.]+ ms", ""),
+)
+BEFORE_REQUEST = ("worker connect", "scheduler connect", "warm-up Get", "warm-up page write", "warm-up lookup",
+                  "warm-up lease")
+IN_REQUEST = ("keys", "lookup", "lease", "Gets", "page writes")
+
+
+def first_hit_costs(log: str, ttft_s: float) -> dict[str, float]:
+    """Milliseconds of each phase of a process's first hit, from the connector's log lines (a
+    phase without its line is left out), and ``vLLM and the rest``: the TTFT minus the phases in
+    the request."""
+    costs: dict[str, float] = {}
+    for start, phase in _FIRST_HIT_LINES:
+        line = re.search(start + r"(.*)", log)
+        if line is None:
+            continue
+        for name, ms in re.findall(r"([A-Za-z ]*?) ?([\d.]+) ms", line.group(1)):
+            costs[phase if phase and not phase.endswith(" ") else phase + name.strip()] = float(ms)
+    costs["vLLM and the rest"] = ttft_s * 1e3 - sum(costs.get(name, 0.0) for name in IN_REQUEST)
+    return costs
+
+
+def print_first_hit(repeats: list[dict]) -> None:
+    """The fresh and the running process's first hit, phase by phase (medians over repeats)."""
+    print("\nwhere the first warm request's time goes (ms, medians; from the connector's log lines):")
+    print(f"  {'phase':<40} {'fresh':>8} {'running':>8}")
+    sections = (("before the request (not in TTFT)", BEFORE_REQUEST),
+                ("in the request (TTFT)", (*IN_REQUEST, "vLLM and the rest")))
+    for title, names in sections:
+        print(f"  {title}")
+        for name in names:
+            values = {mode: [r[f"{mode}_first_hit"][name] for r in repeats if name in r[f"{mode}_first_hit"]]
+                      for mode in ("fresh", "running")}
+            if not any(values.values()):
+                continue
+            cells = [f"{statistics.median(v):>8.1f}" if v else f"{'-':>8}" for v in values.values()]
+            print(f"    {name:<38} {' '.join(cells)}")
 
 
 def copy_benchmark(tokens: int, rounds: int = 7) -> dict:
@@ -196,7 +247,9 @@ def main() -> int:
         row = {"repeat": repeat, **{f"{mode}_s": out["seconds"] for mode, out in outputs.items()},
                "cached_tokens": {mode: out["num_cached_tokens"] for mode, out in outputs.items()},
                "first_tokens": first, "same_first_token": len(set(first.values())) == 1,
-               "fresh_page_writes_mb": mb, "fresh_page_writes_ms": ms}
+               "fresh_page_writes_mb": mb, "fresh_page_writes_ms": ms,
+               "fresh_first_hit": first_hit_costs(fresh["log"], outputs["fresh"]["seconds"]),
+               "running_first_hit": first_hit_costs(running["log"], outputs["running"]["seconds"])}
         row["running_vs_resident"] = row["running_s"] / row["resident_s"]
         row["fresh_vs_resident"] = row["fresh_s"] / row["resident_s"]
         repeats.append(row)
@@ -218,6 +271,7 @@ def main() -> int:
             continue
         print(f"{label:<40} {median(mode + '_s'):>7.3f}s {last[mode]:>7} {median(mode + '_s') / median('resident_s'):>11.2f}x")
     print(f"first token identical in every mode and repeat: {all(r['same_first_token'] for r in repeats)}")
+    print_first_hit(repeats)
     print_copy(copy)
     checks = {"running_vs_resident": median("running_vs_resident"), "fresh_vs_resident": median("fresh_vs_resident"),
               "copy_vs_memcpy": copy["copy_vs_memcpy"]}

@@ -276,7 +276,8 @@ class KVStoreClient:
 
     def _start_reporter(self) -> None:
         """The thread that sends a tally no other call carried within REPORT_S (started with the
-        first local Lookup; it holds no reference to the client, so an unclosed client is collected)."""
+        first local Lookup, an empty one included; it holds no reference to the client, so an
+        unclosed client is collected)."""
         self._reporter = threading.Thread(target=_report_loop, args=(weakref.ref(self), self._closing),
                                           name="kvstore-lookup-report", daemon=True)
         self._reporter.start()
@@ -369,8 +370,8 @@ class KVStoreClient:
                     tally[0] += len(keys)
                     tally[1] += local[0]
                     tally[2] += 1
-                    if self._reporter is None:
-                        self._start_reporter()
+                if local is not None and self._reporter is None:  # an empty Lookup starts it too (a warm-up)
+                    self._start_reporter()
             if local is not None:
                 self.local_lookups += 1
                 return LookupResult(*local)

@@ -189,3 +189,19 @@ def test_a_tally_over_the_bound_goes_in_several_reports():
         assert parse_report(value) == (5, 3, 0) and client._take_report() == ()
     finally:
         client._channel.close()
+
+
+def test_warm_up_calls_count_nothing_and_start_the_reporter(daemon_factory):
+    """The vLLM connector's warm-up before the first request (engine_adapter/vllm/scheduler.py and
+    worker.py ``warm_up``): an empty local Lookup, an empty leasing Lookup RPC and an empty Get
+    through the arena. They name no key, so the daemon counts nothing; the local one starts the
+    tally's reporter thread, so the first real Lookup does not."""
+    port = free_port()
+    d = daemon_factory(metrics_listen=f"127.0.0.1:{port}")
+    before = counts(port)
+    with KVStoreClient(d.address) as client:
+        assert client.lookup([]).hits == 0 and client._reporter is not None and client._reporter.is_alive()
+        assert client.lookup([], lease_s=10).hits == 0
+        with client.fetch([], BLOCK) as blocks:
+            assert blocks == []
+    assert counts(port) == before

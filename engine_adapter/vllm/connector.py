@@ -53,6 +53,7 @@ parallelism 1 (a block holds every layer and head), KV cache dtype "auto".
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -256,7 +257,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.scheduler = ConnectorScheduler(vllm_config, settings, namespace, cache)
         else:
             self.worker = ConnectorWorker(vllm_config, settings, namespace, cache)
-        cache.client()  # connect (and map the arena) now, not on the first request
+        # connect now, not on the first request: the channel, the token check, on a unix socket the
+        # arena (registered and prefaulted) and the daemon's key index
+        began = time.perf_counter()
+        connected = cache.client() is not None
+        log.info("KVStoreConnector (%s): %s in %.1f ms", role.name,
+                 "connected to the daemon" if connected else "daemon not reached", (time.perf_counter() - began) * 1e3)
+        if self.scheduler is not None:
+            self.scheduler.warm_up()
 
     def _plan(self) -> StepPlan | None:
         """This step's plan from the scheduler side (vLLM binds it before the forward), or None."""

@@ -4,7 +4,9 @@
 the step's plan from the scheduler side (scheduler.py)::
 
     register_kv_caches    vLLM's pages: their layout measured (CPU) and the page writer chosen;
-                          the blend's model found (blend.py, model_view.py)
+                          the blend's model found (blend.py, model_view.py); the load path warmed
+                          (`warm_up`: an empty Get through the arena, a page write into a scratch
+                          page), so a fresh worker's first hit pays none of it
     start_load_kv         Get through the shared-memory arena, then the pages are written before the
                           forward: on CPU by kvstore's native page writer (kernels/page_copy.c), else
                           by the backend's own cache-write op with a slot mapping (layerwise: one
@@ -24,6 +26,7 @@ import functools
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -91,6 +94,20 @@ class KVStoreEvents(KVConnectorKVEvents):
         self._events.clear()
 
 
+@dataclass(frozen=True)
+class FirstLoad:
+    """The worker's first step that loaded pieces: how many, its loads' time in all and the part
+    of it in page writes (the rest is the Gets); logged once, read by bench/vllm_ttft.py."""
+
+    pieces: int
+    load_s: float
+    page_writes_s: float
+
+    def __str__(self) -> str:
+        return (f"first load: {self.pieces} pieces in {self.load_s * 1e3:.1f} ms "
+                f"(Gets {(self.load_s - self.page_writes_s) * 1e3:.1f} ms, page writes {self.page_writes_s * 1e3:.1f} ms)")
+
+
 class ConnectorWorker:
     """The worker side's state: vLLM's pages, this step's layer-wise load, pages that failed to
     load, stored pieces' events, the blender, and the counts of the shutdown line."""
@@ -114,6 +131,8 @@ class ConnectorWorker:
         self.load_copy_s = 0.0   # time in the page writes of loads (after the Get)
         self.load_s = 0.0        # time in start_load_kv's loads, Gets included
         self.load_bytes = 0
+        self.warm_up_ms: dict[str, float] = {}  # what `warm_up` did at registration, and how long each took
+        self.first_load: FirstLoad | None = None  # the first step that loaded anything, once it has
         self.failed_pages: set[int] = set()
         self._layer_index: dict[str, int] = {}
         self._stored_events: list = []  # BlockStored of pieces Put since the last step (save thread appends)
@@ -157,6 +176,45 @@ class ConnectorWorker:
                                        settings.blend_controller, device=caches[0].device, vllm_model=vllm_model)
             if settings.blend == "start":
                 self.blender.engine()
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Pay the load path's one-time costs now, before the first request (outside its TTFT):
+        the first Get through the arena (an empty one: the client's and the daemon's Get path,
+        the message classes) and the page writer's first call (into a one-page scratch cache, never
+        vLLM's pages). Each step's time goes to ``warm_up_ms`` and the start-up line; a step that
+        fails is skipped (the first request meets the failure through the guard, as without it)."""
+        client = self.cache.client()  # connected when the connector was built (unless that failed)
+        if client is not None:
+            began = time.perf_counter()
+            try:
+                with client.fetch([], fetch_slot_bytes(self.namespace.layout, self.namespace.chunk_tokens)):
+                    pass
+                self.warm_up_ms["Get"] = (time.perf_counter() - began) * 1e3
+            except Exception as exc:  # noqa: BLE001 - a warm-up never fails the worker
+                log.debug("KVStoreConnector: warm-up Get failed (%s)", exc)
+        if self.paged is not None and (self.paged.native is not None or self.paged.write is not None):
+            began = time.perf_counter()
+            try:
+                self._warm_page_write()
+                self.warm_up_ms["page write"] = (time.perf_counter() - began) * 1e3
+            except Exception as exc:  # noqa: BLE001
+                log.debug("KVStoreConnector: warm-up page write failed (%s)", exc)
+        log.info("KVStoreConnector worker: load path warmed before the first request (%s)",
+                 ", ".join(f"{step} {ms:.1f} ms" for step, ms in self.warm_up_ms.items()))
+
+    def _warm_page_write(self) -> None:
+        """One page's rows of one layer written into a scratch copy of a page by this worker's
+        page-write path (the native writer's or the backend op's first call)."""
+        paged = self.paged
+        cache = paged.caches[0]
+        scratch = torch.zeros((1, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)  # one kernel page
+        heads, n, d = cache.shape[1], paged.layout.page_tokens, paged.layout.head_dim
+        block = torch.zeros((1, 2, heads, n, d), dtype=cache.dtype, device=cache.device)  # [1, 2, H, N, D]
+        slots = torch.arange(n, device=cache.device)
+        scratch_kv = PagedKV([scratch], paged.layout, heads, n, write=paged.write,
+                             native=PageWriter([scratch], paged.native.layout) if paged.native is not None else None)
+        scratch_kv.write_layers(block, slots)
 
     def _native_writer(self, caches: list[torch.Tensor], page_layout: PageLayout) -> PageWriter | None:
         """The native page writer for these CPU caches, or None (turned off, a layout it does not
@@ -193,8 +251,13 @@ class ConnectorWorker:
         if self.settings.layerwise and pieces and self._start_layerwise(pieces):
             self.load_s += time.perf_counter() - began
             return
+        copy_before, loaded_before = self.load_copy_s, self.loaded_chunks
         for chunks in plan.loads.values():
             self._load(chunks)
+        load_s = time.perf_counter() - began
+        if self.first_load is None and self.loaded_chunks > loaded_before:
+            self.first_load = FirstLoad(self.loaded_chunks - loaded_before, load_s, self.load_copy_s - copy_before)
+            log.info("KVStoreConnector worker: %s", self.first_load)
         for blend in plan.blends:
             self._blend(blend)
         self.load_s += time.perf_counter() - began
