@@ -87,14 +87,23 @@ def parse_error(body: bytes) -> tuple[int, str]:
 
 def recv_into_exactly(sock, view: memoryview, deadline: float | None = None) -> None:
     """Fill ``view`` from ``sock``; ConnectionError when the peer closes first, TimeoutError
-    past ``deadline`` (time.monotonic; each recv is also bounded by the socket's timeout)."""
-    while len(view):
-        got = sock.recv_into(view)
-        if not got:
-            raise ConnectionError("the peer closed the connection mid-frame")
-        view = view[got:]
-        if deadline is not None and len(view) and time.monotonic() > deadline:
-            raise TimeoutError("the transfer took too long")
+    past ``deadline`` (time.monotonic): each recv waits at most until it, and at most the socket's
+    timeout."""
+    base = sock.gettimeout()
+    try:
+        while len(view):
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the transfer took too long")
+                sock.settimeout(left if base is None else min(base, left))
+            got = sock.recv_into(view)
+            if not got:
+                raise ConnectionError("the peer closed the connection mid-frame")
+            view = view[got:]
+    finally:
+        if deadline is not None:
+            sock.settimeout(base)
 
 
 def recv_frame_head(sock, deadline: float | None = None) -> tuple[int, int] | None:
