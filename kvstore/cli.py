@@ -59,6 +59,11 @@ _FIELD_HELP = {
     "shm_index": "publish which tier holds each key in /dev/shm, so same-host clients answer Lookup without an "
                  "RPC (true/false; never with tenants)",
     "max_message_bytes": "largest gRPC message, e.g. 256MiB",
+    "data_listen": "host:port of the data channel, where clients without shared memory move Put and Get payloads "
+                   "as raw bytes (port 0: any free one; empty: none); same tokens, and TLS with the gRPC "
+                   "listener's certificate",
+    "data_max_connections": "data-channel connections at once (half at most waiting for a token, a quarter "
+                            "at most one named tenant's)",
     "max_inline_bytes": "inline Get reply bytes held at once, all calls together (0: max_message_bytes); a Get "
                         "waits for room, then gets RESOURCE_EXHAUSTED",
     "hold_share": "share of the smallest tier all pins and leases may hold together, split among named "
