@@ -22,7 +22,6 @@ The client is thread-safe: an engine may store blocks from a background thread w
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import logging
@@ -30,7 +29,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -84,6 +83,10 @@ def payload_view(payload: Any) -> memoryview:
 #: Data-channel refusals a call answers by going inline in gRPC instead: connections or bytes at
 #: their cap, or the daemon stopping its channel.
 BUSY = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+
+#: The least a Put of a pipelined batch carries (about 0.5 ms of copying on a fast host): a
+#: smaller batch goes in one Put.
+PIPELINE_PART_BYTES = 4 << 20
 
 
 class KVStoreClient:
@@ -313,6 +316,18 @@ class KVStoreClient:
                 self._space.wait()
         return offsets
 
+    def _reserve_beside(self, sizes: Sequence[int], end_own: Callable[[], bool]) -> list[int]:
+        """Arena extents for ``sizes``: at once if they fit, else once ``end_own()`` has ended a
+        call of this thread's (it returns False when there is none), else waiting for other
+        threads' space (this thread then holds none, so two threads cannot wait on each other)."""
+        while True:
+            with self._space:
+                offsets = self._reserve(sizes)
+            if offsets is not None:
+                return offsets
+            if not end_own():
+                return self._reserve_waiting(sizes)
+
     def _reserve(self, sizes: Sequence[int]) -> list[int] | None:
         """Arena extents for ``sizes`` now, or None (nothing kept) when they do not fit; under ``_space``."""
         assert self._allocator is not None
@@ -420,58 +435,57 @@ class KVStoreClient:
 
     def _put_through_arena(self, metas: dict[int, pb.BlockMeta], views: list[memoryview], parents: list[bytes],
                            durable: bool) -> int:
-        """Put blocks ``metas`` (index -> meta) in Puts of about a quarter of them, two in flight:
-        the daemon checksums and stores one while this thread copies the next into the arena, so
-        a Put costs about the slower of the two copies, not their sum::
+        """Put blocks ``metas`` (index -> meta) in Puts of about a quarter of them (each of at least
+        PIPELINE_PART_BYTES): while the daemon checksums and stores one, this thread copies the next
+        into the arena, so a Put costs about the slower of the two copies, not their sum::
 
             client  |copy 0|copy 1|copy 2|copy 3|
             daemon         |store 0|store 1|store 2|store 3|
 
-        A Put's space is taken without waiting while another is in flight (two threads' Puts
-        cannot each hold half the arena and wait for the other half)."""
+        A Put is sent once the one before it is stored: the daemon stores the batch in its order,
+        as one Put would (an LRU's recency follows it). A part's space is taken without waiting
+        while a Put is in flight (two threads' batches cannot each hold half the arena and wait
+        for the other half)."""
         order = list(metas)
-        step = max(1, -(-len(order) // 4))
         sizes = [len(v) for v in views]
-        in_flight: collections.deque = collections.deque()  # (arena offsets, reply future), oldest first
+        # a part under PIPELINE_PART_BYTES gains less from the overlap than its own call costs
+        parts = max(1, min(4, sum(sizes[i] for i in order) // PIPELINE_PART_BYTES))
+        step = max(1, -(-len(order) // parts))
+        in_flight: tuple[list[int], Any] | None = None  # (arena offsets, reply future) of the Put being stored
         stored = 0
 
-        def finish_oldest() -> int:
-            offsets, future = in_flight.popleft()
+        def finish() -> bool:
+            """End the Put in flight, if any; whether there was one."""
+            nonlocal in_flight, stored
+            if in_flight is None:
+                return False
+            (offsets, future), in_flight = in_flight, None
             try:
-                return future.result().stored
+                stored += future.result().stored
             finally:
                 self._free(offsets)
+            return True
 
         try:
             for first in range(0, len(order), step):
                 part = order[first : first + step]
-                wanted = [sizes[i] for i in part]
-                with self._space:
-                    offsets = self._reserve(wanted)
-                while offsets is None and in_flight:  # no room beside the Puts in flight: end the oldest
-                    stored += finish_oldest()
-                    with self._space:
-                        offsets = self._reserve(wanted)
-                if offsets is None:  # nothing of ours in flight: waiting for others' space is safe
-                    offsets = self._reserve_waiting(wanted)
-                items = []
+                offsets = self._reserve_beside([sizes[i] for i in part], finish)
                 try:
+                    items = []
                     for i, offset in zip(part, offsets):
                         self._arena.buffer[offset : offset + sizes[i]] = views[i]
                         items.append(pb.PutItem(meta=metas[i], slice=pb.ArenaSlice(
                             arena_id=self._arena_id, offset=offset, length=sizes[i]), parent=parents[i]))
+                    finish()
                     future = self._call(self._stub.Put.future, pb.PutRequest(items=items, durable=durable))
                 except BaseException:
                     self._free(offsets)
                     raise
-                in_flight.append((offsets, future))
-                if len(in_flight) == 2:
-                    stored += finish_oldest()
-            while in_flight:
-                stored += finish_oldest()
+                in_flight = (offsets, future)
+            finish()
         finally:
-            while in_flight:  # a failure: each Put ends before its space is reused
-                offsets, future = in_flight.popleft()
+            if in_flight is not None:  # a failure: the Put ends before its space is reused
+                offsets, future = in_flight
                 try:
                     future.result()
                 except Exception:  # noqa: BLE001 - the first failure is the one raised

@@ -243,6 +243,33 @@ def test_through_the_daemon_the_clients_parents_keep_a_prompts_prefix(daemon_fac
         assert "parent is 5 bytes" in refused.value.details()
 
 
+def test_a_pipelined_put_is_stored_in_the_batchs_order(daemon_factory, monkeypatch):
+    """A client sends a large batch as Puts of a quarter, copying the next while the daemon stores
+    one, and sends a Put once the one before is stored: under plain LRU the batch's first block is
+    still the oldest, so one more block evicts it and nothing else (with two Puts in the daemon at
+    once, a CI run saw the third block evicted)."""
+    import numpy as np
+
+    import engine_adapter.client as client_module
+    from engine_adapter.client import KVStoreClient
+    from kvstore.keys import KVLayout, Namespace, prefix_keys
+
+    monkeypatch.setattr(client_module, "PIPELINE_PART_BYTES", 1)  # a quarter of any batch per Put
+    layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, dtype="float16")
+    namespace = Namespace("order-model", layout, chunk_tokens=32)
+    block_bytes = layout.block_bytes(32)
+    rng = np.random.default_rng(5)
+    for round_ in range(3):
+        daemon = daemon_factory(f"d{round_}", cpu_capacity=8 * block_bytes + 8192, disk_path="", eviction="lru")
+        keys = prefix_keys(namespace, rng.integers(0, 1000, 9 * 32).tolist())
+        payloads = [rng.standard_normal(block_bytes // 2).astype(np.float16) for _ in keys]
+        with KVStoreClient(daemon.address) as client:
+            assert client.put(namespace, [(k, 32, p) for k, p in zip(keys[:8], payloads)]) == 8
+            client.put(namespace, [(keys[8], 32, payloads[8])])
+            assert [client.lookup([k]).hits for k in keys[:8]] == [0] + [1] * 7, f"round {round_}"
+        daemon.stop()
+
+
 @pytest.mark.parametrize("eviction", ["prefix-lru", "lru"])
 @pytest.mark.parametrize("fraction", [0.25, 0.5])
 def test_the_simulator_predicts_the_daemons_hit_ratio(tmp_path, eviction, fraction):
