@@ -38,7 +38,7 @@ def disk_ttft(model: LlamaModel, tokenizer, question, block: torch.Tensor, specs
               codecs: dict, folder: Path, repeats: int, log, chunk_tokens: int = 256) -> dict[str, dict]:
     """TTFT warm from the disk tier, per disk codec: one daemon each, a CPU tier above an O_DIRECT disk.
 
-    Only a tier below the top re-encodes (the top keeps blocks as sent, `kvstore/daemon.py`), so the
+    Only a tier below the top re-encodes (the top keeps blocks as sent, `kvstore/daemon/process.py`), so the
     daemon has a CPU tier of ``EVICTING_CPU_CHUNKS`` chunks: the context's whole chunks (its tail cut
     off) are Put raw (the engine's float32 blocks), copied down and re-encoded with the
     ``disk_codec``, and evicted from the CPU tier by the later chunks and a few filler chunks, until

@@ -2,7 +2,7 @@
 
 `kvstore calibrate` runs the model over text, so it knows each key's position, the model's RoPE
 frequencies and the queries' metric. A daemon that calibrates a namespace from the first blocks
-it stores (`kvstore/autocal.py`) has only the blocks: keys after RoPE at positions nobody told it.
+it stores (`kvstore/daemon/autocal.py`) has only the blocks: keys after RoPE at positions nobody told it.
 It recovers what it can from them, because what measured best (docs/compression.md) was coding
 keys before RoPE and keeping the attention-sink positions raw, both of which need positions:
 
@@ -24,7 +24,7 @@ keys before RoPE and keeping the attention-sink positions raw, both of which nee
 No query or o_proj metric (the daemon has no weights): plain PCA per row. Head groups are the
 fewest that keep a row within `MAX_CHANNELS` channels (the [C, C] bases and the float64 statistics
 grow as C^2); the daemon does not calibrate a layout where one head alone passes it
-(`kvstore/autocal.py`). Scaled RoPE (Llama 3.1's long-context frequencies) is not the standard
+(`kvstore/daemon/autocal.py`). Scaled RoPE (Llama 3.1's long-context frequencies) is not the standard
 form: a theta may still fit the first blocks, and later blocks' starts then go wrong; the daemon's
 per-block check stores those blocks as they came, which costs size, not quality. Decoding never
 depends on these estimates being right: a block records the start it was coded with, and a wrong

@@ -3,7 +3,7 @@
 `CalibrationStats` keeps, per row (layer, k/v, head group; `compression/calibration.py`), the sum
 of the row's vectors [B, C] and of their outer products [B, C, C] in float64, so a caller that sees
 blocks one at a time (the daemon calibrating a namespace from its first blocks,
-`compression/blind.py` for `kvstore/autocal.py`) holds B * C * C numbers, not the blocks.
+`compression/blind.py` for `kvstore/daemon/autocal.py`) holds B * C * C numbers, not the blocks.
 `compression/calibration_fit.py` makes a `Calibration` from them.
 """
 

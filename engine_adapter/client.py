@@ -35,7 +35,7 @@ import grpc
 import numpy as np
 
 from kvstore.arena import Arena, ArenaLease, arena_socket_path
-from kvstore.config import default_listen
+from kvstore.host import default_listen
 from engine_adapter.data_channel import DataChannelError, DataChannelPool, open_pool
 from kvstore.connect import (PYTHON_OPTIONS, OptionNames, client_tls, data_channel_address, explain, is_unix,
                              open_channel, plaintext_token_refusal, resolve_token)

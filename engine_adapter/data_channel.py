@@ -1,4 +1,4 @@
-"""The client's side of the daemon's data channel (kvstore/data_channel.py): Put and Get payloads as
+"""The client's side of the daemon's data channel (kvstore/daemon/data_channel.py): Put and Get payloads as
 raw bytes on TCP, for clients without shared memory. `KVStoreClient` uses it when the daemon offers
 one (its port in Stats) and falls back to inline gRPC otherwise.
 
@@ -26,7 +26,7 @@ from kvstore.wire import (ERROR, GET, GET_REPLY, HELLO, PUT, PUT_REPLY, READY, f
                           recv_frame_head, recv_into_exactly)
 
 _STATUS = {status.value[0]: status for status in grpc.StatusCode}
-#: Socket buffers, as the daemon's (kvstore/data_channel.py).
+#: Socket buffers, as the daemon's (kvstore/daemon/data_channel.py).
 SOCKET_BUFFER_BYTES = 4 * 2**20
 
 

@@ -22,7 +22,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from kvstore.config import default_cache_dir
+from kvstore.host import default_cache_dir
 from kvstore.spawn import DaemonProcess
 
 

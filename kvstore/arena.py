@@ -2,7 +2,7 @@
 
 The daemon creates every arena and hands it out; no client names a file for the daemon to map.
 
-    client                                   daemon (kvstore/arena_registry.py)
+    client                                   daemon (kvstore/daemon/arena_registry.py)
       connect SOCKET.arena ────────────────►  peer = SO_PEERCRED (pid, uid): never a name
       {"size": N, "token": T}\\n ───────────►  tenant from T; caps per peer and per arena
                                               fd = memfd (pages allocated, sealed: no shrink, no grow)

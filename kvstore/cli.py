@@ -21,7 +21,8 @@ import logging
 import os
 import sys
 
-from kvstore.config import ENV_PREFIX, DaemonConfig, default_listen, format_size, load_config, read_text
+from kvstore.daemon.config import ENV_PREFIX, DaemonConfig, format_size, load_config, read_text
+from kvstore.host import default_listen
 from tiers.base import TierError
 
 _FIELD_HELP = {
@@ -186,7 +187,7 @@ def _client(args: argparse.Namespace, shared_memory: bool | None = False, check:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvstore.daemon import run_daemon
+    from kvstore.daemon.process import run_daemon
 
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(DaemonConfig)}
     config = load_config(args.config, overrides)

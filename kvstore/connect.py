@@ -24,8 +24,7 @@ from typing import Mapping, Sequence
 
 import grpc
 
-from kvstore.auth import readable_by_others
-from kvstore.config import is_loopback_host
+from kvstore.host import is_loopback_host, readable_by_others
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +139,12 @@ def _host_port(address: str) -> tuple[str, int | None]:
 
 def is_loopback(address: str) -> bool:
     """True for a unix socket and for a TCP address whose host is loopback by address
-    (`kvstore.config.is_loopback_host`: `localhost.example.com` counts only if it resolves there)."""
+    (`kvstore.host.is_loopback_host`: `localhost.example.com` counts only if it resolves there)."""
     return is_unix(address) or is_loopback_host(_host_port(address)[0])
 
 
 def data_channel_address(address: str, port: int) -> str:
-    """``host:port`` of the data channel of the daemon at gRPC ``address`` (kvstore/data_channel.py):
+    """``host:port`` of the data channel of the daemon at gRPC ``address`` (kvstore/daemon/data_channel.py):
     the host the client reached it at (loopback for a unix socket), the port the daemon told."""
     if is_unix(address):
         return f"127.0.0.1:{port}"

@@ -1,6 +1,6 @@
 """Cluster lookup: which daemon holds the longest run of a prompt's keys.
 
-A router without an event feed (kvstore/events.py) asks every daemon at once:
+A router without an event feed (kvstore/daemon/events.py) asks every daemon at once:
 
     result = locate(["10.0.0.5:7070", "10.0.0.6:7070", "unix:/run/kvstore.sock"], keys, deadline_s=0.5,
                     tokens=TokenBook.read("tokens.toml"), tls=ClientTLS("ca.pem"))

@@ -40,7 +40,7 @@ Counting: a Lookup answered here never reaches the daemon, yet its keys, hits an
 the daemon's metrics. The map is read-only to clients, so a client keeps a tally (keys asked, hits,
 calls) and hands it over on its next call to the daemon, as gRPC metadata (``REPORT_HEADER``,
 ``format_report``), or with an empty Lookup of its own when it made no call for ``REPORT_S``. The
-daemon adds a report as if those Lookups had been RPCs (kvstore/server.py), at most ``MAX_REPORT``
+daemon adds a report as if those Lookups had been RPCs (kvstore/daemon/server.py), at most ``MAX_REPORT``
 of each per call and only while it publishes this index (never with tenants). A tally travels
 once: a call that fails loses it, and a client that dies loses what it had not sent yet.
 """

@@ -3,7 +3,7 @@
     with DaemonProcess({"listen": "unix:/tmp/kv.sock", "cpu_capacity": "1GiB", "disk_path": ""}) as daemon:
         client = KVStoreClient(daemon.address)
 
-Settings are ``kvstore serve`` flags by field name (see kvstore/config.py). ``KVSTORE_*`` variables
+Settings are ``kvstore serve`` flags by field name (see kvstore/daemon/config.py). ``KVSTORE_*`` variables
 of the parent are not passed on, so a child runs with exactly the settings given.
 """
 

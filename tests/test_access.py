@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_adapter.client import KVStoreClient
 from kvstore.arena import ArenaLease, arena_socket_path
-from kvstore.arena_registry import MAX_ARENAS
-from kvstore.auth import TenantDirectory
+from kvstore.daemon.arena_registry import MAX_ARENAS
+from kvstore.daemon.auth import TenantDirectory
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import free_port
@@ -167,7 +167,7 @@ def test_a_tenants_file_others_can_read_is_a_warning_at_start(daemon_factory, sh
         assert a.lookup(make_blocks(1, seed=391)[0]).hits == 0
     warnings = [line for line in d.log.read_text().splitlines() if "tenants file" in line]
     assert len(warnings) == 1 and "mode 0644" in warnings[0] and "chmod 600" in warnings[0], warnings
-    caplog.set_level(logging.WARNING, logger="kvstore.auth")
+    caplog.set_level(logging.WARNING, logger="kvstore.daemon.auth")
     TenantDirectory.from_config(str(_tenants(short_tmp, mode=0o600)), "", str(short_tmp / "secret"))
     assert not caplog.records
 

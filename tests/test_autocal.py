@@ -23,7 +23,7 @@ from compression.calibration import Allocation
 from compression.calibration_fit import calibrate
 from compression.transform import TransformCodec, estimate_start
 from kernels.rope_ref import rerotate_keys
-from kvstore.autocal import AUTO_ALLOCATION, MAX_RELATIVE_ERROR, MAX_TOKEN_ERROR, relative_errors
+from kvstore.daemon.autocal import AUTO_ALLOCATION, MAX_RELATIVE_ERROR, MAX_TOKEN_ERROR, relative_errors
 from kvstore.keys import KVLayout, Namespace
 
 LAYERS, HEADS, HEAD_DIM, THETA = 3, 2, 32, 50000.0
@@ -235,7 +235,8 @@ def test_tenants_get_calibrations_of_their_own(daemon_factory, short_tmp):
     """The same client namespace under two tenants: two calibrations, each made from that tenant's
     blocks only, coding only that tenant's blocks, stored where that tenant (and no other) can fetch it."""
     from engine_adapter.client import KVStoreClient
-    from kvstore.auth import Tenant, load_secret, tenant_key
+    from kvstore.daemon.auth import Tenant, tenant_key
+    from kvstore.host import load_secret
     from kvstore.block import parse_block
 
     tenants = short_tmp / "tenants.toml"
@@ -292,7 +293,7 @@ def test_hostile_first_blocks_cannot_make_later_blocks_lossy(daemon_factory, sho
 
 
 def test_config_takes_kvtc_auto_and_says_what_is_wrong():
-    from kvstore.config import DaemonConfig
+    from kvstore.daemon.config import DaemonConfig
 
     config = DaemonConfig(disk_codec="kvtc@auto", s3_codec="raw", auto_calibration_tokens=4096)
     assert config.disk_codec == "kvtc@auto"
@@ -346,7 +347,7 @@ def test_sampling_slots_and_namespaces_are_bounded_per_tenant(tmp_path, monkeypa
     tenant's share."""
     import dataclasses
 
-    import kvstore.autocal as autocal
+    import kvstore.daemon.autocal as autocal
 
     calibrator = autocal.AutoCalibrator(sample_tokens=4096, folder=tmp_path)
     monkeypatch.setattr(calibrator, "_submit", lambda job: True)  # the sampler thread is not under test here
@@ -432,7 +433,7 @@ def test_daemon_groups_layers_when_told(daemon_factory, short_tmp):
 def test_grouped_samples_wait_for_enough_tokens_and_a_changed_group_calibrates_again(tmp_path):
     """Rows over layers need twice their channels in tokens (sinks left out): the sample says when
     it is short. A calibration made with another auto_layer_group is not taken up after a restart."""
-    from kvstore.autocal import AutoCalibrator
+    from kvstore.daemon.autocal import AutoCalibrator
 
     blind = BlindCalibration(LAYERS, HEADS, HEAD_DIM, layer_group=3)  # rows of 192 channels: 384 tokens
     for i in range(7):
@@ -448,7 +449,7 @@ def test_grouped_samples_wait_for_enough_tokens_and_a_changed_group_calibrates_a
 
 
 def test_layer_group_for_fits_each_layout():
-    from kvstore.autocal import calibration_bytes, layer_group_for
+    from kvstore.daemon.autocal import calibration_bytes, layer_group_for
 
     smollm2, llama3 = KVLayout(30, 3, 64, "bfloat16"), KVLayout(32, 8, 128, "bfloat16")
     assert layer_group_for(smollm2, 1) == 1 and layer_group_for(smollm2, 5) == 5
@@ -469,7 +470,7 @@ def test_layouts_too_large_to_calibrate_and_decompression_bombs_are_stored_as_th
     import zstandard
 
     from compression import get_codec
-    from kvstore.autocal import AutoCalibrator, unfit_layout
+    from kvstore.daemon.autocal import AutoCalibrator, unfit_layout
 
     assert unfit_layout(KVLayout(1, 1, 4096, "float16")).startswith("rows of 4096 channels")
     assert "MiB" in unfit_layout(KVLayout(1024, 64, 128, "float16"))

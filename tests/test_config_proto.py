@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import load_config, parse_size
+from kvstore.daemon.config import load_config, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 

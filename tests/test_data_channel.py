@@ -1,4 +1,4 @@
-"""The data channel (kvstore/data_channel.py): remote clients' payloads as raw bytes beside gRPC.
+"""The data channel (kvstore/daemon/data_channel.py): remote clients' payloads as raw bytes beside gRPC.
 Real daemons; the client, and raw sockets for what a hostile peer sends."""
 
 from __future__ import annotations

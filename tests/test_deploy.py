@@ -23,9 +23,10 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 
-from kvstore.auth import read_tenants
-from kvstore.config import ENV_PREFIX, DaemonConfig, field_names, is_loopback_host, load_config
-from kvstore.promotion import MAX_PROMOTING_BYTES
+from kvstore.daemon.auth import read_tenants
+from kvstore.daemon.config import ENV_PREFIX, DaemonConfig, field_names, load_config
+from kvstore.host import is_loopback_host
+from kvstore.daemon.promotion import MAX_PROMOTING_BYTES
 from tests.conftest import ROOT, free_port
 
 DEPLOY = ROOT / "docs" / "deploy"
@@ -314,8 +315,6 @@ def test_a_daemon_with_the_units_settings_answers_its_probes(daemon_factory, sho
     """A real daemon with the unit's flags and variables (paths moved into a test folder, small
     tiers) starts, answers /healthz and /readyz on its metrics address (loopback, as in the unit),
     and stays within the process allowance the memory formula gives it."""
-    if not (ROOT / "kvstore" / "probes.py").exists():
-        pytest.skip("kvstore/probes.py (the /healthz and /readyz endpoints) is not in this tree")
     _, settings, environment = unit_serve(unit())
     variables = check_variables(list(environment), UNIT.name)
     settings = {**{field: environment[name] for name, field in variables.items()}, **settings}
@@ -527,8 +526,6 @@ def test_every_probe_of_the_pod_answers_on_a_real_daemon(daemon_factory, short_t
     kubelet probes from the node) with --metrics-public; a real daemon with the container's settings
     (its tenants file from the Secret, paths moved into a test folder, small tiers) answers 200 on
     every probe path."""
-    if not (ROOT / "kvstore" / "probes.py").exists():
-        pytest.skip("kvstore/probes.py (the /healthz and /readyz endpoints) is not in this tree")
     documents = pod_documents()
     spec = pod_spec(documents)
     kvstore, _, settings, _ = pod_parts(spec)

@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from engine_adapter.client import KVStoreClient
-from kvstore.config import load_config
-from kvstore.events import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher, decode_batch,
+from kvstore.daemon.config import load_config
+from kvstore.daemon.events import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher, decode_batch,
                             replay)
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 from tests.conftest import free_port

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 import torch
 
-from kvstore.metrics import Metrics
-from kvstore.placement import BlockStore
+from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.placement import BlockStore
 from tests.test_tiers import fill, make_block
 from tiers.cpu import CpuTier
 from tiers.gpu import GpuTier

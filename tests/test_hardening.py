@@ -19,7 +19,8 @@ import pytest
 
 from engine_adapter.client import KVStoreClient
 from kvstore.arena import Arena, arena_socket_path
-from kvstore.auth import Tenant, load_secret, tenant_key
+from kvstore.daemon.auth import Tenant, tenant_key
+from kvstore.host import load_secret
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -253,7 +254,7 @@ def test_layerwise_reads_hold_no_lock_and_never_copy_a_replaced_block(tmp_path):
     """The store's side of the above, deterministic: between two layers of a suspended layer-wise
     read, a Put of another block completes, the streamed block is not evicted, and a Delete of it
     ends the stream with BlockGoneError instead of copying bytes that are no longer its own."""
-    from kvstore.placement import BlockGoneError
+    from kvstore.daemon.placement import BlockGoneError
     from tests.test_placement import blocks, make_store
 
     async def scenario():

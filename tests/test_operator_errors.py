@@ -416,7 +416,7 @@ def test_every_serve_setting_is_described_in_words():
     """`serve --help` showed `--shm-index`'s help as "shm_index"; every DaemonConfig field needs an
     entry in kvstore/cli.py's _FIELD_HELP, and defaults read as a user writes them."""
     from kvstore.cli import _FIELD_HELP
-    from kvstore.config import field_names
+    from kvstore.daemon.config import field_names
 
     assert [name for name in field_names() if name not in _FIELD_HELP] == []
     code, out, err = finish(kvstore("serve", "--help"))

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from kvstore.metrics import Metrics
-from kvstore.placement import BlockStore
+from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.placement import BlockStore
 from tests.test_tiers import make_block
 from tiers.base import TierFullError
 from tiers.cpu import CpuTier
@@ -180,7 +180,7 @@ def test_large_gets_copy_off_the_loop_and_puts_wait_for_busy_blocks(tmp_path, mo
 
     import numpy as np
 
-    from kvstore import reads
+    from kvstore.daemon import reads
 
     monkeypatch.setattr(reads, "OFFLOAD_GET_BYTES", 0)  # every Get copies in worker threads
     release = threading.Event()

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from kvstore.metrics import Metrics
-from kvstore.placement import BlockStore
-from kvstore.residency import MAX_WALK
+from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.placement import BlockStore
+from kvstore.daemon.residency import MAX_WALK
 from tests.conftest import ROOT
 from tests.test_placement import BLOCK, blocks
 from tiers.cpu import CpuTier
@@ -147,7 +147,7 @@ def test_one_put_call_shares_one_walk_budget(tmp_path):
     """Many blocks in one call, each naming the end of a deep chain as parent, walk no more than the
     call's budget together (the server gives each Put one `WalkBudget`): a hostile Put of thousands
     of tiny blocks cannot hold the event loop for thousands of walks."""
-    from kvstore.residency import WalkBudget
+    from kvstore.daemon.residency import WalkBudget
 
     async def scenario():
         store = store_of(tmp_path, cpu_blocks=60)

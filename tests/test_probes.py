@@ -18,9 +18,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_adapter.client import KVStoreClient
-from kvstore import daemon as daemon_module
-from kvstore.config import DaemonConfig, load_config
-from kvstore.daemon import Daemon
+from kvstore.daemon import process as daemon_module
+from kvstore.daemon.config import DaemonConfig, load_config
+from kvstore.daemon.process import Daemon
 from tests.conftest import free_port
 from tests.test_daemon import BLOCK, NS, make_blocks
 from tests.test_tiers import make_block

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine_adapter.client import KVStoreClient
-from kvstore.auth import s3_mac_key
+from kvstore.host import s3_mac_key
 from kvstore.block import BlockHeader, CorruptBlockError, payload_checksum
 from kvstore.keys import KVLayout
 from tests.test_daemon import BLOCK, NS, make_blocks
@@ -256,7 +256,8 @@ def test_discovery_of_a_flood_is_bounded_and_delays_nobody(moto_server, s3_bucke
 
 
 def test_mac_key_is_derived_apart_from_tenant_keys(tmp_path):
-    from kvstore.auth import load_secret, tenant_key
+    from kvstore.daemon.auth import tenant_key
+    from kvstore.host import load_secret
 
     secret_file = tmp_path / "secret"
     key = s3_mac_key(secret_file)

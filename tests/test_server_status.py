@@ -5,10 +5,10 @@ import asyncio
 import grpc
 import pytest
 
-from kvstore.budget import BudgetExhausted
-from kvstore.holds import HoldRefused
-from kvstore.reads import BlockGoneError
-from kvstore.server import BadRequest, _abort
+from kvstore.daemon.budget import BudgetExhausted
+from kvstore.daemon.holds import HoldRefused
+from kvstore.daemon.reads import BlockGoneError
+from kvstore.daemon.server import BadRequest, _abort
 from tiers.base import TierError, TierFullError, TierUnavailableError
 
 

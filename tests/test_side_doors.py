@@ -19,9 +19,9 @@ import pytest
 import zmq
 
 from engine_adapter.client import KVStoreClient
-from kvstore import events
-from kvstore.config import load_config
-from kvstore.events import END_SEQ, EventPublisher, decode_batch, replay
+from kvstore.daemon import events
+from kvstore.daemon.config import load_config
+from kvstore.daemon.events import END_SEQ, EventPublisher, decode_batch, replay
 from tests.conftest import free_port
 from tests.test_daemon import NS, make_blocks
 from tests.test_events import Subscriber

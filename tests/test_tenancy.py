@@ -13,8 +13,8 @@ import pytest
 
 from engine_adapter.client import KVStoreClient
 from kvstore.keys import KVLayout, Namespace, prefix_keys
-from kvstore.metrics import Metrics
-from kvstore.placement import BlockStore
+from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.placement import BlockStore
 from tests.test_daemon import BLOCK, NS, make_blocks
 from tests.test_tiers import make_block
 from tiers.cpu import CpuTier
@@ -213,7 +213,7 @@ def test_a_byte_budget_grants_in_order_and_refuses_after_its_wait():
     """What inline Get replies share: callers wait in arrival order (a large one is not overtaken
     by a stream of small ones), one larger than the whole budget runs alone, and a wait that ends
     refuses cleanly, leaving the budget as it was."""
-    from kvstore.budget import BudgetExhausted, ByteBudget
+    from kvstore.daemon.budget import BudgetExhausted, ByteBudget
 
     async def scenario():
         budget = ByteBudget(100, "test replies")
@@ -246,7 +246,7 @@ def test_a_byte_budget_grants_in_order_and_refuses_after_its_wait():
 def test_pins_leases_and_stream_holds_share_one_bound_per_tenant():
     """Each block counts once against its tenant's bound however it is held; what one tenant
     holds never counts against another; a hold past the bound is refused, and frees as it ends."""
-    from kvstore.holds import HoldRefused, Holds
+    from kvstore.daemon.holds import HoldRefused, Holds
 
     holds = Holds(bound=lambda owner: 300)
     keys = [bytes([i]) * 16 for i in range(6)]

@@ -1,7 +1,7 @@
 """The one interface every storage tier implements.
 
 A tier stores blocks (``header || payload`` as defined in :mod:`kvstore.block`) by 16-byte key. It
-knows bytes only: no codecs, no placement policy, no LRU (those live in :mod:`kvstore.placement`).
+knows bytes only: no codecs, no placement policy, no LRU (those live in :mod:`kvstore.daemon.placement`).
 Tiers are not thread-safe by themselves; the store calls ``put``/``delete`` from one thread at a
 time and may call ``read_payload_into`` from worker threads for tiers with ``blocking_io``.
 """

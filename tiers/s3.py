@@ -68,10 +68,10 @@ class S3Tier(HeaderIndex, Tier):
     def __init__(self, config: S3Config, name: str = "s3", list_on_start: bool = True,
                  mac_key: bytes | None = None) -> None:
         """``mac_key``: the key objects' MACs are made and checked under, shared by every host
-        using the bucket (the daemon derives it from its server secret: kvstore.auth.s3_mac_key);
+        using the bucket (the daemon derives it from its server secret: kvstore.host.s3_mac_key);
         None: derived from this user's default server secret file."""
         if mac_key is None:
-            from kvstore.auth import s3_mac_key
+            from kvstore.host import s3_mac_key
 
             mac_key = s3_mac_key("")
         self.mac = ObjectMac(mac_key)

@@ -4,7 +4,7 @@ holds the secret, before it trusts any byte of it.
 A block's checksum (xxh3) catches accidents, not intent: anyone who may write to the bucket can
 rewrite an object and recompute every checksum with kvstore's own code. So each object also
 carries two keyed BLAKE2b MACs under a key every host derives from the server secret they share
-(:func:`kvstore.auth.s3_mac_key`), in the object's metadata (``x-amz-meta-...``), which S3 returns
+(:func:`kvstore.host.s3_mac_key`), in the object's metadata (``x-amz-meta-...``), which S3 returns
 with every GET, ranged ones included:
 
     kvstore-head-mac   BLAKE2b-256(key, person="kvs-s3-head")(header)

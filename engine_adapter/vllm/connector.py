@@ -75,7 +75,7 @@ from engine_adapter.vllm.worker import ConnectorWorker, KVStoreEvents, cpu_cache
 from blend.controller import Ratio
 from blend.engine import DEFAULT_RATIO
 from blend.select import DEFAULT_SELECTOR, check_selector
-from kvstore.config import default_listen
+from kvstore.host import default_listen
 from kvstore.dtypes import TORCH_DTYPE_NAMES
 from kvstore.keys import KVLayout, Namespace
 

@@ -3,7 +3,7 @@
 What /metrics shows is the daemon's totals, labelled by tier, RPC method or outcome only: never a
 tenant's name, a key, a namespace, or one tenant's share of the traffic (Stats gives a named tenant
 its own counts; these sum everyone's). The daemon serves it on loopback unless ``metrics_public``
-(kvstore/config.py), so reaching it takes a local account; see docs/operations.md.
+(kvstore/daemon/config.py), so reaching it takes a local account; see docs/operations.md.
 """
 
 from __future__ import annotations

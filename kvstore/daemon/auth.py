@@ -37,20 +37,16 @@ import hashlib
 import hmac
 import logging
 import os
-import secrets
-import stat
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable
 
-from kvstore.config import default_cache_dir, parse_size, read_toml
+from kvstore.daemon.config import parse_size, read_toml
+from kvstore.host import load_secret, readable_by_others
 from kvstore.keys import KEY_BYTES
 
 
-log = logging.getLogger("kvstore.auth")
+log = logging.getLogger("kvstore.daemon.auth")
 
-#: Bytes of a generated server secret; a given one must have at least this many.
-SECRET_BYTES = 32
 #: Fewest characters of a bearer token (a tenant's, or the single auth_token).
 MIN_TOKEN_CHARS = 16
 #: Keys of a ``[[tenant]]`` table.
@@ -79,41 +75,6 @@ def tenant_key(secret: bytes, name: str) -> bytes:
     return hashlib.blake2b(name.encode(), digest_size=32, key=secret[:64], person=b"kvs-tenant-key").digest()
 
 
-def s3_mac_key(secret_file: str | os.PathLike) -> bytes:
-    """The key S3 objects' MACs are made under (tiers/s3_auth.py), from the server secret in
-    ``secret_file`` ("": the default one, created when missing): every host sharing a bucket must
-    share the file. Derived apart from tenants' keys (its own personalisation), so neither tells
-    anything about the other."""
-    secret = load_secret(secret_file or default_cache_dir() / "tenant-secret")
-    return hashlib.blake2b(b"s3 object mac", digest_size=32, key=secret[:64], person=b"kvstore-s3-mac").digest()
-
-
-def load_secret(path: str | os.PathLike) -> bytes:
-    """The server secret in ``path``, created (32 random bytes, mode 0600) when missing. Raises
-    ValueError naming the file when it is too short or others may read it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        pass
-    else:
-        with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_bytes(SECRET_BYTES))
-            f.flush()
-            os.fsync(f.fileno())
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(f.fileno()).st_mode
-        secret = f.read(4096)
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"{path}: the tenant secret may be read by others (mode {stat.S_IMODE(mode):04o}); "
-                         f"chmod 600 it")
-    if len(secret) < SECRET_BYTES:
-        raise ValueError(f"{path}: the tenant secret has {len(secret)} bytes; it needs at least {SECRET_BYTES}")
-    return secret
-
-
 ANONYMOUS = Tenant("")
 
 
@@ -123,17 +84,6 @@ def token_too_short(token: str) -> str | None:
         return None
     return (f"the token has {len(token)} characters; tokens need at least {MIN_TOKEN_CHARS} "
             f"(make one with: openssl rand -hex 16)")
-
-
-def readable_by_others(path: str | os.PathLike) -> str | None:
-    """A warning when group or others may read ``path`` (a file of tokens), else None."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return None
-    if not mode & (stat.S_IRGRP | stat.S_IROTH):
-        return None
-    return f"{path}: group or others may read it (mode {stat.S_IMODE(mode):04o}), tokens included: chmod 600 it"
 
 
 def admin_token_clash(admin_token: str, tenants: Iterable[tuple[str, str, int]], where: str | os.PathLike) -> str | None:
@@ -217,7 +167,7 @@ class TenantDirectory:
     def from_config(cls, tenants_file: str, auth_token: str, secret_file: str = "",
                     admin_token: str = "") -> "TenantDirectory":
         """Tenants of a daemon. ``secret_file`` (needed with a tenants file): see :func:`load_secret`.
-        ``admin_token``: the operator's (`kvstore.config.DaemonConfig.operator_token`)."""
+        ``admin_token``: the operator's (`kvstore.daemon.config.DaemonConfig.operator_token`)."""
         if tenants_file:
             if not secret_file:
                 raise ValueError("a tenants_file needs a tenant_secret_file (created when missing)")

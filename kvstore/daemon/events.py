@@ -55,7 +55,7 @@ counted (``kvstore_events_replays{outcome}``) and logged once, then at most once
 count.
 
 Who can read them: the sockets carry no authentication, so the daemon confines them
-(``kvstore.config``): a ``tcp://`` address must be a loopback IP address (a name counts only if
+(``kvstore.daemon.config``): a ``tcp://`` address must be a loopback IP address (a name counts only if
 every address it resolves to is loopback), and a daemon with an ``auth_token`` publishes on
 ``ipc://`` only, since every local user reaches loopback TCP; ``events_public`` lifts both. An
 ``ipc://`` socket is created 0600 (umask at bind): only the daemon's user can connect.
@@ -233,7 +233,7 @@ class _Reply:
 class EventPublisher:
     """Publishes tier changes from a thread of its own.
 
-    ``stored`` and ``removed`` are called on the store's event loop (``kvstore.residency``, the
+    ``stored`` and ``removed`` are called on the store's event loop (``kvstore.daemon.residency``, the
     one path by which the store records a tier change) and only append to a deque; ``start``
     binds the sockets (OSError naming the address when one is taken) and starts the thread;
     ``close`` publishes what is queued and stops it. Counters: ``published`` (events sent),

@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Callable
 
 from kvstore.arena import MAX_LINE, Arena
-from kvstore.auth import Tenant, TenantDirectory
+from kvstore.daemon.auth import Tenant, TenantDirectory
 
-log = logging.getLogger("kvstore.arena_registry")
+log = logging.getLogger("kvstore.daemon.arena_registry")
 
 #: Arenas registered at once, all clients together (each holds the connection's fd and the mapping's).
 MAX_ARENAS = 256

@@ -18,18 +18,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from compression.calibration_store import CALIBRATION_DIR_ENV
 from kvstore.arena import arena_socket_path
-from kvstore.arena_registry import ArenaRegistry, ArenaSocket
-from kvstore.auth import TenantDirectory, s3_mac_key
-from kvstore.autocal import AUTO_SPEC, MAX_CALIBRATION_BYTES, AutoCalibrator, CalibrationTooLarge
+from kvstore.daemon.arena_registry import ArenaRegistry, ArenaSocket
+from kvstore.daemon.auth import TenantDirectory
+from kvstore.host import s3_mac_key
+from kvstore.daemon.autocal import AUTO_SPEC, MAX_CALIBRATION_BYTES, AutoCalibrator, CalibrationTooLarge
 from kvstore.block import BlockHeader, payload_checksum
-from kvstore.config import DaemonConfig, format_size
-from kvstore.data_channel import DataChannel, server_tls
-from kvstore.events import EventPublisher
+from kvstore.daemon.config import DaemonConfig, format_size
+from kvstore.daemon.data_channel import DataChannel, server_tls
+from kvstore.daemon.events import EventPublisher
 from kvstore.instance_lock import InstanceLock
-from kvstore.metrics import Metrics
-from kvstore.placement import BlockStore
-from kvstore.probes import ProbeServer
-from kvstore.server import SERVICE_NAME, KVStoreService, add_to_server
+from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.placement import BlockStore
+from kvstore.daemon.probes import ProbeServer
+from kvstore.daemon.server import SERVICE_NAME, KVStoreService, add_to_server
 from kvstore.shm_index import KeyIndexWriter, remove_stale_files
 from tiers.base import Tier
 from tiers.cpu import CpuTier
@@ -37,7 +38,7 @@ from tiers.disk import DiskTier
 from tiers.gpu import GpuTier
 from tiers.s3 import S3Tier
 
-log = logging.getLogger("kvstore.daemon")
+log = logging.getLogger("kvstore.daemon.process")
 
 
 class _BearerToken(grpc.aio.ServerInterceptor):
@@ -148,7 +149,7 @@ class Daemon:
         configured = {"disk": config.disk_codec, "s3": config.s3_codec}
         codecs = [None if t is tiers[0] or configured.get(t.name, "raw") == "raw" else configured[t.name]
                   for t in tiers]
-        #: kvtc@auto: the daemon calibrates each namespace from its first blocks (kvstore/autocal.py)
+        #: kvtc@auto: the daemon calibrates each namespace from its first blocks (kvstore/daemon/autocal.py)
         self.autocal = AutoCalibrator(config.auto_calibration_tokens, publish=self._publish_calibration,
                                       metrics=self.metrics, layer_group=config.auto_layer_group,
                                       max_calibration_bytes=min(MAX_CALIBRATION_BYTES, config.max_message_bytes // 2)
@@ -172,9 +173,9 @@ class Daemon:
         #: Shared memory is offered on unix sockets only (kvstore/arena.py).
         self.arena_socket: ArenaSocket | None = None
         self._socket_lock: InstanceLock | None = None
-        #: Raw Put/Get payloads for clients without shared memory, on data_listen (kvstore/data_channel.py).
+        #: Raw Put/Get payloads for clients without shared memory, on data_listen (kvstore/daemon/data_channel.py).
         self.data_channel: DataChannel | None = None
-        #: /metrics, /healthz, /readyz on metrics_listen (kvstore/probes.py); its heartbeat and the periodic summary.
+        #: /metrics, /healthz, /readyz on metrics_listen (kvstore/daemon/probes.py); its heartbeat and the periodic summary.
         self.probes: ProbeServer | None = None
         self._chores: list[asyncio.Task] = []
 
@@ -224,7 +225,7 @@ class Daemon:
                         "would show one tenant's keys to every subscriber", self.config.events_listen)
             return None
         if self.config.socket_path is not None and not self.config.events_public and "tcp://" in (
-                self.config.events_listen + self.config.events_replay):  # kvstore/config.py refuses wider ones
+                self.config.events_listen + self.config.events_replay):  # kvstore/daemon/config.py refuses wider ones
             log.warning("KV events on %s are readable by every local user, unlike the unix socket: use ipc:///path "
                         "(created 0600) to keep them to this user, or set events_public", self.config.events_listen)
         return EventPublisher(self.config.events_listen, [(t.name, t.shared) for t in tiers],
@@ -327,7 +328,7 @@ class Daemon:
             raise OSError(f"cannot listen on data_listen {config.data_listen}: {reason}") from None
 
     def _start_metrics(self) -> None:
-        """/metrics, /healthz and /readyz on metrics_listen (kvstore/probes.py), and the heartbeat
+        """/metrics, /healthz and /readyz on metrics_listen (kvstore/daemon/probes.py), and the heartbeat
         /healthz watches; an address that cannot be served fails the start."""
         top = self.store.tiers[0]
         try:

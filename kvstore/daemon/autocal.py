@@ -67,7 +67,7 @@ from compression.calibration import MAX_GROUP_CHANNELS, Allocation, Calibration
 from kvstore.block import BlockHeader, payload_checksum
 from kvstore.keys import KVLayout
 
-log = logging.getLogger("kvstore.autocal")
+log = logging.getLogger("kvstore.daemon.autocal")
 
 AUTO_SPEC = "kvtc@auto"
 #: Relative steps of the daemon's calibrations (docs/compression.md, "Calibrated by the daemon").
@@ -150,7 +150,7 @@ def relative_errors(block: torch.Tensor, decoded: torch.Tensor) -> tuple[torch.T
 @dataclasses.dataclass
 class _Namespace:
     layout: KVLayout
-    owner: object  # the tenant that Put it (kvstore.auth.Tenant): its calibration is stored under it
+    owner: object  # the tenant that Put it (kvstore.daemon.auth.Tenant): its calibration is stored under it
     memory: int = 0  # what its calibration is counted as against MAX_MEMORY
     layer_group: int = 1  # layers per row of the calibration it is to get
     checked: bool = False  # the calibration folder was looked at for one made before (by the sampler thread)

@@ -22,7 +22,7 @@ from kvstore.block import CorruptBlockError
 from tiers.base import TierError, TierUnavailableError
 
 if TYPE_CHECKING:
-    from kvstore.placement import BlockStore
+    from kvstore.daemon.placement import BlockStore
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Callable
 
-log = logging.getLogger("kvstore.probes")
+log = logging.getLogger("kvstore.daemon.probes")
 
 #: A daemon loop that has not stamped its heartbeat for this long fails liveness.
 LIVENESS_STALL_S = 10.0

@@ -35,21 +35,21 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator
 
 from kvstore.block import BlockHeader, payload_checksum
-from kvstore.config import ADMISSION_POLICIES, EVICTION_POLICIES
-from kvstore.holds import STREAM_HOLD_S, HoldRefused, Holds
+from kvstore.daemon.config import ADMISSION_POLICIES, EVICTION_POLICIES
+from kvstore.daemon.holds import STREAM_HOLD_S, HoldRefused, Holds
 from kvstore.keys import KVLayout, LookupResult
-from kvstore.log_limit import LogLimit
-from kvstore.metrics import Metrics
-from kvstore.promotion import Promoter
-from kvstore.reads import OFFLOAD_GET_BYTES, BlockGoneError, GetResult, Reader
-from kvstore.residency import Residency, WalkBudget
+from kvstore.daemon.log_limit import LogLimit
+from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.promotion import Promoter
+from kvstore.daemon.reads import OFFLOAD_GET_BYTES, BlockGoneError, GetResult, Reader
+from kvstore.daemon.residency import Residency, WalkBudget
 from kvstore.shm_index import TICK_S, KeyIndexWriter
-from kvstore.tier_io import READER_THREADS, TierIO
-from kvstore.write_behind import WriteBehind
+from kvstore.daemon.tier_io import READER_THREADS, TierIO
+from kvstore.daemon.write_behind import WriteBehind
 from tiers.base import Tier, TierError, TierFullError, TierUnavailableError
 
 if TYPE_CHECKING:
-    from kvstore.events import EventPublisher
+    from kvstore.daemon.events import EventPublisher
 
 __all__ = ["BUSY_WAIT_S", "DISCOVER_TIMEOUT_S", "OFFLOAD_GET_BYTES", "READER_THREADS", "STREAM_HOLD_S",
            "BlockGoneError", "BlockStore", "GetResult", "HoldRefused", "LookupResult"]
@@ -87,7 +87,7 @@ class BlockStore:
         self.discover_timeout_s = discover_timeout_s
         #: Same-host clients' view of which tier holds what (kvstore/shm_index.py); None: not published.
         self.key_index = key_index
-        #: KV events for routers (kvstore/events.py); None: not published. Started and closed by the daemon.
+        #: KV events for routers (kvstore/daemon/events.py); None: not published. Started and closed by the daemon.
         self.events = events
         #: Held by every change of what a tier holds, and by evictions.
         self.lock = asyncio.Lock()

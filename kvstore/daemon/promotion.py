@@ -25,9 +25,9 @@ from kvstore.block import BlockHeader
 from tiers.base import TierError, TierFullError, TierUnavailableError
 
 if TYPE_CHECKING:
-    from kvstore.placement import BlockStore
+    from kvstore.daemon.placement import BlockStore
 
-log = logging.getLogger("kvstore.promotion")
+log = logging.getLogger("kvstore.daemon.promotion")
 
 #: Block bytes that promotions in flight may hold at once (one larger block may run alone).
 MAX_PROMOTING_BYTES = 128 * 2**20

@@ -1,6 +1,6 @@
 """The gRPC handlers of ``kvstore.v1``: request validation, tenants' keys, the shared-memory arenas.
 
-The process around them (tiers, listening, auth, TLS, shutdown) is kvstore/daemon.py.
+The process around them (tiers, listening, auth, TLS, shutdown) is kvstore/daemon/process.py.
 
 Every RPC validates its input before touching the store and answers bad input with a status code
 and a message that names the problem; an unexpected exception is logged and answered INTERNAL,
@@ -21,15 +21,15 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from kvstore.arena_registry import ArenaNotFound, ArenaRegistry
-from kvstore.auth import ANONYMOUS, Tenant, TenantDirectory
+from kvstore.daemon.arena_registry import ArenaNotFound, ArenaRegistry
+from kvstore.daemon.auth import ANONYMOUS, Tenant, TenantDirectory
 from kvstore.block import BlockHeader
-from kvstore.budget import BudgetExhausted, ByteBudget
+from kvstore.daemon.budget import BudgetExhausted, ByteBudget
 from kvstore.keys import KEY_BYTES
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYER_COPIES, MAX_LAYERS, MAX_LEASE_MS
-from kvstore.log_limit import LogLimit
-from kvstore.placement import STREAM_HOLD_S, BlockGoneError, BlockStore, GetResult, HoldRefused
-from kvstore.residency import WalkBudget
+from kvstore.daemon.log_limit import LogLimit
+from kvstore.daemon.placement import STREAM_HOLD_S, BlockGoneError, BlockStore, GetResult, HoldRefused
+from kvstore.daemon.residency import WalkBudget
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.shm_index import REPORT_HEADER, parse_report
@@ -37,7 +37,7 @@ from kvstore.transcode import check_codec_params
 from kvstore.wire import encode_get_response, layout_from_message, layout_message
 from tiers.base import TierError, TierFullError
 
-log = logging.getLogger("kvstore.server")
+log = logging.getLogger("kvstore.daemon.server")
 
 #: Bytes a reply needs beyond its payloads, per result (metadata, field tags); a generous bound.
 RESULT_OVERHEAD = 512
@@ -163,22 +163,22 @@ class _Usage:
 
 class KVStoreService(pb_grpc.KVStoreServicer):
     """The RPC handlers. Keys and namespaces are mapped to the caller's tenant's stored ones on the
-    way in (kvstore/auth.py) and keys back on the way out, so tenants never see each other's blocks."""
+    way in (kvstore/daemon/auth.py) and keys back on the way out, so tenants never see each other's blocks."""
 
     def __init__(self, store: BlockStore, tenants: TenantDirectory | None = None,
                  arenas: ArenaRegistry | None = None, max_message_bytes: int = 256 * 2**20,
                  autocal=None, max_inline_bytes: int = 0) -> None:
         self.store = store
-        #: kvtc@auto's calibrator (kvstore/autocal.py), told which tenant Puts each namespace
+        #: kvtc@auto's calibrator (kvstore/daemon/autocal.py), told which tenant Puts each namespace
         self.autocal = autocal
         self.tenants = tenants or TenantDirectory([ANONYMOUS], required=False)
-        #: Arenas handed out on the arena socket (kvstore/arena_registry.py); empty without one.
+        #: Arenas handed out on the arena socket (kvstore/daemon/arena_registry.py); empty without one.
         self.arenas = arenas if arenas is not None else ArenaRegistry(max_arena_bytes=0, max_arenas_per_client=0)
         self.max_message_bytes = max_message_bytes
         #: Inline Get reply bytes and data-channel transfers in flight, all calls together
         #: (default: one message's worth).
         self.inline = ByteBudget(max_inline_bytes or max_message_bytes, "inline payloads")
-        #: The data channel's TCP port, told to clients in Stats (kvstore/data_channel.py); 0: none.
+        #: The data channel's TCP port, told to clients in Stats (kvstore/daemon/data_channel.py); 0: none.
         self.data_port = 0
         self._usage: dict[str, _Usage] = defaultdict(_Usage)
         #: Lines about refused holds: one per tenant a minute (a client renewing leases in a loop).
@@ -294,7 +294,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                          payloads: list[memoryview] | None = None) -> int:
         """Validate every item, then store them; the number stored. Payloads are the items' own
         (inline or an arena slice), or ``payloads``, one per item, as the data channel received
-        them (kvstore/data_channel.py; its items then carry neither)."""
+        them (kvstore/daemon/data_channel.py; its items then carry neither)."""
         stored_keys = self._stored_keys(tenant, [item.meta.key for item in request.items], "items")
         prepared: list[tuple[BlockHeader, memoryview, bytes]] = []
         inline = shared = 0

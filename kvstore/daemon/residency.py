@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 from kvstore.block import BlockHeader
-from kvstore.config import EVICTION_POLICIES
+from kvstore.daemon.config import EVICTION_POLICIES
 from kvstore.shm_index import KeyIndexWriter
-from kvstore.tier_io import TierIO
+from kvstore.daemon.tier_io import TierIO
 from tiers.base import Tier
 
 if TYPE_CHECKING:
-    from kvstore.events import EventPublisher
+    from kvstore.daemon.events import EventPublisher
 
 #: Most ancestors one use refreshes: a chain of 1,024 blocks is 256k tokens of 256-token chunks.
 MAX_WALK = 1024

@@ -14,7 +14,7 @@ message, and the payloads follow as they are (frames: kvstore/wire.py):
                                             ByteBudget for the reply's buffers, as a gRPC Get)
                                     <-      GET_REPLY(GetResponse) || payloads (sendall of views) | ERROR
 
-Validation, tenants' keys and the store calls are the gRPC handlers' own (kvstore/server.py); an
+Validation, tenants' keys and the store calls are the gRPC handlers' own (kvstore/daemon/server.py); an
 error answers with the code `server.status_of` maps it to. After an error the connection stays
 open when the stream is still in step (a refused Get; a Put whose payloads were read), and is
 closed otherwise (bad framing, a refused token, a Put refused before its payloads).
@@ -45,13 +45,13 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore.limits import MAX_ITEMS_PER_CALL
-from kvstore.log_limit import LogLimit
+from kvstore.daemon.log_limit import LogLimit
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.server import INLINE_WAIT_S, KVStoreService, status_of
+from kvstore.daemon.server import INLINE_WAIT_S, KVStoreService, status_of
 from kvstore.wire import (GET, GET_REPLY, HELLO, MAX_REQUEST_BYTES, MAX_TOKEN_BYTES, PUT, PUT_REPLY, READY,
                           error_frame, frame, recv_frame_head, recv_into_exactly)
 
-log = logging.getLogger("kvstore.data_channel")
+log = logging.getLogger("kvstore.daemon.data_channel")
 
 #: From accept to a known token (TLS handshake included), all of it: the accept loop closes later ones.
 HELLO_TIMEOUT_S = 5.0

@@ -6,7 +6,7 @@
         memory tier              ─► one Tier.read_many_into per tier, on the loop (no await)
         miss, or a copy that failed
                                  ─► get_into from the tiers below: a counted miss at the end
-    hit in a lower tier          ─► promotion to the top in the background (kvstore/promotion.py)
+    hit in a lower tier          ─► promotion to the top in the background (kvstore/daemon/promotion.py)
 
 A small read from a memory tier is synchronous (no await between finding and copying a block), so
 it needs no lock; large Gets copy CPU-tier blocks in worker threads, and the CPU tier frees the
@@ -27,7 +27,7 @@ from kvstore.block import BlockHeader, CorruptBlockError
 from tiers.base import Tier, TierUnavailableError
 
 if TYPE_CHECKING:
-    from kvstore.placement import BlockStore
+    from kvstore.daemon.placement import BlockStore
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from kvstore.host import default_cache_dir, default_listen, is_loopback_host, readable_by_others
+
 ENV_PREFIX = "KVSTORE_"
 WRITE_POLICIES = ("write-through", "write-back")
-#: Eviction orders a tier may keep (kvstore/residency.py) and which blocks lower tiers take
-#: (kvstore/placement.py); the first of each is the default.
+#: Eviction orders a tier may keep (kvstore/daemon/residency.py) and which blocks lower tiers take
+#: (kvstore/daemon/placement.py); the first of each is the default.
 EVICTION_POLICIES = ("prefix-lru", "lru")
 ADMISSION_POLICIES = ("all", "reused")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -97,36 +99,6 @@ def read_toml(path: str | os.PathLike, what: str) -> dict[str, Any]:
         raise ValueError(f"{what} {path}: not valid TOML: {exc}") from None
 
 
-def is_loopback_host(host: str) -> bool:
-    """True when ``host`` is a loopback IP address (``127.0.0.1``, ``[::1]``), or a name every
-    address of which is loopback: decided by the addresses, so ``localhost.example.com`` is not
-    loopback unless it resolves there. ``*``, ``0.0.0.0`` and names that do not resolve are not."""
-    import ipaddress
-    import socket
-
-    host = host.strip("[]")
-    try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        pass
-    try:
-        found = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except (socket.gaierror, UnicodeError, ValueError):
-        return False
-    return bool(found) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in found)
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvstore"
-
-
-def default_listen() -> str:
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    folder = Path(runtime) if runtime else default_cache_dir()
-    return f"unix:{folder / 'kvstore.sock'}"
-
-
 @dataclass(frozen=True)
 class DaemonConfig:
     #: gRPC address: ``unix:/path/to.sock`` (mode 0600) or ``host:port`` (TCP).
@@ -144,7 +116,7 @@ class DaemonConfig:
     disk_o_direct: bool = False
     #: Codec blocks are re-encoded into when they move down to disk: "raw" (exact), "int8",
     #: "int4", "int8+shuffle+zstd", "kvtc@<calibration id>", "kvtc@auto" (the daemon calibrates
-    #: each namespace from its first blocks: kvstore/autocal.py), ... (see docs/compression.md).
+    #: each namespace from its first blocks: kvstore/daemon/autocal.py), ... (see docs/compression.md).
     disk_codec: str = "raw"
     #: write-through: every put is also queued for the lower tiers; write-back: blocks move down
     #: only when evicted.
@@ -210,7 +182,7 @@ class DaemonConfig:
     #: promotions, write errors since the last line; queue depth); 0: none.
     summary_interval: float = 60.0
     #: KV events for routers (llm-d, Dynamo) in vLLM's wire format: the ZMQ PUB address the daemon
-    #: binds, ``tcp://HOST:PORT`` (or ``ipc:///path``); "" publishes none (kvstore/events.py).
+    #: binds, ``tcp://HOST:PORT`` (or ``ipc:///path``); "" publishes none (kvstore/daemon/events.py).
     #: Not published when tenants are configured. The sockets carry no authentication.
     events_listen: str = ""
     #: ZMQ ROUTER address answering replay requests (a start seq) with the buffered batches.
@@ -225,7 +197,7 @@ class DaemonConfig:
     auth_token: str = field(default="", repr=False)
     #: The operator's token (16 characters or more; with auth_token or tenants_file): a call carrying
     #: it may Clear and read the daemon-wide Stats, even with tenants; it is no tenant and stores,
-    #: reads or holds no blocks (kvstore/auth.py).
+    #: reads or holds no blocks (kvstore/daemon/auth.py).
     admin_token: str = field(default="", repr=False)
     #: A file holding the admin token (one line, mode 0600), so that it is not on a command line.
     admin_token_file: str = ""
@@ -234,9 +206,9 @@ class DaemonConfig:
     #: mode 0600 and needs no token.)
     allow_anonymous_loopback: bool = False
     #: TOML file of tenants (name, token, quota); every call then needs a tenant's token and sees
-    #: only that tenant's blocks (kvstore/auth.py).
+    #: only that tenant's blocks (kvstore/daemon/auth.py).
     tenants_file: str = ""
-    #: Server secret tenants' stored keys are derived under (kvstore/auth.py); created (0600) when
+    #: Server secret tenants' stored keys are derived under (kvstore/daemon/auth.py); created (0600) when
     #: missing. Hosts that share a bucket and tenants share this file. "": in the cache folder.
     tenant_secret_file: str = field(default_factory=lambda: str(default_cache_dir() / "tenant-secret"))
     #: Largest shared-memory arena one client may map, arenas one client process may hold, and
@@ -244,7 +216,7 @@ class DaemonConfig:
     max_arena_bytes: int = 2 * 2**30
     max_arenas_per_client: int = 8
     max_arena_total_bytes: int = 8 * 2**30
-    #: The data channel for clients without shared memory (kvstore/data_channel.py): a TCP
+    #: The data channel for clients without shared memory (kvstore/daemon/data_channel.py): a TCP
     #: ``host:port`` (port 0: any free one; clients learn it from Stats) where Put and Get payloads
     #: travel as raw bytes beside gRPC, with the same tokens and TLS; "" (default): none.
     data_listen: str = ""
@@ -336,7 +308,7 @@ class DaemonConfig:
                                  f"clear blocks: set KVSTORE_AUTH_TOKEN, or --allow-anonymous-loopback true, or listen "
                                  f"on a unix socket")
         if self.auth_token:
-            from kvstore.auth import token_too_short
+            from kvstore.daemon.auth import token_too_short
 
             short = token_too_short(self.auth_token)
             if short:
@@ -344,7 +316,7 @@ class DaemonConfig:
         if self.admin_token and self.admin_token_file:
             raise ValueError("admin_token and admin_token_file are both set: give the admin token one way")
         if self.admin_token:
-            from kvstore.auth import token_too_short
+            from kvstore.daemon.auth import token_too_short
 
             short = token_too_short(self.admin_token)
             if short:
@@ -383,7 +355,7 @@ class DaemonConfig:
         neither is set."""
         if not self.admin_token_file:
             return self.admin_token
-        from kvstore.auth import readable_by_others, token_too_short
+        from kvstore.daemon.auth import token_too_short
 
         where = f"admin_token_file {self.admin_token_file}"
         token = read_text(self.admin_token_file, "admin_token_file").strip()
@@ -396,7 +368,7 @@ class DaemonConfig:
             raise ValueError(f"{where}: the admin token must differ from auth_token")
         warning = readable_by_others(self.admin_token_file) if warn else None
         if warning:
-            logging.getLogger("kvstore.config").warning("admin_token_file %s", warning)
+            logging.getLogger("kvstore.daemon.config").warning("admin_token_file %s", warning)
         return token
 
     @property
@@ -441,7 +413,7 @@ def load_config(file: str | os.PathLike | None = None, overrides: Mapping[str, A
     Raises ValueError naming the source of a bad value: the file and key, the variable, or the flag
     (see the module docstring). A ``tenants_file`` is read here once too, so that a missing,
     non-UTF-8 or malformed one, or a bad tenant in it, is named before the daemon starts
-    (kvstore/auth.py parses it). A ``file`` holding an auth_token that others may read is a warning.
+    (kvstore/daemon/auth.py parses it). A ``file`` holding an auth_token that others may read is a warning.
     """
     values: dict[str, Any] = {}
     #: Where each value came from, as the error messages name it.
@@ -478,16 +450,15 @@ def load_config(file: str | os.PathLike | None = None, overrides: Mapping[str, A
         raise ValueError(f"{exc} (from {sources[named]})" if named else str(exc)) from None
     admin = config.operator_token(warn=False)  # ValueError naming admin_token_file; the daemon warns
     if config.tenants_file:
-        from kvstore.auth import admin_token_clash, read_tenants
+        from kvstore.daemon.auth import admin_token_clash, read_tenants
 
         tenants = read_tenants(config.tenants_file)  # ValueError naming the file, the tenant and the key
         clash = admin_token_clash(admin, tenants, config.tenants_file)
         if clash:
             raise ValueError(clash)
     if file and ("auth_token" in table or "admin_token" in table):
-        from kvstore.auth import readable_by_others
 
-        warning = readable_by_others(file)  # as for a tenants file: a warning at start (kvstore/auth.py)
+        warning = readable_by_others(file)  # as for a tenants file: a warning at start (kvstore/daemon/auth.py)
         if warning:
-            logging.getLogger("kvstore.config").warning("config file %s", warning)
+            logging.getLogger("kvstore.daemon.config").warning("config file %s", warning)
     return config

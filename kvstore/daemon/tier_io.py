@@ -60,7 +60,7 @@ class TierIO:
     async def encoded(self, spec, header: BlockHeader, payload: memoryview) -> tuple[BlockHeader, memoryview]:
         """The block re-encoded into codec ``spec`` (in a reader thread), or as it is (None, or its
         codec). ``spec`` may also be a transcoder with the signature of `transcode` less the spec
-        (`kvstore.autocal.AutoCalibrator`: kvtc@auto)."""
+        (`kvstore.daemon.autocal.AutoCalibrator`: kvtc@auto)."""
         if spec is None or spec == header.codec:
             return header, payload
         loop = asyncio.get_running_loop()

@@ -1,0 +1,17 @@
+"""The cache daemon: one process serving kvstore.v1 over gRPC next to an inference engine.
+
+This floor stands on the ground floor, ``kvstore/`` (block format, keys and layouts, dtypes, wire
+conversion, limits, the arena protocol, the shared key index, this host's defaults and secret)
+and on ``tiers/``; nothing below it imports it. Its modules, by role:
+
+- serving: ``process.py`` (the process: tiers from config, listening, TLS, the token interceptor,
+  health, metrics, orderly shutdown), ``server.py`` (the gRPC handlers), ``data_channel.py`` (raw
+  payloads beside gRPC for clients without shared memory), ``probes.py``, ``config.py``,
+  ``auth.py`` (tenants), ``arena_registry.py`` (arenas handed to same-host clients);
+- the store: ``placement.py`` (``BlockStore``), ``residency.py``, ``holds.py``, ``reads.py``,
+  ``promotion.py``, ``write_behind.py``, ``tier_io.py``, ``autocal.py``;
+- what operators and routers read: ``metrics.py``, ``events.py``;
+- small parts: ``budget.py``, ``log_limit.py``.
+
+The package imports nothing itself, so ``import kvstore.daemon.config`` costs only that module.
+"""
