@@ -28,6 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path("bench") / "daemon_throughput.py"
+#: The benchmark's files, copied into the old revision's worktree so that both sides run the same code.
+BENCH_FILES = (BENCH, Path("bench") / "daemon_clients.py")
 #: The short run the #13 comparisons used (about 50 s per run on 2 cores).
 #: No remote rounds: revisions before the data channel (#42) have none to measure.
 BENCH_ARGS = ["--clients", "1", "8", "--rounds", "7", "--lookup-calls", "50", "--get-passes", "1", "--remote-rounds", "0"]
@@ -83,7 +85,8 @@ def main() -> int:
                                capture_output=True, text=True)
         if added.returncode:
             raise SystemExit(f"cannot check out {args.old!r}: {added.stderr.strip()}")
-        shutil.copy(ROOT / BENCH, old_tree / BENCH)
+        for path in BENCH_FILES:
+            shutil.copy(ROOT / path, old_tree / path)
         runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
         for pair in range(args.pairs):
             for side in (("old", "new") if pair % 2 == 0 else ("new", "old")):

@@ -1,6 +1,6 @@
 """The blend case of `bench/codec_quality.py` (``--blend``): chunks stored through a codec, then blended.
 
-Each question's passages are cut as `bench/reuse_vs_rag.build_prompt` cuts them (`blend_parts`),
+Each question's passages are cut as `bench/musique.build_prompt` cuts them (`blend_parts`),
 each computed alone and stored as one float16 block (`segment_blocks`, cached on disk), passed
 through the codec and blended with CacheBlend (`blend_first_logits`); the bench compares the
 first token's logits against the same blend over the fp16-stored blocks.
@@ -19,8 +19,8 @@ from engine_adapter.model import LlamaModel
 
 
 def blend_parts(tokenizer, data: Path, index: int):
-    """The question's 10 passages as `bench/reuse_vs_rag.build_prompt` cuts them: prefix, chunks, query."""
-    from bench.reuse_vs_rag import build_prompt
+    """The question's 10 passages as `bench/musique.build_prompt` cuts them: prefix, chunks, query."""
+    from bench.musique import build_prompt
 
     item = json.loads(data.read_text())[index]
     return build_prompt(tokenizer, [p["text"] for p in item["ctxs"]], item["question"])

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from bench.prefix_reuse import o_direct_read_gbps as read_ceiling_gbps
-from bench.prefix_reuse import put_chunks, wait_in_tier
+from bench.warm_prefix import o_direct_read_gbps as read_ceiling_gbps
+from bench.warm_prefix import put_chunks, wait_in_tier
 from compression import calibration_store
 from compression.transform import TransformCodec
 from engine_adapter.cached import CachedEngine
@@ -29,7 +29,7 @@ EVICTING_CPU_CHUNKS = 2
 
 def o_direct_read_gbps(folder: Path, nbytes: int, piece: int) -> float:
     """The disk tier's read ceiling: GB/s reading ``nbytes`` with O_DIRECT in ``piece``-byte reads (one block
-    each, as ``--disk-o-direct true`` reads), best of 2 (`bench/prefix_reuse.py`'s measure)."""
+    each, as ``--disk-o-direct true`` reads), best of 2 (`bench/warm_prefix.py`'s measure)."""
     folder.mkdir(parents=True, exist_ok=True)
     return read_ceiling_gbps(folder, nbytes, piece)
 

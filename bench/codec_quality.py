@@ -76,7 +76,7 @@ from bench.codec_kvtc import kvtc_codecs  # noqa: E402
 from compression import get_codec  # noqa: E402
 from engine_adapter.generate import decode_loop, prefill  # noqa: E402
 from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
-from reuse_vs_rag import MUSIQUE_DEV, f1_score, musique_items  # noqa: E402  (the benches' one data path, its check, F1)
+from bench.musique import MUSIQUE_DEV, f1_score, musique_items  # noqa: E402  (the benches' one data path, its check, F1)
 from codec_disk import disk_ttft, o_direct_read_gbps, print_disk_ttft  # noqa: E402
 
 DEFAULT_CODECS = (
@@ -360,7 +360,7 @@ def main() -> int:
         flips = ", ".join(f"{i} ({margin[i]:.3f})" for i in r["first_flipped"]) or "-"
         print(f"| {r['codec']} | {r['questions_worse']} of {len(questions)} | {flips} |")
     if args.blend:
-        print(f"\nBlend case: each question's passages (prefix + 10 chunks, `bench/reuse_vs_rag.build_prompt`) "
+        print(f"\nBlend case: each question's passages (prefix + 10 chunks, `bench/musique.build_prompt`) "
               f"stored one block per chunk through the codec, blended at r = {args.blend_ratio} "
               f"({len(questions)} prompts); first-token KL against the same blend over the fp16-stored chunks\n")
         print("| codec | blend first KL mean | max | first agree % |")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import mmap
-import multiprocessing
 import os
 import shutil
 import socket
@@ -29,7 +28,6 @@ import threading
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -37,36 +35,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine_adapter.client import KVStoreClient
+from bench.daemon_clients import (  # noqa: E402  (the blocks and one client's work)
+    BLOCK, CHUNK, blocks_for, client_get, client_put, keys_for, lookup_latencies, namespace, run_clients)
+from engine_adapter.client import KVStoreClient  # noqa: E402
 from kvstore.spawn import DaemonProcess  # noqa: E402
-from kvstore.keys import KVLayout, Namespace, prefix_keys  # noqa: E402
-
-LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16")
-CHUNK = 256
-BLOCK = LAYOUT.block_bytes(CHUNK)
-LOOKUP_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")  # 8 KiB blocks
-
-
-def namespace(client_id: int) -> Namespace:
-    return Namespace(f"bench-{client_id}", LAYOUT, chunk_tokens=CHUNK)
-
-
-def keys_for(client_id: int, n: int) -> list[bytes]:
-    rng = np.random.default_rng(client_id)
-    return prefix_keys(namespace(client_id), rng.integers(0, 49152, size=n * CHUNK))
-
-
-def blocks_for(client_id: int, n: int) -> tuple[list[bytes], list[np.ndarray]]:
-    rng = np.random.default_rng(10_000 + client_id)
-    payloads = [rng.standard_normal(BLOCK // 2).astype(np.float16) for _ in range(n)]
-    return keys_for(client_id, n), payloads
-
-
-def wait_until(ready) -> None:
-    """Line up the clients of one run: every client's set-up (payloads, connection, arena) ends
-    before any timing starts. ``ready`` is a barrier shared by the run's clients (None: one client)."""
-    if ready is not None:
-        ready.wait(timeout=900)
 
 
 def start_daemon(folder: Path, **settings) -> tuple[DaemonProcess, str]:
@@ -76,96 +48,6 @@ def start_daemon(folder: Path, **settings) -> tuple[DaemonProcess, str]:
 
 def stop_daemon(daemon: DaemonProcess) -> None:
     daemon.stop()
-
-
-# -- one client's work (runs in a worker process for the multi-client cases) -----------------------
-
-
-def client_put(args) -> tuple[float, int]:
-    address, client_id, n, shm, batch, ready = args
-    keys, payloads = blocks_for(client_id, n)
-    ns = namespace(client_id)
-    with KVStoreClient(address, shared_memory=shm, arena_bytes=(batch + 2) * (BLOCK + 8192) * 2) as client:
-        wait_until(ready)
-        start = time.perf_counter()
-        for i in range(0, n, batch):
-            client.put(ns, [(k, CHUNK, p) for k, p in zip(keys[i:i + batch], payloads[i:i + batch])])
-        return time.perf_counter() - start, n * BLOCK
-
-
-def client_get(args) -> tuple[float, int]:
-    """``passes`` timed Gets of the client's ``n`` blocks, after one untimed pass (connection,
-    first calls), so that with few blocks per client the run is not one call per client."""
-    address, client_id, n, shm, batch, ready, passes = args
-    keys = keys_for(client_id, n)
-
-    def one_pass() -> int:
-        got = 0
-        for i in range(0, n, batch):
-            with client.fetch(keys[i:i + batch], BLOCK) as fetched:
-                got += sum(len(b.payload) for b in fetched if b is not None)
-        if got != n * BLOCK:
-            raise RuntimeError(f"client {client_id}: got {got} of {n * BLOCK} bytes (blocks missing)")
-        return got
-
-    with KVStoreClient(address, shared_memory=shm, arena_bytes=(batch + 2) * (BLOCK + 8192) * 2) as client:
-        one_pass()
-        wait_until(ready)
-        start = time.perf_counter()
-        got = sum(one_pass() for _ in range(passes))
-        return time.perf_counter() - start, got
-
-
-def client_lookups(args) -> tuple[list[float], int]:
-    """``calls`` Lookups of ``n`` keys; ``interval`` > 0 paces them (an engine's request rate).
-    ``local``: a same-host client answering from the daemon's shared key index; else every Lookup
-    is an RPC."""
-    address, client_id, n, calls, interval, ready, local = args
-    # Lookup cost does not depend on block size: the keys are stored with tiny blocks first.
-    ns = Namespace(f"bench-lookup-{client_id}", LOOKUP_LAYOUT, chunk_tokens=CHUNK)
-    keys = prefix_keys(ns, np.random.default_rng(client_id).integers(0, 49152, size=n * CHUNK))
-    tiny = np.random.default_rng(client_id).standard_normal(LOOKUP_LAYOUT.block_bytes(CHUNK) // 2).astype(np.float16)
-    latencies = []
-    with KVStoreClient(address, shared_memory=local, arena_bytes=2**20, local_lookup=local) as client:
-        client.put(ns, [(k, CHUNK, tiny) for k in keys])
-        if client.lookup(keys).hits != n:
-            raise RuntimeError(f"client {client_id}: its {n} keys are not all stored")
-        wait_until(ready)
-        next_call = time.perf_counter()
-        for _ in range(calls):
-            start = time.perf_counter()
-            client.lookup(keys)
-            latencies.append(time.perf_counter() - start)
-            next_call += interval
-            pause = next_call - time.perf_counter()
-            if pause > 0:
-                time.sleep(pause)
-        fallbacks = client.rpc_lookups if local else 0
-    return latencies, fallbacks
-
-
-def run_clients(fn, clients: int, make_args) -> float:
-    """Aggregate GB/s of ``clients`` processes running ``fn`` together, timed by the slowest."""
-    if clients == 1:
-        elapsed, nbytes = fn(make_args(0, None))
-        return nbytes / elapsed / 1e9
-    with multiprocessing.Manager() as manager, ProcessPoolExecutor(clients) as pool:
-        ready = manager.Barrier(clients)
-        results = list(pool.map(fn, [make_args(i, ready) for i in range(clients)]))
-    return sum(b for _, b in results) / max(e for e, _ in results) / 1e9
-
-
-def lookup_latencies(address: str, clients: int, calls: int, interval: float, local: bool) -> dict:
-    with multiprocessing.Manager() as manager, ProcessPoolExecutor(clients) as pool:
-        ready = manager.Barrier(clients)
-        results = list(pool.map(client_lookups, [(address, 1000 + i, 32, calls, interval, ready, local)
-                                                 for i in range(clients)]))
-    lat = [x for latencies, _ in results for x in latencies]
-    fallbacks = sum(f for _, f in results)
-    lat_ms = sorted(x * 1e3 for x in lat)
-    return {"calls": len(lat_ms), "interval_ms": interval * 1e3, "rpc_fallbacks": fallbacks,
-            "p50": statistics.median(lat_ms),
-            "p99": lat_ms[int(len(lat_ms) * 0.99) - 1]}
 
 
 # -- baselines ---------------------------------------------------------------------------------------

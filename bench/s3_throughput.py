@@ -143,7 +143,7 @@ def ttft(endpoint: str, folder: Path, context: int, repeats: int, threads: int) 
     from engine_adapter.loader import find_smollm2_gguf, load_gguf
     from engine_adapter.prompts import document_prompt
     from kvstore.keys import prefix_keys
-    from prefix_reuse import load_corpus, run_engine, start_daemon, stop_daemon, store_context
+    from bench.warm_prefix import load_corpus, run_engine, start_daemon, stop_daemon, store_context
 
     torch.set_num_threads(threads)
     model, tokenizer = load_gguf(find_smollm2_gguf(), dtype=torch.float32)

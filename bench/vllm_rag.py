@@ -50,7 +50,7 @@ from engine_adapter.loader import load_hf_folder  # noqa: E402
 from engine_adapter.vllm.blend import BLEND_PARAM  # noqa: E402
 from engine_adapter.vllm.hf_folder import write_hf_folder  # noqa: E402
 from kvstore.spawn import DaemonProcess  # noqa: E402
-from reuse_vs_rag import MUSIQUE_DEV, SEP, bm25_top_k, build_prompt, f1_score, musique_items, prompt_text  # noqa: E402
+from bench.musique import MUSIQUE_DEV, SEP, bm25_top_k, build_prompt, f1_score, musique_items, prompt_text  # noqa: E402
 
 
 def kl(ref: list[float] | torch.Tensor, other: list[float] | torch.Tensor) -> float:

@@ -549,9 +549,9 @@ def test_smollm2_attention_selectors_beat_naive_reuse_on_musique(monkeypatch):
     data_path = root.parent / "shared" / "data" / "musique" / "dev.json"
     if not data_path.exists():
         pytest.skip(f"no MuSiQue at {data_path}")
-    spec = importlib.util.spec_from_file_location("reuse_vs_rag", root / "bench" / "reuse_vs_rag.py")
+    spec = importlib.util.spec_from_file_location("musique", root / "bench" / "musique.py")
     bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "reuse_vs_rag", bench)  # its dataclasses look themselves up there
+    monkeypatch.setitem(sys.modules, "musique", bench)  # its dataclasses look themselves up there
     spec.loader.exec_module(bench)
     torch.set_num_threads(1)
     model, tokenizer = load_gguf(find_smollm2_gguf(), dtype=torch.float32)

@@ -33,7 +33,7 @@ from tests.test_vllm import run_vllm  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from codec_blend import blend_parts  # noqa: E402
-from reuse_vs_rag import MUSIQUE_DEV, SEP, prompt_text  # noqa: E402
+from musique import MUSIQUE_DEV, SEP, prompt_text  # noqa: E402
 from vllm_rag import kl  # noqa: E402
 
 MODES = ("full", "ratio 1 (passages computed alone)", "ratio 0.15", "naive (ratio 0)", "bad parameters",

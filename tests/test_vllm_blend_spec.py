@@ -126,7 +126,7 @@ def test_a_passage_has_the_same_tokens_in_every_prompt(tokenizer):
     # same tokens (so one chunk key) wherever it appears, and they are the ones BlendEngine cuts
     # with split_prompt(whole=True).
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    from reuse_vs_rag import MUSIQUE_DEV, SEP as BENCH_SEP, prompt_text
+    from musique import MUSIQUE_DEV, SEP as BENCH_SEP, prompt_text
 
     if not MUSIQUE_DEV.is_file():
         pytest.skip(f"MuSiQue data not found at {MUSIQUE_DEV}")
