@@ -8,7 +8,8 @@ import pytest
 from kvstore.daemon.budget import BudgetExhausted
 from kvstore.daemon.holds import HoldRefused
 from kvstore.daemon.reads import BlockGoneError
-from kvstore.daemon.server import BadRequest, _abort
+from kvstore.daemon.server import _abort
+from kvstore.daemon.transfers import BadRequest
 from tiers.base import TierError, TierFullError, TierUnavailableError
 
 

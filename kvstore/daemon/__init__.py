@@ -5,9 +5,12 @@ conversion, limits, the arena protocol, the shared key index, this host's defaul
 and on ``tiers/``; nothing below it imports it. Its modules, by role:
 
 - serving: ``process.py`` (the process: tiers from config, listening, TLS, the token interceptor,
-  health, metrics, orderly shutdown), ``server.py`` (the gRPC handlers), ``data_channel.py`` (raw
-  payloads beside gRPC for clients without shared memory), ``probes.py``, ``config.py``,
-  ``auth.py`` (tenants), ``arena_registry.py`` (arenas handed to same-host clients);
+  health, metrics, orderly shutdown), ``server.py`` (the gRPC handlers), ``transfers.py`` (Put and
+  Get for a tenant, shared by gRPC and the data channel: validation, tenants' keys, byte bounds,
+  the error-to-status map), ``data_channel.py`` (raw payloads beside gRPC for clients without
+  shared memory), ``data_admission.py`` (its connection slots and tenants' shares),
+  ``probes.py``, ``config.py``, ``auth.py`` (tenants), ``arena_registry.py`` (arenas handed to
+  same-host clients);
 - the store: ``placement.py`` (``BlockStore``), ``residency.py``, ``holds.py``, ``reads.py``,
   ``promotion.py``, ``write_behind.py``, ``tier_io.py``, ``autocal.py``;
 - what operators and routers read: ``metrics.py``, ``events.py``;

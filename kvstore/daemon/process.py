@@ -31,6 +31,7 @@ from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.placement import BlockStore
 from kvstore.daemon.probes import ProbeServer
 from kvstore.daemon.server import SERVICE_NAME, KVStoreService, add_to_server
+from kvstore.daemon.transfers import Transfers
 from kvstore.shm_index import KeyIndexWriter, remove_stale_files
 from tiers.base import Tier
 from tiers.cpu import CpuTier
@@ -167,8 +168,10 @@ class Daemon:
                                 tenants=sum(1 for t in self.tenants.tenants if t.name))
         self.arenas = ArenaRegistry(config.max_arena_bytes, config.max_arenas_per_client,
                                     config.max_arena_total_bytes, len(self.tenants.tenants))
-        self.service = KVStoreService(self.store, self.tenants, self.arenas, config.max_message_bytes,
-                                      autocal=self.autocal, max_inline_bytes=config.max_inline_bytes)
+        #: Put and Get for both transports: the gRPC handlers and the data channel.
+        self.transfers = Transfers(self.store, self.tenants, self.arenas, config.max_message_bytes,
+                                   autocal=self.autocal, max_inline_bytes=config.max_inline_bytes)
+        self.service = KVStoreService(self.transfers)
         self.server: grpc.aio.Server | None = None
         #: Shared memory is offered on unix sockets only (kvstore/arena.py).
         self.arena_socket: ArenaSocket | None = None
@@ -317,7 +320,7 @@ class Daemon:
         an address that cannot be bound fails the start."""
         config = self.config
         tls = server_tls(config.tls_cert, config.tls_key) if config.tls_cert else None
-        self.data_channel = DataChannel(config.data_listen, self.service, self._loop, tls,
+        self.data_channel = DataChannel(config.data_listen, self.transfers, self._loop, tls,
                                         max_connections=config.data_max_connections,
                                         max_message_bytes=config.max_message_bytes)
         try:
