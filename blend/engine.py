@@ -31,7 +31,8 @@ from blend.controller import LoadingController, Ratio
 from blend.recompute import blend_prefill
 from blend.select import DEFAULT_SELECTOR, TokenSelector, get_selector
 from engine_adapter.cached import model_namespace
-from engine_adapter.client import FetchedBlock, KVStoreClient
+from engine_adapter.blocks import FetchedBlock
+from engine_adapter.client import KVStoreClient
 from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
 from engine_adapter.generate import decode_after, sample_next
 from engine_adapter.model import KVCache, LlamaModel

@@ -2,13 +2,15 @@
 
 Transport is chosen at connect time. On a unix socket the client asks the daemon for a shared-memory
 arena (a sealed memfd handed over the arena socket, kvstore/arena.py); Put and Get then move block
-bytes through it and gRPC carries offsets only. Without one (TCP, another host) the bytes travel
-on the daemon's data channel when it offers one (raw bytes beside gRPC, same token and TLS:
-engine_adapter/data_channel.py), else inline in the messages. The calls are the same either way.
+bytes through it (arena_calls.py; its space: arena_space.py) and gRPC carries offsets only. Without
+one (TCP, another host) the bytes travel on the daemon's data channel when it offers one (raw bytes
+beside gRPC, same token and TLS: engine_adapter/data_channel.py), else inline in the messages. The
+calls are the same either way.
 
 A same-host client also maps the daemon's key index (kvstore/shm_index.py) and answers ``lookup``
 from it without a round trip; it asks the daemon when the index cannot answer (the daemon stopped,
-a miss that a shared S3 tier may still hold, a key of the wrong size).
+a miss that a shared S3 tier may still hold, a key of the wrong size), and reports those Lookups
+to the daemon (lookup_tally.py).
 
     client = KVStoreClient("unix:/run/user/1000/kvstore.sock")
     hits = client.lookup(keys)                               # LookupResult(hits, tiers)
@@ -27,66 +29,32 @@ import json
 import logging
 import os
 import threading
-import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import grpc
-import numpy as np
 
+from engine_adapter import arena_calls
+from engine_adapter.arena_space import ArenaSpace, batches, slot_bytes
+from engine_adapter.blocks import FetchedBlock, LayerStream, fetched_block, payload_view
+from engine_adapter.data_channel import DataChannelError, DataChannelPool, open_pool
+from engine_adapter.lookup_tally import REPORT_TIMEOUT_S, LookupTally
 from kvstore.arena import Arena, ArenaLease, arena_socket_path
 from kvstore.host import default_listen
-from engine_adapter.data_channel import DataChannelError, DataChannelPool, open_pool
 from kvstore.connect import (PYTHON_OPTIONS, OptionNames, client_tls, data_channel_address, explain, is_unix,
                              open_channel, plaintext_token_refusal, resolve_token)
-from kvstore.keys import KEY_BYTES, KVLayout, LookupResult, Namespace
+from kvstore.keys import KEY_BYTES, LookupResult, Namespace
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.shm_index import MAX_REPORT, REPORT_HEADER, REPORT_S, KeyIndexReader, format_report
-from kvstore.wire import layout_from_message, layout_message
-from tiers.allocator import ExtentAllocator
+from kvstore.shm_index import KeyIndexReader
+from kvstore.wire import layout_message
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FetchedBlock:
-    key: bytes
-    layout: KVLayout
-    tokens: int
-    codec: str
-    codec_params: dict[str, Any]
-    tier: str
-    payload: memoryview
-    # the payload decoded ahead (`engine_adapter.prefix_cache.fetch_blocks` decodes a batch's
-    # coded blocks on its pool); `fetched_tensor` returns it instead of decoding again
-    decoded: Any = None
-
-
-def payload_view(payload: Any) -> memoryview:
-    """Bytes of a payload given as bytes-like, a numpy array or a CPU torch tensor (no copy)."""
-    if hasattr(payload, "detach") and hasattr(payload, "is_contiguous"):  # torch.Tensor
-        import torch
-
-        tensor = payload.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
-        return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-    if isinstance(payload, np.ndarray):
-        return memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
-    return memoryview(payload).cast("B")
 
 
 #: Data-channel refusals a call answers by going inline in gRPC instead: connections or bytes at
 #: their cap, or the daemon stopping its channel.
 BUSY = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
-
-#: The least a Put of a pipelined batch carries (about 0.5 ms of copying on a fast host): a
-#: smaller batch goes in one Put.
-PIPELINE_PART_BYTES = 4 << 20
 
 
 class KVStoreClient:
@@ -121,18 +89,13 @@ class KVStoreClient:
         self._lease: ArenaLease | None = None
         self._token = token
         self._arena_id = 0
-        self._allocator: ExtentAllocator | None = None
-        self._space = threading.Condition()
+        self._space: ArenaSpace | None = None  # the arena's extents, once there is one
         self._index: KeyIndexReader | None = None
         self._index_lock = threading.Lock()
         self._local_lookup = local_lookup
         #: Lookups answered from the shared key index and over gRPC (for tests and benchmarks).
         self.local_lookups = self.rpc_lookups = 0
-        #: Local Lookups not yet reported to the daemon: keys asked, hits, calls (under _index_lock).
-        #: The next call to the daemon carries them (`_call`), or the reporter thread after REPORT_S.
-        self._unreported = [0, 0, 0]
-        self._reporter: threading.Thread | None = None
-        self._closing = threading.Event()
+        self._tally = LookupTally()  # local Lookups the daemon has not counted yet
         self._insecure, self._max_message_bytes = insecure, max_message_bytes
         #: The daemon's data channel, asked for at the first Put or Get without an arena
         #: (`_data_channel`); False: it offers none, or it cannot be used from here.
@@ -154,7 +117,7 @@ class KVStoreClient:
         lease = ArenaLease.request(arena_socket_path(self.address), size, self._token, timeout=self.timeout)
         lease.arena.prefault()
         self._lease, self._arena, self._arena_id = lease, lease.arena, lease.arena_id
-        self._allocator = ExtentAllocator(size, align=_ARENA_ALIGN)
+        self._space = ArenaSpace(size)
         if lease.index_name and self._local_lookup:
             try:
                 self._index = KeyIndexReader.attach(lease.index_name)
@@ -222,11 +185,9 @@ class KVStoreClient:
                 from None
 
     def close(self) -> None:
-        self._closing.set()
-        if self._reporter is not None:
-            self._reporter.join(timeout=_REPORT_TIMEOUT_S)
+        self._tally.stop()
         try:
-            self._report(timeout=_REPORT_TIMEOUT_S, calls=8)  # the last tally: a closed client loses none
+            self._report(timeout=REPORT_TIMEOUT_S, calls=8)  # the last tally: a closed client loses none
         except (grpc.RpcError, ValueError):  # the daemon is gone (its counts with it), or closed already
             pass
         if self._lease is not None:
@@ -250,118 +211,20 @@ class KVStoreClient:
 
     def _call(self, method, request, timeout: float | None = None):
         metadata = self._metadata
-        if self._unreported[0] or self._unreported[2]:
-            metadata += self._take_report()
+        if self._tally:
+            metadata += self._tally.take()
         return method(request, timeout=timeout or self.timeout, metadata=metadata)
-
-    # -- local Lookups' tally (kvstore/shm_index.py, "Counting") -----------------------------
-
-    def _take_report(self) -> tuple[tuple[str, str], ...]:
-        """The unreported tally as metadata for one call (at most MAX_REPORT of each; the rest
-        waits for the next call). Taken once: if the call fails, the daemon never counts it."""
-        with self._index_lock:
-            tally = self._unreported
-            keys, calls = min(tally[0], MAX_REPORT), min(tally[2], MAX_REPORT)
-            hits = min(tally[1], keys)
-            if not keys and not calls:
-                return ()
-            tally[0] -= keys
-            tally[1] -= hits
-            tally[2] -= calls
-        return ((REPORT_HEADER, format_report(keys, hits, calls)),)
 
     def _report(self, timeout: float, calls: int = 1) -> None:
         """Send the tally now, if any, in up to ``calls`` empty Lookups (which count as nothing else)."""
         for _ in range(calls):
-            if not (self._unreported[0] or self._unreported[2]):
+            if not self._tally:
                 return
             self._call(self._stub.Lookup, pb.LookupRequest(), timeout=timeout)
 
-    def _start_reporter(self) -> None:
-        """The thread that sends a tally no other call carried within REPORT_S (started with the
-        first local Lookup, an empty one included; it holds no reference to the client, so an
-        unclosed client is collected)."""
-        self._reporter = threading.Thread(target=_report_loop, args=(weakref.ref(self), self._closing),
-                                          name="kvstore-lookup-report", daemon=True)
-        self._reporter.start()
-
-    # -- arena slices -------------------------------------------------------------------------
-    #
-    # The arena budget, one way for put, fetch and fetch_layers: a call needs the sum of
-    # `_slot_bytes` of its items. A call may take the whole arena (`_slices` refuses more: it could
-    # never be served); put's batches and `max_fetch_blocks` plan for half of it, so that a
-    # background store and a load share the arena instead of queueing behind each other.
-
-    @contextlib.contextmanager
-    def _slices(self, sizes: Sequence[int]) -> Iterator[list[int]]:
-        """Reserve arena extents for one call, waiting while other threads hold the space;
-        ValueError when the call needs more than the whole arena."""
-        offsets = self._reserve_waiting(sizes)
-        try:
-            yield offsets
-        finally:
-            self._free(offsets)
-
-    def _reserve_waiting(self, sizes: Sequence[int]) -> list[int]:
-        """Arena extents for ``sizes``, waiting while other threads hold the space (the caller
-        holds none); ValueError when they need more than the whole arena."""
-        assert self._allocator is not None
-        needed = sum(_slot_bytes(s) for s in sizes)
-        if needed > self._allocator.capacity:
-            raise ValueError(f"{len(sizes)} blocks of up to {max(sizes)} bytes need {needed} arena bytes; the "
-                             f"arena has {self._allocator.capacity}: move fewer blocks per call (see "
-                             f"max_fetch_blocks) or create the client with a larger arena_bytes")
-        with self._space:
-            while (offsets := self._reserve(sizes)) is None:
-                self._space.wait()
-        return offsets
-
-    def _reserve_beside(self, sizes: Sequence[int], end_own: Callable[[], bool]) -> list[int]:
-        """Arena extents for ``sizes``: at once if they fit, else once ``end_own()`` has ended a
-        call of this thread's (it returns False when there is none), else waiting for other
-        threads' space (this thread then holds none, so two threads cannot wait on each other)."""
-        while True:
-            with self._space:
-                offsets = self._reserve(sizes)
-            if offsets is not None:
-                return offsets
-            if not end_own():
-                return self._reserve_waiting(sizes)
-
-    def _reserve(self, sizes: Sequence[int]) -> list[int] | None:
-        """Arena extents for ``sizes`` now, or None (nothing kept) when they do not fit; under ``_space``."""
-        assert self._allocator is not None
-        offsets: list[int] = []
-        for size in sizes:
-            offset = self._allocator.allocate(max(size, 1))
-            if offset is None:
-                for taken in offsets:
-                    self._allocator.free(taken)
-                return None
-            offsets.append(offset)
-        return offsets
-
-    def _free(self, offsets: Sequence[int]) -> None:
-        with self._space:
-            for offset in offsets:
-                self._allocator.free(offset)
-            self._space.notify_all()
-
     def _planned_bytes(self) -> int:
-        """Bytes one call is planned to take: half the arena, else half a message."""
-        return self._allocator.capacity // 2 if self._allocator else self._max_message_bytes // 2
-
-    def _batches(self, sizes: Sequence[int]) -> Iterator[range]:
-        """Split items into runs that fit `_planned_bytes` (a single larger item goes alone)."""
-        budget = self._planned_bytes()
-        start, used = 0, 0
-        for i, size in enumerate(sizes):
-            if i > start and (used + _slot_bytes(size) > budget or i - start == MAX_ITEMS_PER_CALL):
-                yield range(start, i)
-                start, used = i, 0
-            used += _slot_bytes(size)
-        if start < len(sizes):
-            yield range(start, len(sizes))
+        """Bytes one call is planned to take: half the arena (arena_space.py), else half a message."""
+        return self._space.capacity // 2 if self._space else self._max_message_bytes // 2
 
     # -- API ----------------------------------------------------------------------------------
 
@@ -380,13 +243,8 @@ class KVStoreClient:
         if self._index is not None and all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys):
             with self._index_lock:
                 local = self._index.lookup(keys) if self._index is not None else None
-                if local is not None and keys:  # the daemon counts it when it gets the tally
-                    tally = self._unreported
-                    tally[0] += len(keys)
-                    tally[1] += local[0]
-                    tally[2] += 1
-                if local is not None and self._reporter is None:  # an empty Lookup starts it too (a warm-up)
-                    self._start_reporter()
+                if local is not None:  # the daemon counts it when it gets the tally
+                    self._tally.count(len(keys), local[0], self._report)
             if local is not None:
                 self.local_lookups += 1
                 return LookupResult(*local)
@@ -412,7 +270,7 @@ class KVStoreClient:
         parents = [(block[3] or b"") if len(block) > 3 else b"" for block in blocks]
         stored = 0
         data = self._data_channel()
-        for batch in self._batches([len(v) for v in views]):
+        for batch in batches([len(v) for v in views], self._planned_bytes()):
             metas = [pb.BlockMeta(key=blocks[i][0], namespace=namespace.id, tokens=blocks[i][1],
                                   layout=layout,
                                   codec=codec, codec_params_json=params, payload_len=len(views[i]))
@@ -430,67 +288,7 @@ class KVStoreClient:
                          for meta, i in zip(metas, batch)]
                 stored += self._call(self._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
                 continue
-            stored += self._put_through_arena(dict(zip(batch, metas)), views, parents, durable)
-        return stored
-
-    def _put_through_arena(self, metas: dict[int, pb.BlockMeta], views: list[memoryview], parents: list[bytes],
-                           durable: bool) -> int:
-        """Put blocks ``metas`` (index -> meta) in Puts of about a quarter of them (each of at least
-        PIPELINE_PART_BYTES): while the daemon checksums and stores one, this thread copies the next
-        into the arena, so a Put costs about the slower of the two copies, not their sum::
-
-            client  |copy 0|copy 1|copy 2|copy 3|
-            daemon         |store 0|store 1|store 2|store 3|
-
-        A Put is sent once the one before it is stored: the daemon stores the batch in its order,
-        as one Put would (an LRU's recency follows it). A part's space is taken without waiting
-        while a Put is in flight (two threads' batches cannot each hold half the arena and wait
-        for the other half)."""
-        order = list(metas)
-        sizes = [len(v) for v in views]
-        # a part under PIPELINE_PART_BYTES gains less from the overlap than its own call costs
-        parts = max(1, min(4, sum(sizes[i] for i in order) // PIPELINE_PART_BYTES))
-        step = max(1, -(-len(order) // parts))
-        in_flight: tuple[list[int], Any] | None = None  # (arena offsets, reply future) of the Put being stored
-        stored = 0
-
-        def finish() -> bool:
-            """End the Put in flight, if any; whether there was one."""
-            nonlocal in_flight, stored
-            if in_flight is None:
-                return False
-            (offsets, future), in_flight = in_flight, None
-            try:
-                stored += future.result().stored
-            finally:
-                self._free(offsets)
-            return True
-
-        try:
-            for first in range(0, len(order), step):
-                part = order[first : first + step]
-                offsets = self._reserve_beside([sizes[i] for i in part], finish)
-                try:
-                    items = []
-                    for i, offset in zip(part, offsets):
-                        self._arena.buffer[offset : offset + sizes[i]] = views[i]
-                        items.append(pb.PutItem(meta=metas[i], slice=pb.ArenaSlice(
-                            arena_id=self._arena_id, offset=offset, length=sizes[i]), parent=parents[i]))
-                    finish()
-                    future = self._call(self._stub.Put.future, pb.PutRequest(items=items, durable=durable))
-                except BaseException:
-                    self._free(offsets)
-                    raise
-                in_flight = (offsets, future)
-            finish()
-        finally:
-            if in_flight is not None:  # a failure: the Put ends before its space is reused
-                offsets, future = in_flight
-                try:
-                    future.result()
-                except Exception:  # noqa: BLE001 - the first failure is the one raised
-                    pass
-                self._free(offsets)
+            stored += arena_calls.put_through_arena(self, dict(zip(batch, metas)), views, parents, durable)
         return stored
 
     @contextlib.contextmanager
@@ -514,23 +312,19 @@ class KVStoreClient:
                 conn = None  # the channel is full or stopping: this Get goes inline in gRPC
             if conn is not None:
                 try:
-                    yield [_fetched(k, r, p) if r.found else None for k, r, p in zip(keys, reply.results, payloads)]
+                    yield [fetched_block(k, r, p) if r.found else None
+                           for k, r, p in zip(keys, reply.results, payloads)]
                 finally:
                     data.give_back(conn)
                 return
         if self._arena is None or inline:
             reply = self._call(self._stub.Get, pb.GetRequest(
                 items=[pb.GetItem(key=k) for k in keys], allow_missing=allow_missing))
-            yield [_fetched(k, r, memoryview(r.inline)) if r.found else None
+            yield [fetched_block(k, r, memoryview(r.inline)) if r.found else None
                    for k, r in zip(keys, reply.results)]
             return
-        with self._slices([max_payload_bytes] * len(keys)) as offsets:
-            items = [pb.GetItem(key=k, dest=pb.ArenaSlice(arena_id=self._arena_id, offset=o,
-                                                          length=max_payload_bytes))
-                     for k, o in zip(keys, offsets)]
-            reply = self._call(self._stub.Get, pb.GetRequest(items=items, allow_missing=allow_missing))
-            yield [_fetched(k, r, self._arena.buffer[o : o + r.meta.payload_len]) if r.found else None
-                   for k, r, o in zip(keys, reply.results, offsets)]
+        with arena_calls.fetch(self, keys, max_payload_bytes, allow_missing) as blocks:
+            yield blocks
 
     def fetch_ahead(self, keys: Sequence[bytes], max_payload_bytes: int, batch: int
                     ) -> Iterator[tuple[int, list[FetchedBlock | None]]]:
@@ -546,62 +340,16 @@ class KVStoreClient:
         contextlib.closing(...)`` or running it to the end). A look-ahead never waits for space,
         so two threads' fetches cannot each hold half the arena and wait for the other half."""
         batch = max(1, min(batch, self.max_fetch_blocks(max_payload_bytes)))
-        starts = range(0, len(keys), batch)
-        if self._arena is None or len(starts) < 2:
-            for first in starts:
+        if self._arena is None or len(keys) <= batch:
+            for first in range(0, len(keys), batch):
                 with self.fetch(keys[first : first + batch], max_payload_bytes) as blocks:
                     yield first, blocks
             return
-        sent: list[tuple[int, list[int], Any]] = []  # (first, arena offsets, reply future), oldest first
-
-        def send(first: int, wait: bool) -> bool:
-            part = keys[first : first + batch]
-            sizes = [max_payload_bytes] * len(part)
-            if wait:  # reserved here, freed once the caller has taken the batch
-                offsets = self._reserve_waiting(sizes)
-            else:
-                with self._space:
-                    offsets = self._reserve(sizes)
-                if offsets is None:
-                    return False
-            items = [pb.GetItem(key=k, dest=pb.ArenaSlice(arena_id=self._arena_id, offset=o, length=max_payload_bytes))
-                     for k, o in zip(part, offsets)]
-            try:
-                future = self._call(self._stub.Get.future, pb.GetRequest(items=items, allow_missing=True))
-            except BaseException:
-                self._free(offsets)
-                raise
-            sent.append((first, offsets, future))
-            return True
-
-        following = iter(starts)
-        try:
-            send(next(following), wait=True)
-            upcoming = next(following, None)
-            while sent:
-                if upcoming is not None and send(upcoming, wait=False):  # the look-ahead
-                    upcoming = next(following, None)
-                first, offsets, future = sent[0]
-                reply = future.result()
-                part = keys[first : first + batch]
-                yield first, [_fetched(k, r, self._arena.buffer[o : o + r.meta.payload_len]) if r.found else None
-                              for k, r, o in zip(part, reply.results, offsets)]
-                sent.pop(0)
-                self._free(offsets)
-                if not sent and upcoming is not None:  # no room for a look-ahead: the next in turn
-                    send(upcoming, wait=True)
-                    upcoming = next(following, None)
-        finally:
-            for _, offsets, future in sent:  # closed early or failed: each Get ends before its space is reused
-                try:
-                    future.result()
-                except Exception:  # noqa: BLE001 - cancelled or failed: the daemon no longer writes
-                    pass
-                self._free(offsets)
+        yield from arena_calls.fetch_ahead(self, keys, max_payload_bytes, batch)
 
     @contextlib.contextmanager
     def fetch_layers(self, keys: Sequence[bytes], max_payload_bytes: int,
-                     allow_missing: bool = True) -> Iterator["LayerStream"]:
+                     allow_missing: bool = True) -> Iterator[LayerStream]:
         """Like :meth:`fetch`, but the daemon reports each layer as soon as it is in place.
 
             with client.fetch_layers(keys, slot) as stream:
@@ -613,18 +361,8 @@ class KVStoreClient:
         """
         if self._arena is None:
             raise ValueError("a layer-wise fetch needs the shared-memory data plane (connect over a unix socket)")
-        with self._slices([max_payload_bytes] * len(keys)) as offsets:
-            items = [pb.GetItem(key=k, dest=pb.ArenaSlice(arena_id=self._arena_id, offset=o, length=max_payload_bytes))
-                     for k, o in zip(keys, offsets)]
-            replies = self._stub.GetLayers(pb.GetRequest(items=items, allow_missing=allow_missing),
-                                           timeout=self.timeout, metadata=self._metadata)
-            try:
-                first = next(replies)
-                blocks = [_fetched(k, r, self._arena.buffer[o : o + r.meta.payload_len]) if r.found else None
-                          for k, r, o in zip(keys, first.results, offsets)]
-                yield LayerStream(blocks, (reply.layer for reply in replies))
-            finally:
-                replies.cancel()
+        with arena_calls.fetch_layers(self, keys, max_payload_bytes, allow_missing) as stream:
+            yield stream
 
     def map_gpu_pool(self):
         """Map the daemon's GPU pool into this process once (CUDA IPC); returns the pool tensor.
@@ -656,7 +394,7 @@ class KVStoreClient:
 
     def max_fetch_blocks(self, max_payload_bytes: int) -> int:
         """How many blocks one :meth:`fetch` can carry: through the arena, else in half a message."""
-        return max(1, min(MAX_ITEMS_PER_CALL, self._planned_bytes() // _slot_bytes(max_payload_bytes)))
+        return max(1, min(MAX_ITEMS_PER_CALL, self._planned_bytes() // slot_bytes(max_payload_bytes)))
 
     def get(self, keys: Sequence[bytes], max_payload_bytes: int, inline: bool = False) -> list[bytes | None]:
         """Convenience: payload copies (None for misses); ``inline``: see `fetch`."""
@@ -685,51 +423,3 @@ class KVStoreClient:
                  for t in reply.tiers}
         top = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields if f.name != "tiers"}
         return {"tiers": tiers, **top}
-
-
-#: Longest wait for a report of local Lookups (the reporter thread's call, and close's).
-_REPORT_TIMEOUT_S = 2.0
-
-
-def _report_loop(client_ref: "weakref.ref[KVStoreClient]", closing: threading.Event) -> None:
-    """Every REPORT_S, send the client's unreported tally unless another call carried it."""
-    while not closing.wait(REPORT_S):
-        client = client_ref()
-        if client is None:
-            return
-        try:
-            client._report(timeout=_REPORT_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - the tally is lost (at most once), the thread goes on
-            log.debug("report of local Lookups failed: %s", exc)
-        del client
-
-
-#: The client's allocator aligns extents to 4 KiB (and rounds the arena down to it).
-_ARENA_ALIGN = 4096
-
-
-def _slot_bytes(size: int) -> int:
-    """Arena bytes one item of ``size`` bytes takes: its extent, rounded up to the alignment, so
-    calls that fill the arena exactly (e.g. 16 x 4 MiB in 64 MiB) still fit."""
-    return -(-max(size, 1) // _ARENA_ALIGN) * _ARENA_ALIGN
-
-
-class LayerStream:
-    """The blocks of a layer-wise fetch and an iterator of the layers as they become ready."""
-
-    def __init__(self, blocks: list[FetchedBlock | None], layers: Iterator[int]) -> None:
-        self.blocks = blocks
-        self._layers = layers
-
-    def __iter__(self) -> Iterator[int]:
-        return self._layers
-
-
-def _fetched(key: bytes, result: pb.GetResult, payload: memoryview) -> FetchedBlock:
-    meta = result.meta
-    return FetchedBlock(
-        key=key,
-        layout=layout_from_message(meta.layout),
-        tokens=meta.tokens, codec=meta.codec,
-        codec_params=json.loads(meta.codec_params_json) if meta.codec_params_json else {},
-        tier=result.tier, payload=payload)

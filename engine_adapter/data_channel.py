@@ -154,7 +154,7 @@ class DataChannelPool:
         conn, pooled = self._take()
         try:
             return conn, call(conn)
-        except (ConnectionError, OSError) as exc:
+        except (ConnectionError, OSError):
             conn.close()
             if not pooled:
                 raise

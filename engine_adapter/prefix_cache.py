@@ -33,7 +33,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from engine_adapter.client import FetchedBlock, KVStoreClient
+from engine_adapter.blocks import FetchedBlock
+from engine_adapter.client import KVStoreClient
 from kvstore.keys import KVLayout, LookupResult, Namespace
 from kvstore.transcode import payload_tensor
 

@@ -304,7 +304,7 @@ def test_clients_leave_no_arena_file_even_when_killed(daemon):
 def test_the_client_counts_arena_bytes_as_its_allocator_takes_them():
     """A call is refused only when it cannot fit: items whose sizes fill the arena exactly fit,
     one byte more does not (the allocator rounds each extent up to 4 KiB)."""
-    from engine_adapter.client import _slot_bytes
+    from engine_adapter.arena_space import slot_bytes as _slot_bytes
     from tiers.allocator import ExtentAllocator
 
     arena = ExtentAllocator(64 << 20, align=4096)

@@ -182,11 +182,11 @@ def test_a_tally_over_the_bound_goes_in_several_reports():
 
     client = KVStoreClient(f"127.0.0.1:{free_port()}")  # never called: the channel connects lazily
     try:
-        client._unreported[:] = [MAX_REPORT + 5, MAX_REPORT + 3, 2]
-        (name, value), = client._take_report()
+        client._tally.unreported[:] = [MAX_REPORT + 5, MAX_REPORT + 3, 2]
+        (name, value), = client._tally.take()
         assert name == REPORT_HEADER and parse_report(value) == (MAX_REPORT, MAX_REPORT, 2)
-        (_, value), = client._take_report()
-        assert parse_report(value) == (5, 3, 0) and client._take_report() == ()
+        (_, value), = client._tally.take()
+        assert parse_report(value) == (5, 3, 0) and client._tally.take() == ()
     finally:
         client._channel.close()
 
@@ -200,7 +200,7 @@ def test_warm_up_calls_count_nothing_and_start_the_reporter(daemon_factory):
     d = daemon_factory(metrics_listen=f"127.0.0.1:{port}")
     before = counts(port)
     with KVStoreClient(d.address) as client:
-        assert client.lookup([]).hits == 0 and client._reporter is not None and client._reporter.is_alive()
+        assert client.lookup([]).hits == 0 and client._tally.reporter is not None and client._tally.reporter.is_alive()
         assert client.lookup([], lease_s=10).hits == 0
         with client.fetch([], BLOCK) as blocks:
             assert blocks == []

@@ -250,11 +250,11 @@ def test_a_pipelined_put_is_stored_in_the_batchs_order(daemon_factory, monkeypat
     once, a CI run saw the third block evicted)."""
     import numpy as np
 
-    import engine_adapter.client as client_module
+    import engine_adapter.arena_calls as arena_calls
     from engine_adapter.client import KVStoreClient
     from kvstore.keys import KVLayout, Namespace, prefix_keys
 
-    monkeypatch.setattr(client_module, "PIPELINE_PART_BYTES", 1)  # a quarter of any batch per Put
+    monkeypatch.setattr(arena_calls, "PIPELINE_PART_BYTES", 1)  # a quarter of any batch per Put
     layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, dtype="float16")
     namespace = Namespace("order-model", layout, chunk_tokens=32)
     block_bytes = layout.block_bytes(32)

@@ -106,7 +106,7 @@ def test_coded_blocks_are_decoded_ahead_in_order_and_waited_for_on_close():
     import pytest
 
     from compression import get_codec
-    from engine_adapter.client import FetchedBlock
+    from engine_adapter.blocks import FetchedBlock
     from engine_adapter.prefix_cache import decoded_ahead, fetched_tensor
 
     _, items = blocks(6, seed=3)
