@@ -61,7 +61,7 @@ def test_placement_with_a_gpu_tier_on_top_demotes_and_promotes():
             await store.put(header, payload)
         assert [store.locate(h.key) for h, _ in blocks] == [1, 1, 0, 0]
         dest = memoryview(bytearray(b0.payload_len))
-        result = await store.get_into(blocks[0][0].key, dest)
+        result = await store.reads.get_into(blocks[0][0].key, dest)
         assert result.tier == "cpu" and bytes(dest) == bytes(blocks[0][1])
         await asyncio.gather(*store.promoter.tasks)
         assert store.locate(blocks[0][0].key) == 0

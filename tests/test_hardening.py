@@ -263,7 +263,7 @@ def test_layerwise_reads_hold_no_lock_and_never_copy_a_replaced_block(tmp_path):
         (h1, p1), (h2, p2), (h3, p3) = blocks(3, start=70)
         await store.put(h1, p1)
         dest = memoryview(bytearray(h1.payload_len))
-        stream = store.get_layerwise([(h1.key, dest)])
+        stream = store.reads.get_layerwise([(h1.key, dest)])
         assert (await stream.__anext__())[0] == -1
         assert (await stream.__anext__())[0] == 0            # suspended mid-stream, as while sending
         await asyncio.wait_for(store.put(h2, p2), 1.0)       # no lock held: completes at once

@@ -22,7 +22,7 @@ def make_store(tmp_path, cpu_blocks=3, disk_blocks=6, write_through=False, **kw)
 
 async def get(store, header):
     dest = memoryview(bytearray(header.payload_len))
-    result = await store.get_into(header.key, dest)
+    result = await store.reads.get_into(header.key, dest)
     if result is not None:
         assert bytes(dest) == bytes(make_block_payload(header))
     return result
@@ -113,7 +113,7 @@ def test_write_through_copies_every_put_down(tmp_path):
         bs = blocks(3, start=30)
         for h, p in bs:
             await store.put(h, p)
-        await store.flush()
+        await store.write_behind.flush()
         assert all(h.key in store.tiers[1] for h, _ in bs)
         assert all(h.key in store.tiers[0] for h, _ in bs)
         # A delete cancels a queued copy and removes every tier's copy.
@@ -197,7 +197,7 @@ def test_large_gets_copy_off_the_loop_and_puts_wait_for_busy_blocks(tmp_path, mo
         await store.put(b, pb)
         monkeypatch.setattr(np, "copyto", slow_copyto)
         dests = [memoryview(bytearray(h.payload_len)) for h in (a, b)]
-        reads = asyncio.create_task(store.get_many_into([(a.key, dests[0]), (b.key, dests[1])]))
+        reads = asyncio.create_task(store.reads.get_many_into([(a.key, dests[0]), (b.key, dests[1])]))
         await asyncio.sleep(0.05)
         assert not reads.done()  # the copies wait in worker threads; the loop is free
         put = asyncio.create_task(store.put(c, pc))

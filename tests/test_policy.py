@@ -31,7 +31,7 @@ async def put_chain(store, chain):
 
 async def get_all(store, chain):
     dests = [(h.key, memoryview(bytearray(h.payload_len))) for h, _ in chain]
-    return await store.get_many_into(dests)
+    return await store.reads.get_many_into(dests)
 
 
 @pytest.mark.parametrize("eviction, expected_hits", [("prefix-lru", 3), ("lru", 0)])
@@ -310,7 +310,7 @@ def test_the_simulator_predicts_the_daemons_hit_ratio(tmp_path, eviction, fracti
             hits = store.lookup(keys).hits
             hit_tokens += hits * tokens
             total += len(keys) * tokens
-            await store.get_many_into([(k, memoryview(bytearray(len(payload)))) for k in keys[:hits]])
+            await store.reads.get_many_into([(k, memoryview(bytearray(len(payload)))) for k in keys[:hits]])
             for i in range(hits, len(keys)):
                 header = BlockHeader(key=keys[i], namespace=b"n" * 16, layout=LAYOUT, tokens=tokens,
                                      payload_len=len(payload), checksum=payload_checksum(payload))

@@ -166,7 +166,7 @@ def test_readyz_is_starting_before_the_daemon_serves_and_stopping_while_writes_d
             await daemon.store.put(header, payload)
         stopping = asyncio.create_task(daemon.stop())
         await asyncio.sleep(0.05)
-        assert daemon.store.queue_depth > 0 and not stopping.done()
+        assert daemon.store.write_behind.depth > 0 and not stopping.done()
         assert await _http(port, "/readyz") == (503, "stopping\n")
         assert await _http(port, "/healthz") == (200, "ok\n")
         await stopping

@@ -129,7 +129,7 @@ def test_promotions_in_flight_are_bounded_in_bytes(tmp_path):
         store.start()
         blocks = [make_block(i) for i in range(48)]
         for header, payload in blocks:
-            await store.store_in(1, header, payload)
+            await store.evictor.store_in(1, header, payload)
         peak = 0
         read = disk.read_payload_into
 
@@ -139,7 +139,7 @@ def test_promotions_in_flight_are_bounded_in_bytes(tmp_path):
             return read(*args)
 
         disk.read_payload_into = watched
-        scheduled = sum(store.schedule_promotion(h.key) for h, _ in blocks)
+        scheduled = sum(store.promoter.schedule(h.key) for h, _ in blocks)
         assert scheduled == 48
         for _ in range(500):
             if all(store.locate(h.key) == 0 for h, _ in blocks):
@@ -149,7 +149,7 @@ def test_promotions_in_flight_are_bounded_in_bytes(tmp_path):
         assert 0 < peak <= 4 * block
         store.promoter.max_waiting = 2                   # a full waiting list declines, never grows
         await store.clear(["cpu"])
-        assert sum(store.schedule_promotion(h.key) for h, _ in blocks) <= 2 + 4
+        assert sum(store.promoter.schedule(h.key) for h, _ in blocks) <= 2 + 4
         store.check_integrity()
         await store.close()
 

@@ -95,7 +95,7 @@ class DiskTier(HeaderIndex, Tier):
 
         A choice, not an error: a smaller cache still works, whereas a capacity the device cannot
         hold turns every write past the free space into a failed write and then an eviction
-        (ENOSPC, ``BlockStore._store_in``). ``Stats`` reports the shrunk capacity. Space freed later
+        (ENOSPC, ``Evictor.store_in``). ``Stats`` reports the shrunk capacity. Space freed later
         is taken back only at a restart; space others take later still ends in ENOSPC evictions.
         """
         fs = os.statvfs(self.root)

@@ -11,8 +11,8 @@ and on ``tiers/``; nothing below it imports it. Its modules, by role:
   shared memory), ``data_admission.py`` (its connection slots and tenants' shares),
   ``probes.py``, ``config.py``, ``auth.py`` (tenants), ``arena_registry.py`` (arenas handed to
   same-host clients);
-- the store: ``placement.py`` (``BlockStore``), ``residency.py``, ``holds.py``, ``reads.py``,
-  ``promotion.py``, ``write_behind.py``, ``tier_io.py``, ``autocal.py``;
+- the store: ``placement.py`` (``BlockStore``), ``residency.py``, ``holds.py``, ``eviction.py``,
+  ``reads.py``, ``promotion.py``, ``write_behind.py``, ``tier_io.py``, ``autocal.py``;
 - what operators and routers read: ``metrics.py``, ``events.py``;
 - small parts: ``budget.py``, ``log_limit.py``.
 

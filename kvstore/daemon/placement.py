@@ -10,14 +10,18 @@ demotion, pins and quotas live here or in the modules it holds; a request's path
 
 Tiers are ordered top (fastest) to bottom: ``[gpu, cpu, disk, s3]``, each optional.
 
-    BlockStore (this file)  put, eviction and demotion, quotas, delete/clear, lookup, lifecycle
+    BlockStore (this file)  put, quotas, admission, delete/clear, lookup, discovery, lifecycle
     ├── residency.py        which tier holds which key: per-tier LRU, owners' bytes, the one
     │                       change path the key index (shm_index) and KV events follow
     ├── holds.py            pins, leases, layer-wise reads' holds: what eviction must skip
+    ├── eviction.py         a block into a tier: LRU blocks evicted for room, demoted first
     ├── reads.py            Get of one or many blocks, layer-wise reads, bad copies dropped
     ├── promotion.py        lower-tier hits copied to the top in the background
     ├── write_behind.py     a queue and workers per lower tier
     └── tier_io.py          the threads each tier is called in
+
+No helper holds the store: each is built from the parts and operations (named callables) it uses,
+and callers call the helper owning an operation: ``store.reads``, ``.promoter``, ``.write_behind``, ``.evictor``.
 
 Concurrency: everything runs on one asyncio loop. Index changes and evictions hold ``lock``;
 small reads from memory tiers are synchronous (no await between finding and copying a block), so
@@ -29,40 +33,40 @@ Write-behind copies read the block under ``lock`` but write it without (see writ
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING
 
-from kvstore.block import BlockHeader, payload_checksum
+from kvstore.block import BlockHeader
 from kvstore.daemon.config import ADMISSION_POLICIES, EVICTION_POLICIES
+from kvstore.daemon.eviction import Evictor
 from kvstore.daemon.holds import STREAM_HOLD_S, HoldRefused, Holds
 from kvstore.keys import KVLayout, LookupResult
 from kvstore.daemon.log_limit import LogLimit
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.promotion import Promoter
-from kvstore.daemon.reads import OFFLOAD_GET_BYTES, BlockGoneError, GetResult, Reader
+from kvstore.daemon.reads import BlockGoneError, GetResult, Reader
 from kvstore.daemon.residency import Residency, WalkBudget
 from kvstore.shm_index import TICK_S, KeyIndexWriter
-from kvstore.daemon.tier_io import READER_THREADS, TierIO
+from kvstore.daemon.tier_io import TierIO
 from kvstore.daemon.write_behind import WriteBehind
-from tiers.base import Tier, TierError, TierFullError, TierUnavailableError
+from tiers.base import Tier, TierError, TierUnavailableError
 
 if TYPE_CHECKING:
     from kvstore.daemon.events import EventPublisher
 
-__all__ = ["BUSY_WAIT_S", "DISCOVER_TIMEOUT_S", "OFFLOAD_GET_BYTES", "READER_THREADS", "STREAM_HOLD_S",
-           "BlockGoneError", "BlockStore", "GetResult", "HoldRefused", "LookupResult"]
+__all__ = ["DISCOVER_TIMEOUT_S", "STREAM_HOLD_S", "BlockGoneError", "BlockStore", "GetResult", "HoldRefused",
+           "LookupResult"]
 
 log = logging.getLogger(__name__)
 
-#: Longest a Put waits for reads in flight to release space when everything else is pinned.
-BUSY_WAIT_S = 5.0
 #: Longest a Lookup waits for shared tiers to answer about keys no tier holds.
 DISCOVER_TIMEOUT_S = 0.5
 
 
 class BlockStore:
+    """The tiers and what coordinates them; called only on its event loop (see Concurrency above)."""
+
     def __init__(self, tiers: list[Tier], metrics: Metrics | None = None, write_through: bool = True,
                  queue_depth: int = 256, promote_on_get: bool = True, codecs: list[str | None] | None = None,
                  discover_timeout_s: float = DISCOVER_TIMEOUT_S, key_index: KeyIndexWriter | None = None,
@@ -105,9 +109,15 @@ class BlockStore:
         #: One discovery in flight per tenant: a tenant's flood of Lookups waits behind itself.
         self._discovering: dict[str, asyncio.Lock] = {}
         self._error_log = LogLimit()
-        self.reads = Reader(self)
-        self.promoter = Promoter(self)
-        self.write_behind = WriteBehind(self, queue_depth)
+        self.evictor = Evictor(tiers, self.residency, self.holds, self.io, self.metrics, codecs=self.codecs,
+                               quotas=self.quotas, admits=self.admits, count_write_error=self.count_write_error)
+        self.write_behind = WriteBehind(tiers, self.residency, self.io, self.lock, self.metrics, codecs=self.codecs,
+                                        queue_depth=queue_depth, make_room=self.evictor.make_room,
+                                        count_write_error=self.count_write_error, refresh_gauges=self.refresh_gauges)
+        self.reads = Reader(tiers, self.residency, self.holds, self.io, self.metrics, note_read=self.note_read)
+        self.promoter = Promoter(tiers, self.residency, self.lock, self.metrics, read_or_drop=self.reads.read_or_drop,
+                                 store_in=self.evictor.store_in, refresh_gauges=self.refresh_gauges,
+                                 enqueue_copy=self.write_behind.enqueue if write_through else None)
         self._layouts: dict[bytes, KVLayout] = {}  # namespace -> the layout of its blocks
         for tier in tiers:
             for key in tier.keys():
@@ -142,7 +152,7 @@ class BlockStore:
     async def close(self, flush: bool = True) -> None:
         """Stop background work; with ``flush``, first finish queued lower-tier writes."""
         if flush and self._workers:
-            await self.flush()
+            await self.write_behind.flush()
         for task in self._workers:
             task.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
@@ -154,17 +164,13 @@ class BlockStore:
         if self.key_index is not None:
             self.key_index.close()
 
-    async def flush(self) -> None:
-        """Wait until every queued lower-tier write is done (each tier's queue feeds the next)."""
-        await self.write_behind.flush()
-
     async def demote_all(self) -> int:
         """Copy every block the lowest tier lacks down to it (write-back shutdown). Returns blocks copied."""
         copied = 0
         async with self.lock:
             for level in range(len(self.tiers) - 1):
                 for key in list(self.residency[level]):
-                    if key not in self.tiers[-1] and await self._copy_down(level, key):
+                    if key not in self.tiers[-1] and await self.evictor.copy_down(level, key):
                         copied += 1
         return copied
 
@@ -249,20 +255,18 @@ class BlockStore:
     def missing(self, keys: list[bytes]) -> list[bytes]:
         return [k for k in keys if self.locate(k) is None]
 
-    # -- reads (reads.py, promotion.py) -------------------------------------------------------
+    # -- reads (the rest in reads.py, promotion.py) -------------------------------------------
 
-    async def get_into(self, key: bytes, dest: memoryview, first_level: int = 0) -> GetResult | None:
-        return await self.reads.get_into(key, dest, first_level)
-
-    async def get_many_into(self, requests: list[tuple[bytes, memoryview]]) -> list[GetResult | None]:
-        return await self.reads.get_many_into(requests)
-
-    def get_layerwise(self, requests: list[tuple[bytes, memoryview]], owner: str = ""
-                      ) -> AsyncIterator[tuple[int, list[GetResult | None] | None]]:
-        return self.reads.get_layerwise(requests, owner)
-
-    def schedule_promotion(self, key: bytes) -> bool:
-        return self.promoter.schedule(key)
+    def note_read(self, level: int, key: bytes) -> None:
+        """A Get found ``key`` in tier ``level`` (``reads`` calls this on the loop for each hit):
+        under admission "reused" it now earns the copy below that write-through skipped at its Put,
+        and a lower-tier hit is promoted to the top in the background (``promote_on_get``)."""
+        if self.admission != "all" and not self.residency.reused(key):
+            self.residency.mark_reused(key)
+            if self.write_through and level + 1 < len(self.tiers) and key not in self.tiers[level + 1]:
+                self.write_behind.enqueue(level + 1, key)
+        if level > 0 and self.promote_on_get:
+            self.promoter.schedule(key)
 
     def gpu_pool(self):
         """The pool tensor of a top GPU tier, or None."""
@@ -296,17 +300,16 @@ class BlockStore:
         its own least recently used blocks are evicted (demoted) first. ``durable``: return only
         once a durable tier (fsynced disk, S3) holds the block. ``parent``: the key before it in its
         chain (an eviction hint, ``Residency.link``), whose ancestors are refreshed within ``walk``
-        (one budget for a whole call's blocks). Raises ValueError for a layout
-        that contradicts the namespace or a durable put without a durable tier, TierFullError when
-        the block cannot fit even after evicting every unpinned block, TierError when the durable
-        copy failed.
+        (one budget for a whole call's blocks). Raises ValueError for a layout that contradicts the
+        namespace or a durable put without a durable tier, TierFullError when the block cannot fit
+        even after evicting every unpinned block, TierError when the durable copy failed.
         """
         self.check_namespace(header)
         durable_level = self._durable_level() if durable else 0
         if quota:
             self.quotas[owner] = quota
         async with self.lock:
-            header = await self.store_in(0, header, payload, hash_payload, owner=owner)
+            header = await self.evictor.store_in(0, header, payload, hash_payload, owner=owner)
             # linked once stored: a Put no tier took keeps nothing of its hint
             self.residency.link(header.key, parent, 0, walk if walk is not None else WalkBudget())
             self._note_layout(header)
@@ -334,117 +337,9 @@ class BlockStore:
         quota = self.quotas.get(owner, 0)
         return min(share, quota) if quota else share
 
-    async def _enforce_quota(self, level: int, owner: str, nbytes: int) -> None:
-        """Evict ``owner``'s LRU blocks of tier ``level`` until ``nbytes`` more fit in its quota
-        there. A quota bounds a tenant's bytes in each memory tier (GPU, CPU), however they got
-        there (Put, promotion, Prefetch); in disk and S3 its bytes are counted but share the tier's
-        LRU with everyone's. Holds ``lock``. The owner's bytes are kept by the tier's LRU: nothing
-        is scanned unless it is over."""
-        quota = self.quotas.get(owner, 0) if owner else 0
-        if not quota or self.tiers[level].blocking_io:
-            return
-        if nbytes > quota:
-            raise TierFullError(f"a {nbytes}-byte block exceeds tenant {owner!r}'s quota of {quota} bytes")
-        lru = self.residency[level]
-        while lru.owned_bytes(owner) + nbytes > quota:
-            # the same blocks eviction spares: pinned, leased, streamed or being copied by a reader
-            victim = next((k for k in lru.owned(owner) if self.holds.evictable(self.tiers[level], k)), None)
-            if victim is None:
-                raise TierFullError(f"tenant {owner!r} holds {lru.owned_bytes(owner)} bytes (pinned or in use) "
-                                    f"of its {quota}-byte quota in {self.tiers[level].name}")
-            await self._evict(level, victim)
-
-    async def store_in(self, level: int, header: BlockHeader, payload: memoryview,
-                       hash_payload: bool = False, owner: str | None = None) -> BlockHeader:
-        """Write one block into tier ``level``, evicting LRU blocks to make room; returns the
-        header stored (``hash_payload``: with the checksum computed from ``payload``, see
-        :meth:`put`). The block's bytes are charged to ``owner`` (None: the key's owner in
-        another tier), within its quota there. Holds ``lock``."""
-        tier = self.tiers[level]
-        if owner is None:
-            owner = self.residency.owner(header.key)
-        if header.key in tier:
-            if hash_payload:  # the stored copy's checksum is compared before anything is copied
-                header, hash_payload = dataclasses.replace(header, checksum=payload_checksum(payload)), False
-            if tier.header(header.key).checksum == header.checksum:
-                # Keys are content addresses: the same block again only refreshes its LRU position.
-                self.residency.touch(level, header.key)
-                return header
-            await self.residency.delete(level, header.key)
-        await self.make_room(level, header.block_len, owner)
-        for attempt in range(8):
-            try:
-                if hash_payload:
-                    header = await self.residency.put_checksummed(level, header, payload, owner)
-                else:
-                    await self.residency.put(level, header, payload, owner)
-                break
-            except TierFullError:
-                # The device filled up before our byte count said so (disk full): evict and retry.
-                victim = self._victim(level)
-                if victim is None or attempt == 7:
-                    raise
-                await self._evict(level, victim)
-        self.metrics.bytes_in.labels(tier.name).inc(header.block_len)
-        return header
-
-    async def make_room(self, level: int, nbytes: int, owner: str = "") -> None:
-        """Evict ``owner``'s LRU blocks of tier ``level`` until ``nbytes`` fit in its quota there,
-        then anyone's LRU blocks until they fit in the tier. Holds ``lock``. TierFullError when
-        every block left is pinned, leased or held (after waiting for reads in flight)."""
-        await self._enforce_quota(level, owner, nbytes)
-        tier = self.tiers[level]
-        deadline = time.monotonic() + BUSY_WAIT_S
-        while not tier.can_fit(nbytes):
-            victim = self._victim(level)
-            if victim is None:
-                if tier.reads_in_flight and time.monotonic() < deadline:
-                    await asyncio.sleep(0.001)  # a read in a worker thread ends within milliseconds
-                    continue
-                raise TierFullError(f"{tier.name}: {nbytes} bytes do not fit and every stored block is pinned "
-                                    f"(capacity {tier.capacity_bytes} bytes)")
-            await self._evict(level, victim)
-
-    def _victim(self, level: int) -> bytes | None:
-        tier = self.tiers[level]
-        return next((k for k in self.residency[level] if self.holds.evictable(tier, k)), None)
-
     def admits(self, key: bytes) -> bool:
         """May lower tiers take ``key`` now (``admission``)?"""
         return self.admission == "all" or self.residency.reused(key)
-
-    def note_read(self, level: int, key: bytes) -> None:
-        """A Get found ``key`` in tier ``level``: under admission "reused" it now earns the copy
-        below that write-through skipped at its Put."""
-        if self.admission == "all" or self.residency.reused(key):
-            return
-        self.residency.mark_reused(key)
-        if self.write_through and level + 1 < len(self.tiers) and key not in self.tiers[level + 1]:
-            self.write_behind.enqueue(level + 1, key)
-
-    async def _evict(self, level: int, key: bytes) -> None:
-        if level + 1 < len(self.tiers) and key not in self.tiers[level + 1]:
-            if not self.admits(key):
-                self.metrics.not_admitted.labels(self.tiers[level + 1].name).inc()
-            elif await self._copy_down(level, key):
-                self.metrics.demotions.labels(self.tiers[level + 1].name).inc()
-        await self.residency.delete(level, key)
-        self.metrics.evictions.labels(self.tiers[level].name).inc()
-
-    async def _copy_down(self, level: int, key: bytes) -> bool:
-        """Copy a block from tier ``level`` into the next one. Holds ``lock``. False on failure."""
-        source, target = self.tiers[level], self.tiers[level + 1]
-        try:
-            header, payload = await self.io.read_whole(source, key)
-            header, payload = await self.io.encoded(self.codecs[level + 1], header, payload)
-            await self.store_in(level + 1, header, payload)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - one bad block (a forged codec parameter, a layout
-            # the target's codec cannot take) is not demoted, and eviction goes on for everyone
-            self.count_write_error(target, f"demoting {key.hex()} from {source.name}", exc)
-            return False
-        return True
 
     def count_write_error(self, target: Tier, what: str, exc: Exception) -> None:
         """A copy into ``target`` failed: counted; logged at most once a minute per tier and kind of
@@ -544,11 +439,6 @@ class BlockStore:
         stray = [k for k in self.holds.pinned if self.locate(k) is None]
         if stray:
             raise RuntimeError(f"{len(stray)} pinned keys are stored in no tier")
-
-    @property
-    def queue_depth(self) -> int:
-        """Pending write-behind copies, all lower tiers together."""
-        return self.write_behind.depth
 
     def refresh_gauges(self) -> None:
         for tier in self.tiers:

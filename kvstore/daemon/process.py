@@ -405,7 +405,7 @@ class Daemon:
                 else:
                     parts.append(f"{name} {value - last[name]}")
             log.info("summary of the last %g s: %s; queue depth %d", interval, ", ".join(parts),
-                     self.store.queue_depth)
+                     self.store.write_behind.depth)
             last = now
 
     async def stop(self, grace: float = 5.0) -> None:
@@ -533,5 +533,5 @@ async def run_daemon(config: DaemonConfig, ready: Callable[[str], None] | None =
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("shutting down: draining %d queued writes", daemon.store.queue_depth)
+    log.info("shutting down: draining %d queued writes", daemon.store.write_behind.depth)
     await daemon.stop()

@@ -6,7 +6,8 @@
         memory tier              ─► one Tier.read_many_into per tier, on the loop (no await)
         miss, or a copy that failed
                                  ─► get_into from the tiers below: a counted miss at the end
-    hit in a lower tier          ─► promotion to the top in the background (kvstore/daemon/promotion.py)
+    each hit                     ─► counted, then note_read (the store's): a lower-tier hit is
+                                    promoted to the top in the background (promotion.py)
 
 A small read from a memory tier is synchronous (no await between finding and copying a block), so
 it needs no lock; large Gets copy CPU-tier blocks in worker threads, and the CPU tier frees the
@@ -21,13 +22,14 @@ import asyncio
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator, Callable
 
 from kvstore.block import BlockHeader, CorruptBlockError
+from kvstore.daemon.holds import Holds
+from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.residency import Residency
+from kvstore.daemon.tier_io import TierIO
 from tiers.base import Tier, TierUnavailableError
-
-if TYPE_CHECKING:
-    from kvstore.daemon.placement import BlockStore
 
 log = logging.getLogger(__name__)
 
@@ -47,20 +49,24 @@ class GetResult:
 
 
 class Reader:
-    def __init__(self, store: BlockStore) -> None:
-        self._store = store
-        self.tiers = store.tiers
+    def __init__(self, tiers: list[Tier], residency: Residency, holds: Holds, io: TierIO, metrics: Metrics,
+                 note_read: Callable[[int, bytes], None]) -> None:
+        """Reads find blocks through ``residency`` (and touch them there), drop bad copies through
+        it, hold streamed blocks in ``holds`` and call blocking tiers through ``io``.
+        ``note_read(level, key)``: called on the loop for each hit, after it is counted (the store
+        decides there what a hit earns: a copy below under admission "reused", a promotion)."""
+        self.tiers, self.residency, self.holds, self.io, self.metrics = tiers, residency, holds, io, metrics
+        self._note_read = note_read
 
     async def get_into(self, key: bytes, dest: memoryview, first_level: int = 0) -> GetResult | None:
         """Copy the payload of ``key`` into ``dest`` from the highest tier at or below
         ``first_level`` holding it; None on a miss. Corrupt copies are dropped; unreachable tiers skipped."""
-        store = self._store
         for level, tier in enumerate(self.tiers):
             if level < first_level or key not in tier:
                 continue
             try:
                 if tier.blocking_io:
-                    header = await store.io.run(tier, tier.read_payload_into, key, dest, reader=True)
+                    header = await self.io.run(tier, tier.read_payload_into, key, dest, reader=True)
                 else:
                     header = tier.read_payload_into(key, dest)
             except KeyError:
@@ -70,11 +76,11 @@ class Reader:
                 await self.drop_corrupt(level, key, exc)
                 continue
             except TierUnavailableError as exc:
-                store.metrics.unavailable.labels(tier.name).inc()
+                self.metrics.unavailable.labels(tier.name).inc()
                 log.debug("%s", exc)
                 continue
             return self._hit(level, key, header)
-        store.metrics.misses.inc()
+        self.metrics.misses.inc()
         return None
 
     async def get_many_into(self, requests: list[tuple[bytes, memoryview]]) -> list[GetResult | None]:
@@ -88,7 +94,7 @@ class Reader:
                 used.setdefault(result.tier, []).append(key)
         for level, tier in enumerate(self.tiers):
             if tier.name in used:
-                self._store.residency.touch_chain(level, used[tier.name])
+                self.residency.touch_chain(level, used[tier.name])
         return results
 
     async def _get_many_into(self, requests: list[tuple[bytes, memoryview]]) -> list[GetResult | None]:
@@ -102,13 +108,12 @@ class Reader:
         turns out corrupt or vanished falls back to :meth:`get_into`, which drops the corrupt copy
         and tries the tiers below.
         """
-        store = self._store
         results: list[GetResult | None] = [None] * len(requests)
         blocking: dict[int, list[int]] = {}  # tier level -> indices into requests
         in_memory: dict[int, list[int]] = {}  # memory tiers: copied on the loop, one call per tier
         offload = sum(len(dest) for _, dest in requests) >= OFFLOAD_GET_BYTES
         for i, (key, dest) in enumerate(requests):
-            level = store.locate(key)
+            level = self.residency.locate(key)
             if level is None:
                 results[i] = await self.get_into(key, dest)  # a counted miss (no await inside)
             elif self.tiers[level].blocking_io or (offload and self.tiers[level].threadsafe_reads):
@@ -127,8 +132,8 @@ class Reader:
         for level, indices in blocking.items():
             tier = self.tiers[level]
             # A network tier reads one block per thread, all in flight at once; disk, one lane per core.
-            lanes = min(tier.io_threads or store.io.read_lanes, len(indices))
-            pool = store.io.read_pool(tier)
+            lanes = min(tier.io_threads or self.io.read_lanes, len(indices))
+            pool = self.io.read_pool(tier)
             for lane in range(lanes):
                 lane_indices = indices[lane::lanes]
                 calls.append(loop.run_in_executor(pool, _read_lane, tier, [requests[i] for i in lane_indices]))
@@ -143,7 +148,7 @@ class Reader:
                 if isinstance(outcome, CorruptBlockError):
                     await self.drop_corrupt(level, key, outcome)
                 elif isinstance(outcome, TierUnavailableError):
-                    store.metrics.unavailable.labels(self.tiers[level].name).inc()
+                    self.metrics.unavailable.labels(self.tiers[level].name).inc()
                 elif isinstance(outcome, KeyError):
                     self.forget_vanished(level, key)
                 results[i] = await self.get_into(key, dest, level + 1)  # the tiers below, or a counted miss
@@ -164,13 +169,13 @@ class Reader:
         never a copy of bytes that now belong to another block. The holds count against
         ``owner``'s bound of held bytes; a block past it streams unheld.
         """
-        holds = self._store.holds
+        holds = self.holds
         results: list[GetResult | None] = [None] * len(requests)
         layered: list[tuple[memoryview, object, BlockHeader, Tier, bytes, bool]] = []
         whole: list[int] = []
         used: dict[int, list[bytes]] = {}  # tier level -> keys streamed from it, in request order
         for i, (key, dest) in enumerate(requests):
-            level = self._store.locate(key)
+            level = self.residency.locate(key)
             tier = self.tiers[level] if level is not None else None
             if tier is None or tier.blocking_io or tier.header(key).codec != "raw":
                 whole.append(i)
@@ -185,7 +190,7 @@ class Reader:
             used.setdefault(level, []).append(key)
             layered.append((dest, source, header, tier, key, held))
         for level, keys in used.items():
-            self._store.residency.touch_chain(level, keys)
+            self.residency.touch_chain(level, keys)
         try:
             if whole:
                 found = await self.get_many_into([requests[i] for i in whole])
@@ -208,15 +213,12 @@ class Reader:
                     holds.unhold(key)
 
     def _hit(self, level: int, key: bytes, header: BlockHeader, touch: bool = True) -> GetResult:
-        store = self._store
         tier = self.tiers[level]
         if touch:
-            store.residency.touch(level, key)
-        store.note_read(level, key)
-        store.metrics.hits.labels(tier.name).inc()
-        store.metrics.bytes_out.labels(tier.name).inc(header.payload_len)
-        if level > 0 and store.promote_on_get:
-            store.schedule_promotion(key)
+            self.residency.touch(level, key)
+        self.metrics.hits.labels(tier.name).inc()
+        self.metrics.bytes_out.labels(tier.name).inc(header.payload_len)
+        self._note_read(level, key)
         return GetResult(header, tier.name)
 
     # -- bad copies ---------------------------------------------------------------------------
@@ -225,7 +227,7 @@ class Reader:
         """The whole block from tier ``level``; None (corrupt copy dropped, vanished key forgotten)
         when there is none to read. Raises TierUnavailableError."""
         try:
-            return await self._store.io.read_whole(self.tiers[level], key)
+            return await self.io.read_whole(self.tiers[level], key)
         except CorruptBlockError as exc:
             await self.drop_corrupt(level, key, exc)
         except KeyError:
@@ -233,18 +235,19 @@ class Reader:
         return None
 
     async def drop_corrupt(self, level: int, key: bytes, exc: Exception) -> None:
-        store = self._store
+        """Delete a copy that failed validation from tier ``level`` and count it; a block left in
+        no tier loses its pins and leases too."""
         tier = self.tiers[level]
         log.warning("%s: block %s is corrupt (%s); deleted", tier.name, key.hex(), exc)
-        store.metrics.corrupt.labels(tier.name).inc()
-        await store.residency.delete(level, key)
-        if store.locate(key) is None:
-            store.holds.forget(key)
+        self.metrics.corrupt.labels(tier.name).inc()
+        await self.residency.delete(level, key)
+        if self.residency.locate(key) is None:
+            self.holds.forget(key)
 
     def forget_vanished(self, level: int, key: bytes) -> None:
         """A block its tier no longer holds (removed underneath, e.g. by another host): unindex it."""
         if key not in self.tiers[level]:
-            self._store.residency.forget(level, key)
+            self.residency.forget(level, key)
 
 
 def _copy_range(dest: memoryview, source: object, start: int, size: int) -> None:

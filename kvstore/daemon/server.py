@@ -113,7 +113,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         keys = stored_keys(tenant, request.keys)
         await self.store.discover(keys, tenant.name)
         self.store.claim(keys, tenant.name)  # promoted copies are charged to it, within its quota
-        return pb.CountResponse(count=sum(self.store.schedule_promotion(k) for k in keys))
+        return pb.CountResponse(count=sum(self.store.promoter.schedule(k) for k in keys))
 
     @_rpc
     async def Put(self, request: pb.PutRequest, context) -> pb.PutResponse:
@@ -141,8 +141,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if copies > MAX_LAYER_COPIES:
                 raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"this GetLayers would make {copies} layer copies; at most {MAX_LAYER_COPIES}")
-            stream = self.store.get_layerwise([(key, dest) for key, header, dest in plan if header is not None],
-                                              tenant.name)
+            stream = self.store.reads.get_layerwise(
+                [(key, dest) for key, header, dest in plan if header is not None], tenant.name)
             async for layer, found in stream:
                 if found is None:
                     await _write(context, pb.LayerReady(layer=layer))
@@ -223,7 +223,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 corrupt=m.value(m.corrupt, tier=n), bytes_in=m.value(m.bytes_in, tier=n),
                 bytes_out=m.value(m.bytes_out, tier=n)))
         return pb.StatsResponse(tiers=tiers, misses=m.value(m.misses), pinned=self.store.pinned,
-                                queue_depth=self.store.queue_depth, queue_dropped=m.value(m.queue_dropped),
+                                queue_depth=self.store.write_behind.depth, queue_dropped=m.value(m.queue_dropped),
                                 arenas=len(self.transfers.arenas), write_errors=self.store.write_errors,
                                 requested=m.total(m.requested), events_published=m.value(m.events_published),
                                 events_dropped=m.value(m.events_dropped), data_port=self.data_port,

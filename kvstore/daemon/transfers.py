@@ -349,7 +349,7 @@ class Transfers:
         reads = [(plan[i][0], plan[i][2] if i not in buffers else memoryview(buffers[i])[: plan[i][1].payload_len])
                  for i in found_at]
         results: list[GetResult | None] = [None] * len(plan)
-        for i, found in zip(found_at, await self.store.get_many_into(reads)):
+        for i, found in zip(found_at, await self.store.reads.get_many_into(reads)):
             results[i] = found
         self.store.metrics.misses.inc(sum(header is None for _, header, _ in plan))
         self.count(tenant, "get", [by_reference[i][1] if i in by_reference else r for i, r in enumerate(results)])
