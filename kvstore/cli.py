@@ -5,10 +5,11 @@
     kvstore clear [--address ADDR] [--tier cpu] [--tier disk]
     kvstore locate --hosts ADDR,ADDR,... FILE [--tokens]
 
-Client commands (stats, clear, ingest, locate) take the token from --token, --token-file or
-KVSTORE_AUTH_TOKEN (for clear with tenants: the daemon's admin token), and TLS from --tls-ca
-(or KVSTORE_TLS_CA), --tls-cert/--tls-key and --tls-server-name; they check the daemon before any
-work and say in one line why it cannot be used.
+Client commands (stats, clear, ingest, locate; kvstore/client_commands.py) take the token from
+--token, --token-file or KVSTORE_AUTH_TOKEN (for clear with tenants: the daemon's admin token), and
+TLS from --tls-ca (or KVSTORE_TLS_CA), --tls-cert/--tls-key and --tls-server-name; they check the
+daemon before any work and say in one line why it cannot be used. This module parses every
+command's flags, runs ``serve``, ``demo`` and ``calibrate`` itself, and says failures in one line.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import sys
 
-from kvstore.daemon.config import ENV_PREFIX, DaemonConfig, format_size, load_config, read_text
+from kvstore.client_commands import cmd_clear, cmd_ingest, cmd_locate, cmd_stats
+from kvstore.daemon.config import ENV_PREFIX, DaemonConfig, load_config
 from kvstore.host import default_listen
 from tiers.base import TierError
 
@@ -155,37 +156,6 @@ def _connection_arguments(parser: argparse.ArgumentParser, several: bool = False
                              "(only on a network you trust)")
 
 
-def _tls(args: argparse.Namespace):
-    from kvstore.connect import CLI_OPTIONS, client_tls
-
-    return client_tls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name, environ=os.environ,
-                      names=CLI_OPTIONS)
-
-
-def _client(args: argparse.Namespace, shared_memory: bool | None = False, check: bool = True):
-    """A client of ``args``' daemon; with ``check``, the daemon is asked once first, and a problem
-    (no daemon, TLS or not, the token) is a one-line error before any work."""
-    from engine_adapter.client import KVStoreClient
-    from kvstore.connect import CLI_OPTIONS, is_unix, resolve_token
-    from kvstore.locate import refuse_plaintext_tokens
-
-    address = args.address or default_listen()
-    token = resolve_token(args.token, args.token_file, address)
-    tls = None if is_unix(address) else _tls(args)
-    refuse_plaintext_tokens({address: token}, tls, args.insecure, CLI_OPTIONS)
-    tls_settings = {} if tls is None else dict(tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key,
-                                                 tls_server_name=tls.server_name)
-    client = KVStoreClient(address, shared_memory=shared_memory, token=token, insecure=args.insecure,
-                           **tls_settings)
-    if check:
-        try:
-            client.check(names=CLI_OPTIONS)
-        except BaseException:
-            client.close()
-            raise
-    return client
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.daemon.process import run_daemon
 
@@ -200,174 +170,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        stats = client.stats()
-    if args.json:
-        print(json.dumps(stats, indent=2))
-        return 0
-    print(f"{'tier':<6} {'blocks':>8} {'used':>12} {'capacity':>12} {'hits':>8} {'evictions':>9} "
-          f"{'promoted':>8} {'demoted':>8} {'corrupt':>7}")
-    for name, t in stats["tiers"].items():
-        capacity = format_size(t["capacity_bytes"]) if t["capacity_bytes"] else "unbounded"
-        print(f"{name:<6} {t['blocks']:>8} {format_size(t['used_bytes']):>12} {capacity:>12} "
-              f"{t['hits']:>8} {t['evictions']:>9} {t['promotions_in']:>8} {t['demotions_in']:>8} {t['corrupt']:>7}")
-    print(f"misses {stats['misses']}  pinned {stats['pinned']}  queue {stats['queue_depth']} "
-          f"(dropped {stats['queue_dropped']})  arenas {stats['arenas']}  write errors {stats['write_errors']}")
-    return 0
-
-
-def cmd_clear(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        count = client.clear(args.tier or [])
-    print(f"cleared {count} blocks")
-    return 0
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     from engine_adapter.demo import run
 
     return run(args)
-
-
-def context_overflow(tokens: int, max_context: int) -> int:
-    """Tokens of a ``tokens``-token document prompt beyond the model's context of ``max_context``
-    (0 when it fits or the context is unknown): chunks there could never be part of a prompt."""
-    return max(0, tokens - max_context) if max_context > 0 else 0
-
-
-class _Kept:
-    """What `kvstore ingest` has stored so far, per file, to say what an interrupted run kept."""
-
-    def __init__(self) -> None:
-        self.files: list[list] = []  # [path, chunks stored now, chunks already cached (None: not yet known), of]
-
-    def begin(self, path: str, chunks: int) -> None:
-        self.files.append([path, 0, None, chunks])
-
-    def progress(self, n: int) -> None:
-        """`CachedEngine.ingest`'s progress: first the chunks already cached, then 1 per chunk stored."""
-        entry = self.files[-1]
-        if entry[2] is None:
-            entry[2] = n
-        else:
-            entry[1] += n
-
-    def done(self, stored: int, present: int) -> None:
-        self.files[-1][1:3] = [stored, present]
-
-    def summary(self) -> str:
-        stored = sum(f[1] for f in self.files)
-        if not self.files or not stored and not any(f[2] for f in self.files):
-            return "interrupted before any chunk was stored"
-        each = ", ".join(f"{os.path.basename(str(path))} {new + (old or 0)} of {total}"
-                         for path, new, old, total in self.files)
-        return (f"interrupted: {stored} chunks stored by this run stay in the daemon (cached now: {each}); run the "
-                f"same ingest again for the rest (cached chunks are skipped)")
-
-
-def cmd_ingest(args: argparse.Namespace) -> int:
-    """Precompute the KV of documents (in the document-QA prompt layout) and store it. Chunks
-    beyond the model's context are not stored (a warning says how many tokens were beyond); Ctrl-C
-    says what was stored and exits 130."""
-    kept = _Kept()
-    try:
-        return _ingest(args, kept)
-    except KeyboardInterrupt:
-        print(f"kvstore: {kept.summary()}", file=sys.stderr, flush=True)
-        return 130
-
-
-def _ingest(args: argparse.Namespace, kept: _Kept) -> int:
-    import torch
-    from tqdm import tqdm
-
-    from engine_adapter.cached import CachedEngine
-    from engine_adapter.loader import find_smollm2_gguf, load_gguf
-    from engine_adapter.prompts import document_prompt
-
-    texts = {path: read_text(path) for path in args.files}  # every file, before the model loads
-    _client(args).close()  # the daemon, the token and TLS are checked before the model loads
-    model, tokenizer = load_gguf(args.model or find_smollm2_gguf(), dtype=getattr(torch, args.dtype))
-    max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-    with _client(args, shared_memory=None, check=False) as client:
-        engine = CachedEngine(model, tokenizer, client, tenant=args.tenant)
-        for path, text in texts.items():
-            context_ids, _ = document_prompt(tokenizer, text, "")
-            chunk_tokens = engine.namespace.chunk_tokens
-            total = len(context_ids)
-            beyond = context_overflow(total, max_context)
-            if beyond:
-                # A prompt holds at most max_context tokens, one of them after the reused chunks.
-                usable = (max_context - 1) // chunk_tokens
-                print(f"kvstore: warning: {path}: {len(context_ids)} tokens with the prompt, {beyond} beyond the "
-                      f"model's context of {max_context} tokens: only its first {usable} chunks "
-                      f"({usable * chunk_tokens} tokens) are stored; no prompt can use chunks past the context",
-                      file=sys.stderr, flush=True)
-                context_ids = context_ids[: usable * chunk_tokens]
-            chunks = len(context_ids) // chunk_tokens
-            if chunks == 0:
-                print(f"{path}: {len(context_ids)} tokens with the prompt, shorter than one chunk "
-                      f"({chunk_tokens} tokens): nothing stored (only full chunks are cached)")
-                continue
-            kept.begin(path, chunks)
-
-            def progress(n: int, bar) -> None:
-                kept.progress(n)
-                bar.update(n)
-
-            with tqdm(total=chunks, desc=os.path.basename(path), unit="chunk") as bar:
-                stored, present = engine.ingest(context_ids, progress=lambda n: progress(n, bar))
-            kept.done(stored, present)
-            print(f"{path}: {total} tokens, {stored} chunks stored, {present} already cached"
-                  + (f" ({beyond} tokens beyond the context not stored)" if beyond else ""))
-    return 0
-
-
-def cmd_locate(args: argparse.Namespace) -> int:
-    """Which daemon holds the longest cached prefix of a document (or of token ids)."""
-    from engine_adapter.cached import config_namespace
-    from engine_adapter.loader import find_smollm2_gguf, gguf_config
-    from engine_adapter.prompts import document_prompt
-    from kvstore.keys import prefix_keys
-    from kvstore.connect import CLI_OPTIONS, TokenBook
-    from kvstore.locate import locate, refuse_plaintext_tokens, tokens_for
-
-    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
-    if not hosts:
-        raise ValueError("--hosts: give daemon addresses, e.g. 10.0.0.5:7070,10.0.0.6:7070")
-    book = TokenBook.read(args.token_file) if args.token_file else None
-    tls = _tls(args)
-    refuse_plaintext_tokens(tokens_for(hosts, args.token, book), tls, args.insecure, CLI_OPTIONS)  # before any work
-    text = read_text(args.file)
-    config, tokenizer = gguf_config(args.model or find_smollm2_gguf())
-    if args.tokens:
-        try:
-            token_ids = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{args.file}: not JSON: {exc}") from None
-        if not isinstance(token_ids, list) or not all(isinstance(t, int) and t >= 0 for t in token_ids):
-            raise ValueError(f"{args.file}: --tokens needs a JSON list of token ids (non-negative integers)")
-    else:
-        token_ids, _ = document_prompt(tokenizer, text, "")  # as `kvstore ingest` stores it
-    namespace = config_namespace(config, args.dtype, args.tenant)
-    keys = prefix_keys(namespace, token_ids)
-    result = locate(hosts, keys, deadline_s=args.deadline, token=args.token, tokens=book, tls=tls,
-                    insecure=args.insecure, names=CLI_OPTIONS)
-    if args.json:
-        print(json.dumps({"keys": result.keys, "chunk_tokens": namespace.chunk_tokens,
-                          "best": result.best.address if result.best else None,
-                          "hosts": [dataclasses.asdict(h) for h in result.hosts]}, indent=2))
-        return 0
-    print(f"{len(token_ids)} tokens, {result.keys} full chunks of {namespace.chunk_tokens} tokens")
-    for host in result.hosts:
-        if host.answered:
-            tiers = " ".join(f"{t} x{host.tiers.count(t)}" for t in dict.fromkeys(host.tiers)) or "-"
-            print(f"{host.address:<32} {host.hits:>4}/{result.keys} chunks  {tiers}  ({host.seconds * 1000:.1f} ms)")
-        else:
-            print(f"{host.address:<32} unreachable: {host.error}")
-    print(f"best: {result.best.address}" if result.best else "best: none (no host holds the first chunk)")
-    return 0
 
 
 #: `compression.model_calibration`'s defaults, as `kvstore calibrate --help` shows them (written out here:

@@ -23,7 +23,8 @@ from compression.calibration import Allocation
 from compression.calibration_fit import calibrate
 from compression.transform import TransformCodec, estimate_start
 from kernels.rope_ref import rerotate_keys
-from kvstore.daemon.autocal import AUTO_ALLOCATION, MAX_RELATIVE_ERROR, MAX_TOKEN_ERROR, relative_errors
+from kvstore.daemon.autocal import AUTO_ALLOCATION
+from kvstore.daemon.autocal_bounds import MAX_RELATIVE_ERROR, MAX_TOKEN_ERROR, relative_errors
 from kvstore.keys import KVLayout, Namespace
 
 LAYERS, HEADS, HEAD_DIM, THETA = 3, 2, 32, 50000.0
@@ -449,7 +450,7 @@ def test_grouped_samples_wait_for_enough_tokens_and_a_changed_group_calibrates_a
 
 
 def test_layer_group_for_fits_each_layout():
-    from kvstore.daemon.autocal import calibration_bytes, layer_group_for
+    from kvstore.daemon.autocal_bounds import calibration_bytes, layer_group_for
 
     smollm2, llama3 = KVLayout(30, 3, 64, "bfloat16"), KVLayout(32, 8, 128, "bfloat16")
     assert layer_group_for(smollm2, 1) == 1 and layer_group_for(smollm2, 5) == 5
@@ -470,7 +471,8 @@ def test_layouts_too_large_to_calibrate_and_decompression_bombs_are_stored_as_th
     import zstandard
 
     from compression import get_codec
-    from kvstore.daemon.autocal import AutoCalibrator, unfit_layout
+    from kvstore.daemon.autocal import AutoCalibrator
+    from kvstore.daemon.autocal_bounds import unfit_layout
 
     assert unfit_layout(KVLayout(1, 1, 4096, "float16")).startswith("rows of 4096 channels")
     assert "MiB" in unfit_layout(KVLayout(1024, 64, 128, "float16"))

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.daemon.config import load_config, parse_size
+from kvstore.daemon.config import load_config
+from kvstore.user_input import parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,8 +12,9 @@ import zmq
 
 from engine_adapter.client import KVStoreClient
 from kvstore.daemon.config import load_config
-from kvstore.daemon.events import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher, decode_batch,
-                            replay)
+from kvstore.daemon.event_format import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvstore.daemon.event_replay import replay
+from kvstore.daemon.events import EventPublisher
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 from tests.conftest import free_port
 from tests.test_daemon import BLOCK, NS, make_blocks

@@ -292,7 +292,7 @@ def test_ingest_past_the_models_context_warns_and_stores_only_usable_chunks(daem
 
 
 def test_the_context_overflow_is_the_tokens_past_the_context():
-    from kvstore.cli import context_overflow
+    from kvstore.client_commands import context_overflow
 
     assert context_overflow(9000, 8192) == 808
     assert context_overflow(8192, 8192) == 0

@@ -19,9 +19,11 @@ import pytest
 import zmq
 
 from engine_adapter.client import KVStoreClient
-from kvstore.daemon import events
+from kvstore.daemon import event_replay as events  # the replay's bounds: events.REPLAY_BURST, ...
 from kvstore.daemon.config import load_config
-from kvstore.daemon.events import END_SEQ, EventPublisher, decode_batch, replay
+from kvstore.daemon.event_format import END_SEQ, decode_batch
+from kvstore.daemon.event_replay import replay
+from kvstore.daemon.events import EventPublisher
 from tests.conftest import free_port
 from tests.test_daemon import NS, make_blocks
 from tests.test_events import Subscriber

@@ -40,9 +40,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from kvstore.daemon.config import parse_size, read_toml
 from kvstore.host import load_secret, readable_by_others
 from kvstore.keys import KEY_BYTES
+from kvstore.user_input import parse_size, read_toml
 
 
 log = logging.getLogger("kvstore.daemon.auth")

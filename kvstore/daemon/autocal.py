@@ -29,11 +29,9 @@ lock). A calibration, once made:
   (`calibration_store.client_source`, which `PrefixCache` adds). Blocks are coded only once that
   Put succeeded (retried every `PUBLISH_RETRY_S`; again after a restart).
 
-Every coded block is decoded again and compared, per layer and K/V, against the block's own spread
-(RMS of each token vector about the block's mean): the whole block's error above
-`MAX_RELATIVE_ERROR`, or any one token vector's above `MAX_TOKEN_ERROR`, and the block is stored as
-it is, counted (honest calibrations measure 0.10-0.13 and 0.12-0.14 on real blocks; a calibration
-made from unrepresentative or hostile first blocks, or a drifting workload, costs size).
+Every coded block is decoded again and checked against its own spread; one that errs too far is
+stored as it is, counted. That check, and which layouts are calibrated at all (with how many
+layers a row), are ``kvstore/daemon/autocal_bounds.py``'s.
 
 Each tenant's namespaces are its own, so one tenant's blocks never shape another's calibration;
 a namespace is followed only once a Put of it told the daemon its tenant (`note`). Bounds, so
@@ -62,9 +60,11 @@ from typing import Callable
 
 import torch
 
-from compression.blind import MAX_CHANNELS, BlindCalibration, groups_for
-from compression.calibration import MAX_GROUP_CHANNELS, Allocation, Calibration
+from compression.blind import BlindCalibration
+from compression.calibration import Allocation, Calibration
 from kvstore.block import BlockHeader, payload_checksum
+from kvstore.daemon.autocal_bounds import (DEFAULT_SAMPLE_TOKENS, MAX_CALIBRATION_BYTES, calibration_bytes,
+                                           code_checked, layer_group_for, unfit_layout)
 from kvstore.keys import KVLayout
 
 log = logging.getLogger("kvstore.daemon.autocal")
@@ -72,11 +72,7 @@ log = logging.getLogger("kvstore.daemon.autocal")
 AUTO_SPEC = "kvtc@auto"
 #: Relative steps of the daemon's calibrations (docs/compression.md, "Calibrated by the daemon").
 AUTO_ALLOCATION = Allocation(key_step=0.4, value_step=0.3, drop=0.2)
-DEFAULT_SAMPLE_TOKENS = 8192
-MAX_RELATIVE_ERROR = 0.25  # a layer's K or V over the block: |x' - x| / |x - mean over tokens|
-MAX_TOKEN_ERROR = 0.5  # one token vector's error / the RMS spread of that layer's K or V in the block
 MAX_BLOCK_BYTES = 32 << 20  # decoded size of a block the calibrator reads (a 256-token Llama-3-8B block: 32 MiB)
-MAX_CALIBRATION_BYTES = 160 << 20  # a calibration this large is fetched inline by engines (max_message_bytes)
 MAX_SAMPLING = 4  # namespaces sampled at once (each holds its warm-up blocks and rows * C^2 float64 sums)
 MAX_SAMPLING_PER_TENANT = 2
 SAMPLE_IDLE_S = 300.0  # a sample that got no block for this long gives its slot to a namespace that waits
@@ -85,6 +81,7 @@ MAX_NAMESPACES_PER_TENANT = 16  # (of a named tenant; an open daemon's one anony
 MAX_MEMORY = 2 << 30  # calibrations held and samples running, counted as 3x their size; a quarter per named tenant
 PUBLISH_RETRY_S = 30.0  # doubled after each failure, up to an hour
 QUEUE_BLOCKS = 8  # blocks waiting for the sampler thread (more: the block is not sampled)
+
 
 class CalibrationTooLarge(ValueError):
     """`Publish` can never store this calibration (e.g. it is over a quarter of the top tier)."""
@@ -95,56 +92,6 @@ Publish = Callable[[Calibration, object], None]  # stores it in the cache for th
 
 def layout_tag(layout: KVLayout) -> str:
     return f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}-{layout.dtype}"
-
-
-def layer_channels(layout: KVLayout) -> int:
-    """Channels of one layer's row in the daemon's calibrations (its heads grouped by `groups_for`)."""
-    return layout.num_kv_heads // groups_for(layout.num_kv_heads, layout.head_dim) * layout.head_dim
-
-
-def calibration_bytes(layout: KVLayout, layer_group: int = 1) -> int:
-    """About the bytes of a calibration of this layout (two [rows, C, C] float32 matrices; rows of
-    ``layer_group`` layers are that many times a per-layer one's)."""
-    channels = layer_channels(layout)
-    groups = layout.num_kv_heads * layout.head_dim // channels
-    return 2 * layout.num_layers * 2 * groups * channels * channels * 4 * layer_group
-
-
-def layer_group_for(layout: KVLayout, wanted: int, limit: int = MAX_CALIBRATION_BYTES,
-                    sample_tokens: int = DEFAULT_SAMPLE_TOKENS) -> int:
-    """Layers per row for this layout: the largest divisor of its layers up to ``wanted`` whose rows
-    stay within `MAX_GROUP_CHANNELS` channels, whose calibration stays within ``limit`` and whose
-    rows' statistics a sample of ``sample_tokens`` can give (twice the channels at least); else 1."""
-    channels = layer_channels(layout)
-    for layer_group in range(min(wanted, layout.num_layers), 1, -1):
-        width = layer_group * channels
-        if layout.num_layers % layer_group == 0 and width <= MAX_GROUP_CHANNELS and 2 * width <= sample_tokens \
-                and calibration_bytes(layout, layer_group) <= limit:
-            return layer_group
-    return 1
-
-
-def unfit_layout(layout: KVLayout, limit: int = MAX_CALIBRATION_BYTES) -> str:
-    """Why a layout is never calibrated automatically ("" if it can be)."""
-    channels = layer_channels(layout)
-    if layout.head_dim % 2:
-        return f"head_dim {layout.head_dim} is odd"
-    if channels > MAX_CHANNELS:
-        return f"rows of {channels} channels (heads of {layout.head_dim}) pass {MAX_CHANNELS}"
-    if calibration_bytes(layout) > limit:
-        return f"its calibration would take {calibration_bytes(layout) >> 20} MiB (at most {limit >> 20})"
-    return ""
-
-
-def relative_errors(block: torch.Tensor, decoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(per layer and K/V [L, 2], per token vector [L, 2, T])`` errors of ``decoded``, relative to the
-    spread of ``block``: |x' - x| over |x - mean over tokens| (the whole block's, or its RMS per token)."""
-    x = block.double()
-    err = (decoded.double() - x).pow(2).sum((2, 4))  # [L, 2, T]: squared error per token (over heads, dims)
-    spread = (x - x.mean(3, keepdim=True)).pow(2).sum((2, 4))  # [L, 2, T]
-    total = (err.sum(2) / spread.sum(2).clamp_min(1e-300)).sqrt()
-    per_token = (err / spread.mean(2, keepdim=True).clamp_min(1e-300)).sqrt()
-    return total, per_token
 
 
 @dataclasses.dataclass
@@ -252,18 +199,13 @@ class AutoCalibrator:
 
     def _coded(self, calibration: Calibration, header: BlockHeader, block: torch.Tensor
                ) -> tuple[BlockHeader, memoryview] | None:
-        from compression.transform import TransformCodec
-
-        codec = TransformCodec(calibration)
         try:
-            encoded = codec.encode(block)
-            decoded = codec.decode(encoded.payload, encoded.params, tuple(block.shape), block.dtype)
-            total, per_token = relative_errors(block, decoded)
+            encoded = code_checked(calibration, block)
         except Exception as exc:  # noqa: BLE001 - e.g. a non-finite block
             self._count("over_error")
             log.debug("block %s not coded: %s", header.key.hex(), exc)
             return None
-        if not (float(total.max()) <= MAX_RELATIVE_ERROR and float(per_token.max()) <= MAX_TOKEN_ERROR):  # NaN too
+        if encoded is None:
             self._count("over_error")
             return None
         self._count("coded")

@@ -1,5 +1,10 @@
 """The daemon process: tiers from config, the gRPC server with auth and TLS, health, metrics, and
-an orderly shutdown that drains queued writes."""
+an orderly shutdown that drains queued writes.
+
+Its parts live beside it: the tiers a config names, checked and made (``tier_setup.py``); where and
+to whom gRPC listens, the bearer-token interceptor and TLS (``grpc_listener.py``). ``Daemon`` puts
+them together with the store, the service, the data channel, the probes and KV events, and
+``run_daemon`` serves until a signal."""
 
 from __future__ import annotations
 
@@ -8,9 +13,6 @@ import errno
 import logging
 import os
 import signal
-import socket
-import stat
-from pathlib import Path
 from typing import Callable
 
 import grpc
@@ -18,119 +20,28 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from compression.calibration_store import CALIBRATION_DIR_ENV
 from kvstore.arena import arena_socket_path
+from kvstore.block import BlockHeader, payload_checksum
 from kvstore.daemon.arena_registry import ArenaRegistry, ArenaSocket
 from kvstore.daemon.auth import TenantDirectory
-from kvstore.host import s3_mac_key
-from kvstore.daemon.autocal import AUTO_SPEC, MAX_CALIBRATION_BYTES, AutoCalibrator, CalibrationTooLarge
-from kvstore.block import BlockHeader, payload_checksum
-from kvstore.daemon.config import DaemonConfig, format_size
+from kvstore.daemon.autocal import AUTO_SPEC, AutoCalibrator, CalibrationTooLarge
+from kvstore.daemon.autocal_bounds import MAX_CALIBRATION_BYTES
+from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.data_channel import DataChannel, server_tls
 from kvstore.daemon.events import EventPublisher
-from kvstore.instance_lock import InstanceLock
+from kvstore.daemon.grpc_listener import bind, claim_socket, grpc_server, refuse_busy_port, server_credentials
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.placement import BlockStore
 from kvstore.daemon.probes import ProbeServer
 from kvstore.daemon.server import SERVICE_NAME, KVStoreService, add_to_server
 from kvstore.daemon.transfers import Transfers
+from kvstore.daemon.tier_setup import build_tiers, check_settings
+from kvstore.instance_lock import InstanceLock
 from kvstore.shm_index import KeyIndexWriter, remove_stale_files
+from kvstore.user_input import format_size
 from tiers.base import Tier
-from tiers.cpu import CpuTier
 from tiers.disk import DiskTier
-from tiers.gpu import GpuTier
-from tiers.s3 import S3Tier
 
 log = logging.getLogger("kvstore.daemon.process")
-
-
-class _BearerToken(grpc.aio.ServerInterceptor):
-    """Refuse every call without a known tenant's bearer token before reading its request.
-
-    The refusing handlers take the request as a stream they never read: gRPC then fetches no
-    message, HTTP/2 flow control holds the rest in the sender, and a peer without a token makes the
-    daemon buffer its metadata and at most a flow-control window per call, never a message (a
-    unary refusal received and parsed the whole message first: four 200 MiB Puts without a token
-    took 1.3 GB). Health checks stay open without a token, answered the same way: for the kvstore
-    service as a whole, whatever service the unread request names."""
-
-    def __init__(self, tenants: TenantDirectory) -> None:
-        self._tenants = tenants
-
-        async def deny(unread, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-        self._deny = grpc.stream_unary_rpc_method_handler(deny)
-
-    async def intercept_service(self, continuation, details):
-        if self._tenants.resolve(details.invocation_metadata, operator=True) is not None:  # the admin token too
-            return await continuation(details)
-        if details.method == "/grpc.health.v1.Health/Check":
-            check = (await continuation(details)).unary_unary
-
-            async def answer(unread, context):
-                return await check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), context)
-
-            return grpc.stream_unary_rpc_method_handler(
-                answer, response_serializer=health_pb2.HealthCheckResponse.SerializeToString)
-        if details.method == "/grpc.health.v1.Health/Watch":
-            watch = (await continuation(details)).unary_stream
-
-            async def updates(unread, context):
-                await watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME), context)
-
-            return grpc.stream_stream_rpc_method_handler(
-                updates, response_serializer=health_pb2.HealthCheckResponse.SerializeToString)
-        return self._deny
-
-
-def check_settings(config: DaemonConfig) -> None:
-    """ValueError naming the setting, before any tier is made, for what would otherwise fail later:
-    a CPU tier larger than the memory this machine (or its cgroup) has available (the arena's
-    allocation would say only "Cannot allocate memory", or the prefault would take the machine's
-    memory), and a disk or S3 codec naming a kvtc calibration this daemon cannot find (every
-    write to that tier would fail, logged per write). Calibrations are looked for where this
-    process's kvtc codecs look (``CALIBRATION_DIR_ENV``, set by the daemon from calibration_dir)."""
-    if config.cpu_capacity:
-        from tiers.cpu import memory_shortfall
-
-        short = memory_shortfall(config.cpu_capacity)
-        if short:
-            raise ValueError(f"cpu_capacity {short}: lower --cpu-capacity")
-    from compression import calibration_store
-
-    for setting, spec, used in (("disk_codec", config.disk_codec, bool(config.disk_path)),
-                                ("s3_codec", config.s3_codec, bool(config.s3_bucket))):
-        head = spec.split("+")[0]
-        ref = head.partition("@")[2]
-        if not used or not ref or spec == AUTO_SPEC:
-            continue
-        folder = calibration_store.calibration_dir()
-        where = f"{folder} (" + ("calibration_dir" if config.calibration_dir else CALIBRATION_DIR_ENV
-                                 if os.environ.get(CALIBRATION_DIR_ENV) else
-                                 "the default; calibration_dir names another folder") + ")"
-        found = sorted(folder.glob(f"{ref}*{calibration_store.SUFFIX}")) if folder.is_dir() else []
-        if not found:
-            raise ValueError(f"{setting} {spec}: no calibration {ref} in {where}: make one with `kvstore calibrate "
-                             f"FILE...` (it prints the codec spec), or copy its <id>{calibration_store.SUFFIX} "
-                             f"file there; or use kvtc@auto")
-        try:
-            calibration_store.resolve(ref)
-        except Exception as exc:  # noqa: BLE001 - ambiguous, unreadable, damaged: named in one line
-            raise ValueError(f"{setting} {spec}: the calibration in {folder} cannot be used: {exc}") from None
-
-
-def build_tiers(config: DaemonConfig) -> list[Tier]:
-    tiers: list[Tier] = []
-    if config.gpu_capacity:
-        tiers.append(GpuTier(config.gpu_capacity, device=config.gpu_device))
-    if config.cpu_capacity:
-        tiers.append(CpuTier(config.cpu_capacity, pin=config.cpu_pin))
-    if config.disk_path:
-        tiers.append(DiskTier(config.disk_path, config.disk_capacity, fsync=config.disk_fsync,
-                              o_direct=config.disk_o_direct))
-    if config.s3_bucket:
-        mac_key = s3_mac_key(config.tenant_secret_file)  # objects are MAC'd under the hosts' shared secret
-        tiers.append(S3Tier(config.s3_config, mac_key=mac_key))  # TierError saying what to fix when unusable
-    return tiers
 
 
 class Daemon:
@@ -239,60 +150,22 @@ class Daemon:
         self._loop = asyncio.get_running_loop()
         if self.events is not None:
             self.events.start()  # first: a taken events address fails the start before anything listens
-        options = [("grpc.max_receive_message_length", self.config.max_message_bytes),
-                   ("grpc.max_send_message_length", self.config.max_message_bytes),
-                   # gRPC's default SO_REUSEPORT would let a second daemon share a busy port.
-                   ("grpc.so_reuseport", 0)]
-        interceptors = [_BearerToken(self.tenants)] if self.tenants.required else []
-        self.server = grpc.aio.server(options=options, interceptors=interceptors)
+        self.server = grpc_server(self.config.max_message_bytes, self.tenants)
         add_to_server(self.service, self.server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
         address = self.config.listen
         socket_path = self.config.socket_path
         if socket_path is not None:
-            # A file someone put at the socket path is never removed. Checked before the lock, so
-            # that a failed start (which removes the socket path) never holds it.
-            try:
-                found = os.lstat(socket_path).st_mode
-            except OSError:
-                found = None
-            if found is not None and not stat.S_ISSOCK(found):
-                raise OSError(f"cannot listen on {address}: {socket_path} exists and is not a socket")
-            # One daemon per socket: only the lock's holder may remove a stale socket file.
-            try:
-                self._socket_lock = InstanceLock(socket_path.with_name(socket_path.name + ".lock"),
-                                                 f"unix socket {socket_path}")
-            except OSError as exc:  # its folder cannot be created or written
-                raise OSError(f"cannot listen on {address}: {exc.filename}: {exc.strerror}") from None
-            socket_path.unlink(missing_ok=True)
+            self._socket_lock = claim_socket(address, socket_path)
         else:
-            # Checked first: gRPC's own refusal ("Failed to bind") says no why, and logs a C++ line.
-            reason = _why_cannot_listen(address, busy_only=True)
-            if reason:
-                raise OSError(f"cannot listen on {address}: {reason}")
+            refuse_busy_port(address)
         if self.config.metrics_listen:  # before gRPC: /readyz says "starting" until it serves
             self._start_metrics()
         credentials = None
         if self.config.tls_cert and socket_path is None:  # on a unix socket, TLS is the data channel's alone
-            try:
-                credentials = grpc.ssl_server_credentials([(Path(self.config.tls_key).read_bytes(),
-                                                             Path(self.config.tls_cert).read_bytes())])
-            except OSError as exc:
-                raise OSError(f"cannot read the TLS key or certificate {exc.filename}: {exc.strerror}") from None
-        old_umask = os.umask(0o177)  # the socket is born 0600
-        try:
-            if credentials is not None:
-                port = self.server.add_secure_port(address, credentials)
-            else:
-                port = self.server.add_insecure_port(address)
-        except RuntimeError:  # "Failed to bind to address": find out why
-            port = 0
-        finally:
-            os.umask(old_umask)
-        if port == 0:
-            reason = None if socket_path is not None else _why_cannot_listen(address, busy_only=False)
-            raise OSError(f"cannot listen on {address}: {reason or 'gRPC could not bind it'}")
+            credentials = server_credentials(self.config.tls_cert, self.config.tls_key)
+        port = bind(self.server, address, credentials, unix=socket_path is not None)
         await self.server.start()
         if socket_path is not None:
             os.chmod(socket_path, 0o600)
@@ -483,29 +356,6 @@ def raise_fd_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def _why_cannot_listen(address: str, busy_only: bool) -> str | None:
-    """Why TCP ``host:port`` cannot be bound, found by binding it as gRPC does (SO_REUSEADDR, no
-    SO_REUSEPORT); None if it can. ``busy_only``: report only "address in use" (a host name may
-    resolve to an address family this host lacks, which gRPC skips)."""
-    host, _, port = address.rpartition(":")
-    try:
-        candidates = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM,
-                                        flags=socket.AI_PASSIVE)
-    except (socket.gaierror, ValueError) as exc:
-        return None if busy_only else f"cannot resolve it: {exc}"
-    for family, kind, proto, _, sockaddr in candidates:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(sockaddr)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return "address in use"
-                if not busy_only:
-                    return (exc.strerror or str(exc)).lower()
-    return None
 
 
 async def run_daemon(config: DaemonConfig, ready: Callable[[str], None] | None = None) -> None:

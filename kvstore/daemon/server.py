@@ -2,7 +2,8 @@
 answers from the store or through the transfers both transports share (kvstore/daemon/transfers.py:
 Put and Get, validation, tenants' keys, the bytes a call moves, the error-to-status map).
 
-The process around them (tiers, listening, auth, TLS, shutdown) is kvstore/daemon/process.py.
+The process around them is kvstore/daemon/process.py; where gRPC listens, its TLS and the bearer-token
+interceptor that admits each call, kvstore/daemon/grpc_listener.py.
 
 Every RPC validates its input before touching the store and answers bad input with a status code
 and a message that names the problem; an unexpected exception is logged and answered INTERNAL,

@@ -1,0 +1,72 @@
+"""The tiers a daemon's config names: checked before any is made, then made, top first.
+
+``check_settings`` names, in one line, what would otherwise fail only later (a CPU tier larger than
+the memory available, a codec naming a calibration nobody can find); ``build_tiers`` opens the
+tiers (GPU, CPU, disk, S3: each where its setting asks for it). ``kvstore/daemon/process.py``
+calls both, in that order, before the store is made.
+"""
+
+from __future__ import annotations
+
+import os
+
+from compression.calibration_store import CALIBRATION_DIR_ENV
+from kvstore.daemon.autocal import AUTO_SPEC
+from kvstore.daemon.config import DaemonConfig
+from kvstore.host import s3_mac_key
+from tiers.base import Tier
+from tiers.cpu import CpuTier
+from tiers.disk import DiskTier
+from tiers.gpu import GpuTier
+from tiers.s3 import S3Tier
+
+
+def check_settings(config: DaemonConfig) -> None:
+    """ValueError naming the setting, before any tier is made, for what would otherwise fail later:
+    a CPU tier larger than the memory this machine (or its cgroup) has available (the arena's
+    allocation would say only "Cannot allocate memory", or the prefault would take the machine's
+    memory), and a disk or S3 codec naming a kvtc calibration this daemon cannot find (every
+    write to that tier would fail, logged per write). Calibrations are looked for where this
+    process's kvtc codecs look (``CALIBRATION_DIR_ENV``, set by the daemon from calibration_dir)."""
+    if config.cpu_capacity:
+        from tiers.cpu import memory_shortfall
+
+        short = memory_shortfall(config.cpu_capacity)
+        if short:
+            raise ValueError(f"cpu_capacity {short}: lower --cpu-capacity")
+    from compression import calibration_store
+
+    for setting, spec, used in (("disk_codec", config.disk_codec, bool(config.disk_path)),
+                                ("s3_codec", config.s3_codec, bool(config.s3_bucket))):
+        head = spec.split("+")[0]
+        ref = head.partition("@")[2]
+        if not used or not ref or spec == AUTO_SPEC:
+            continue
+        folder = calibration_store.calibration_dir()
+        where = f"{folder} (" + ("calibration_dir" if config.calibration_dir else CALIBRATION_DIR_ENV
+                                 if os.environ.get(CALIBRATION_DIR_ENV) else
+                                 "the default; calibration_dir names another folder") + ")"
+        found = sorted(folder.glob(f"{ref}*{calibration_store.SUFFIX}")) if folder.is_dir() else []
+        if not found:
+            raise ValueError(f"{setting} {spec}: no calibration {ref} in {where}: make one with `kvstore calibrate "
+                             f"FILE...` (it prints the codec spec), or copy its <id>{calibration_store.SUFFIX} "
+                             f"file there; or use kvtc@auto")
+        try:
+            calibration_store.resolve(ref)
+        except Exception as exc:  # noqa: BLE001 - ambiguous, unreadable, damaged: named in one line
+            raise ValueError(f"{setting} {spec}: the calibration in {folder} cannot be used: {exc}") from None
+
+
+def build_tiers(config: DaemonConfig) -> list[Tier]:
+    tiers: list[Tier] = []
+    if config.gpu_capacity:
+        tiers.append(GpuTier(config.gpu_capacity, device=config.gpu_device))
+    if config.cpu_capacity:
+        tiers.append(CpuTier(config.cpu_capacity, pin=config.cpu_pin))
+    if config.disk_path:
+        tiers.append(DiskTier(config.disk_path, config.disk_capacity, fsync=config.disk_fsync,
+                              o_direct=config.disk_o_direct))
+    if config.s3_bucket:
+        mac_key = s3_mac_key(config.tenant_secret_file)  # objects are MAC'd under the hosts' shared secret
+        tiers.append(S3Tier(config.s3_config, mac_key=mac_key))  # TierError saying what to fix when unusable
+    return tiers
