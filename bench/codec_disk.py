@@ -18,7 +18,8 @@ from compression import calibration_store
 from compression.transform import TransformCodec
 from engine_adapter.cached import CachedEngine
 from engine_adapter.client import KVStoreClient
-from engine_adapter.model import KVCache, LlamaModel
+from engine_adapter.kv_cache import KVCache
+from engine_adapter.model import LlamaModel
 from kvstore.keys import prefix_keys
 from kvstore.spawn import DaemonProcess
 from tiers.disk import block_path

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from engine_adapter.generate import decode_loop, prefill
-from engine_adapter.model import KVCache, LlamaModel
+from engine_adapter.kv_cache import KVCache
+from engine_adapter.model import LlamaModel
 from engine_adapter.prompts import document_prompt
 
 CHUNK_TOKENS = 256

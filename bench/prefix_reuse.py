@@ -54,7 +54,8 @@ from engine_adapter.client import KVStoreClient  # noqa: E402
 from kvstore.spawn import DaemonProcess  # noqa: E402
 from engine_adapter.generate import sample_next  # noqa: E402
 from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
-from engine_adapter.model import KVCache, LlamaModel  # noqa: E402
+from engine_adapter.kv_cache import KVCache  # noqa: E402
+from engine_adapter.model import LlamaModel  # noqa: E402
 from engine_adapter.prompts import document_prompt  # noqa: E402
 from kvstore.keys import prefix_keys  # noqa: E402
 

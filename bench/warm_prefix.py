@@ -24,7 +24,7 @@ import numpy as np
 from bench.musique import MUSIQUE_DEV
 from engine_adapter.cached import CachedEngine
 from engine_adapter.client import KVStoreClient
-from engine_adapter.model import KVCache
+from engine_adapter.kv_cache import KVCache
 from kvstore.spawn import DaemonProcess
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -29,7 +29,8 @@ from typing import Sequence
 import torch
 
 import kernels
-from engine_adapter.model import KVCache, LlamaModel
+from engine_adapter.kv_cache import KVCache
+from engine_adapter.model import LlamaModel
 
 SEGMENT_KINDS = ("prefix", "glue", "chunk", "query")
 

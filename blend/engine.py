@@ -35,7 +35,8 @@ from engine_adapter.blocks import FetchedBlock
 from engine_adapter.client import KVStoreClient
 from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
 from engine_adapter.generate import decode_after, sample_next
-from engine_adapter.model import KVCache, LlamaModel
+from engine_adapter.kv_cache import KVCache
+from engine_adapter.model import LlamaModel
 from engine_adapter.tokenizer import Tokenizer
 from kvstore.keys import Namespace, chunk_key
 

@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from blend.assemble import BlendLayout
 from blend.select import (CheckLayerView, StaleReadView, TokenSelector, attention_probs, hidden_keys, kv_deviation,
                           row_blocks)
-from engine_adapter.model import KVCache, LlamaModel
+from engine_adapter.kv_cache import KVCache
+from engine_adapter.model import LlamaModel
 
 
 def row_causal_mask(rows: torch.Tensor, num_keys: int) -> torch.Tensor:

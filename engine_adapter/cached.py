@@ -32,7 +32,8 @@ import torch
 from engine_adapter.client import KVStoreClient
 from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
 from engine_adapter.generate import decode_after, sample_next
-from engine_adapter.model import KVCache, LlamaModel, ModelConfig
+from engine_adapter.kv_cache import KVCache
+from engine_adapter.model import LlamaModel, ModelConfig
 from engine_adapter.tokenizer import Tokenizer
 from kvstore.dtypes import TORCH_DTYPE_NAMES
 from kvstore.keys import KVLayout, Namespace, prefix_keys

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine_adapter.model import KVCache, LlamaModel
+from engine_adapter.kv_cache import KVCache
+from engine_adapter.model import LlamaModel
 from engine_adapter.tokenizer import Tokenizer
 
 
