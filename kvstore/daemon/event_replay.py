@@ -38,8 +38,7 @@ import zmq
 
 from kvstore.daemon.event_format import END_SEQ, KVEventBatch, decode_batch
 
-# The KV events' one logger, whichever of their modules writes the line.
-log = logging.getLogger("kvstore.daemon.events")
+log = logging.getLogger(__name__)
 
 #: Published batches kept for replay (vLLM keeps 10,000 too), and at most this many bytes of them.
 REPLAY_BATCHES = 10_000
