@@ -127,7 +127,7 @@ def check_targets(table: dict[int, dict[str, Cell]], at: int) -> list[dict]:
     worst = max(per_context, key=per_context.get)
     targets.append(dict(name="warm from CPU within 1.5x of resident (every context)",
                         value=per_context[worst], passed=all(v <= 1.5 for v in per_context.values()),
-                        detail="cpu/resident " + ", ".join(f"{fmt_context(n)} {v:.1f}x"
+                        detail="cpu/resident " + ", ".join(f"{fmt_context(n)} {v:.2f}x"
                                                           for n, v in per_context.items())))
     if at in table:
         value = ratio("cold", "disk", at)
@@ -272,7 +272,7 @@ def main() -> int:
         c = table[n]
         print(f"{fmt_context(n):>7} {c['cold'].ttft_s:>8.3f} {c['cpu'].ttft_s:>8.3f} {c['disk'].ttft_s:>8.3f} "
               f"{c['resident'].ttft_s:>10.4f} {c['cold'].ttft_s / c['cpu'].ttft_s:>8.1f}x "
-              f"{c['cold'].ttft_s / c['disk'].ttft_s:>8.1f}x {c['cpu'].ttft_s / c['resident'].ttft_s:>11.1f}x")
+              f"{c['cold'].ttft_s / c['disk'].ttft_s:>8.1f}x {c['cpu'].ttft_s / c['resident'].ttft_s:>11.2f}x")
 
     print(f"\nwhere warm time goes (medians, s): load = key hashing + cache allocation + Lookup + Get + copy into "
           f"the KV cache; prefill = the question tokens.\nload GB/s = context KV bytes / load; ceilings on "

@@ -4,7 +4,8 @@ A request's path (docs/architecture.md lists the same steps with their files):
 
     1. keys     prefix keys of the prompt's full chunks        kvstore/keys.py
     2. lookup   longest run of stored chunks                   daemon: Lookup
-    3. load     fetch the run's blocks through shared memory   daemon: Get -> KVCache.load
+    3. load     the daemon copies the run's blocks into the    daemon: Get in rows (shared_kv.py)
+                KV cache, which is in shared memory
     4. prefill  compute only the tokens after the run          model.forward
     5. decode   first token out (TTFT stops here), then more
     6. store    new full chunks exported and Put by a background thread (never before token 1)
@@ -30,10 +31,11 @@ from typing import Sequence
 import torch
 
 from engine_adapter.client import KVStoreClient
-from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
 from engine_adapter.generate import decode_after, sample_next
 from engine_adapter.kv_cache import KVCache
 from engine_adapter.model import LlamaModel, ModelConfig
+from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
+from engine_adapter.shared_kv import SharedKVMemory, region_of
 from engine_adapter.tokenizer import Tokenizer
 from kvstore.dtypes import TORCH_DTYPE_NAMES
 from kvstore.keys import KVLayout, Namespace, prefix_keys
@@ -77,6 +79,8 @@ class CachedEngine:
         self.client = client
         self.namespace = model_namespace(model, tenant, chunk_tokens)
         self.cache = PrefixCache(client, self.namespace)
+        # KV caches in shared memory, where the daemon's Get fills them in one copy (shared_kv.py).
+        self._allocate = SharedKVMemory(client, model.device) if client is not None and client.shared_memory else None
         # The KV cache of the last request, kept for the next once its store is done: like an
         # engine's preallocated KV memory, a warm request then pays no allocation and no first
         # touch of fresh pages (at 4k tokens in fp32, 189 MB: as long as copying them in).
@@ -84,16 +88,18 @@ class CachedEngine:
         self._spare_lock = threading.Lock()
 
     def _take_cache(self, capacity: int) -> KVCache:
-        """An empty KV cache for ``capacity`` tokens: the spare if its store is done, else a new one."""
+        """An empty KV cache for ``capacity`` tokens: the spare if its store is done and it is large
+        enough, else a new one. Capacities are whole chunks, so prompts of one length in chunks
+        share a cache (or its shared memory) instead of growing it by doubling."""
+        capacity = -(-capacity // self.namespace.chunk_tokens) * self.namespace.chunk_tokens
         with self._spare_lock:
             spare = self._spare if self._spare is not None and self._spare[1].is_set() else None
             if spare is not None:
                 self._spare = None
-        if spare is None:  # none yet, or the last request's chunks are still being stored from it
-            return self.model.new_cache(capacity)
+        if spare is None or spare[0].capacity < capacity:  # none yet, still being stored from, or small
+            return self.model.new_cache(capacity, self._allocate)
         kv = spare[0]
         kv.truncate(0)
-        kv.reserve(capacity)
         return kv
 
     def _keep_cache(self, kv: KVCache, stored: threading.Event) -> None:
@@ -109,7 +115,11 @@ class CachedEngine:
     def _load_prefix(self, keys: list[bytes], kv, tiers: list[str]) -> int:
         """Load the longest stored run of ``keys`` into ``kv``; returns tokens loaded."""
         n = self.namespace.chunk_tokens
-        loaded = self.cache.load_run(keys, lambda c, block: kv.load(block, c * n), tiers)
+        region = region_of(kv.data)
+        if region is not None:  # one copy: the daemon writes the blocks' rows into the cache
+            loaded = self.cache.load_rows(keys, kv, region, tiers)
+        else:
+            loaded = self.cache.load_run(keys, lambda c, block: kv.load(block, c * n), tiers)
         kv.truncate(min(kv.length, loaded * n))
         return loaded * n
 

@@ -4,7 +4,12 @@ one tensor for every layer's keys and values, so a block loads or exports in one
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+#: Makes the one tensor of a cache: (shape, dtype) -> an uninitialised tensor (e.g. in shared memory).
+Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 class KVCache:
@@ -16,14 +21,17 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, allocate: Allocate | None = None):
+        """``allocate``: where the cache's tensor comes from, at first and whenever it grows
+        (default: ``torch.empty`` on ``device``; engine_adapter/shared_kv.py puts it in shared memory)."""
         if capacity <= 0:
             raise ValueError(f"KVCache capacity must be positive, got {capacity}")
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.length = 0
-        self._allocate(torch.empty((num_layers, 2, num_kv_heads, capacity, head_dim), dtype=dtype, device=device))
+        self._new = allocate or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
+        self._allocate(self._new((num_layers, 2, num_kv_heads, capacity, head_dim), dtype))
 
     def _allocate(self, data: torch.Tensor) -> None:
         """One tensor [num_layers, 2, num_kv_heads, capacity, head_dim] holds every layer, so a
@@ -36,6 +44,20 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self._data.shape[3]
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The one tensor [num_layers, 2, num_kv_heads, capacity, head_dim]; replaced when the cache grows."""
+        return self._data
+
+    def block_rows(self, start: int, tokens: int) -> tuple[int, int, int, int]:
+        """Where a block of ``tokens`` tokens at ``start`` lies in `data`, as rows: (byte offset of its
+        first row, bytes per row, bytes from one row to the next, rows). A block's payload is the same
+        rows back to back (kvstore/scatter.py)."""
+        if not 0 <= start <= start + tokens <= self.capacity:
+            raise ValueError(f"tokens {start}..{start + tokens} are outside the capacity {self.capacity}")
+        size = self._data.element_size() * self.head_dim
+        return start * size, tokens * size, self.capacity * size, self.num_layers * 2 * self.num_kv_heads
 
     @property
     def dtype(self) -> torch.dtype:
@@ -53,7 +75,7 @@ class KVCache:
         while capacity < num_tokens:
             capacity *= 2
         old = self._data
-        self._allocate(old.new_empty((*old.shape[:3], capacity, self.head_dim)))
+        self._allocate(self._new((*old.shape[:3], capacity, self.head_dim), old.dtype))
         self._data[:, :, :, : self.length] = old[:, :, :, : self.length]
 
     def truncate(self, num_tokens: int) -> None:

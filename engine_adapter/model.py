@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_adapter.kv_cache import KVCache
+from engine_adapter.kv_cache import Allocate, KVCache
 
 ROPE_TYPES = ("default", "linear", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -301,9 +301,10 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, capacity: int, allocate: Allocate | None = None) -> KVCache:
         config = self.config
-        return KVCache(config.num_layers, config.num_kv_heads, config.head_dim, capacity, self.dtype, self.device)
+        return KVCache(config.num_layers, config.num_kv_heads, config.head_dim, capacity, self.dtype, self.device,
+                       allocate)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Residual stream [T, hidden] for token ids [T]."""

@@ -35,6 +35,8 @@ import torch
 
 from engine_adapter.blocks import FetchedBlock
 from engine_adapter.client import KVStoreClient
+from engine_adapter.kv_cache import KVCache
+from engine_adapter.shared_kv import Rows, SharedRegion, get_rows
 from kvstore.keys import KVLayout, LookupResult, Namespace
 from kvstore.transcode import payload_tensor
 
@@ -249,6 +251,37 @@ class PrefixCache:
             return True
 
         self.fetch_blocks(keys[: found.hits], fetch_slot_bytes(layout, n), take)
+        return loaded
+
+    def load_rows(self, keys: list[bytes], kv: KVCache, region: SharedRegion, tiers: list[str]) -> int:
+        """`load_run` into ``kv``, whose tensor is in ``region`` (engine_adapter/shared_kv.py): the
+        daemon copies each raw block's rows straight into the cache, one copy in all. Returns the
+        chunks loaded, and sets ``kv.length`` to their tokens. A block that is not raw (nothing was
+        copied for it) and the run after it load through `load_run`."""
+        found = self.lookup(keys)
+        if found is None or not found.hits:
+            return 0
+        client, n, layout = self.client(), self.namespace.chunk_tokens, self.namespace.layout
+        hits = min(found.hits, kv.capacity // n)
+        base = region.offset_of(kv.data)
+        places = [Rows(base + offset, row_bytes, stride, rows)
+                  for offset, row_bytes, stride, rows in (kv.block_rows(c * n, n) for c in range(hits))]
+        try:
+            blocks = get_rows(client, region, keys[:hits], places) if client is not None else []
+        except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
+            self.failed("get", exc)
+            return 0
+        self.ok()
+        loaded = 0
+        for block, in_place in blocks:
+            if block is None or block.tokens != n or block.layout != layout or not in_place:
+                break  # a gap ends the run; a coded block (not copied) loads below
+            tiers.append(block.tier)
+            loaded += 1
+        kv.length = loaded * n
+        if loaded < len(blocks) and blocks[loaded][0] is not None and not blocks[loaded][1]:
+            # A coded block: it and the run after it the two-copy way (decoded into the cache).
+            loaded += self.load_run(keys[loaded:], lambda c, b: kv.load(b, (loaded + c) * n), tiers)
         return loaded
 
     def fetch_blocks(self, keys: list[bytes], slot: int, take: Callable[[int, FetchedBlock | None], bool],

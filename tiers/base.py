@@ -44,6 +44,10 @@ class Tier(ABC):
     #: and puts (memory tiers whose copy releases the GIL); the store then copies large Gets off
     #: its event loop. Such a tier reports blocks being read as :meth:`busy`.
     threadsafe_reads: bool = False
+    #: True when ``read_payload_into`` also takes a :class:`kvstore.scatter.Scatter` (copies a raw
+    #: payload in rows, raising ``Unfit`` before any copy for one that is not whole rows); the
+    #: store reads the other tiers' payloads into a buffer first (``reads.read_payload``).
+    scatters: bool = False
     #: True when other daemons write the same storage (S3): keys may appear that this daemon did
     #: not put; see :meth:`take_new_keys` and :meth:`discover`.
     shared: bool = False

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.block import BlockHeader, CorruptBlockError, copy_checksummed
+from kvstore.scatter import Scatter, Unfit
 from tiers.allocator import ExtentAllocator
 from tiers.base import ExtentIndex, Tier, TierError, TierFullError
 from tiers.memory import prefault
@@ -108,6 +109,7 @@ def _host_arena(capacity: int, pin: bool) -> np.ndarray:
 class CpuTier(ExtentIndex, Tier):
     blocking_io = False
     threadsafe_reads = True
+    scatters = True
 
     def __init__(self, capacity_bytes: int, name: str = "cpu", pin: bool = True) -> None:
         if capacity_bytes < 4096:
@@ -190,16 +192,22 @@ class CpuTier(ExtentIndex, Tier):
         self._blocks[header.key] = (offset, header)
         self._used += header.block_len
 
-    def read_payload_into(self, key: bytes, dest: memoryview) -> BlockHeader:
+    def read_payload_into(self, key: bytes, dest: memoryview | Scatter) -> BlockHeader:
         with self._lock:
             offset, header = self._blocks[key]
-            if len(dest) < header.payload_len:
+            if isinstance(dest, Scatter):
+                if not dest.fits(header.payload_len):
+                    raise Unfit(f"a {header.payload_len}-byte payload is not whole rows of the destination")
+            elif len(dest) < header.payload_len:
                 raise ValueError(f"destination of {len(dest)} bytes is smaller than the {header.payload_len}-byte payload")
             self._reading[offset] = self._reading.get(offset, 0) + 1
         try:
             start = offset + header.header_len
-            np.copyto(np.frombuffer(dest, dtype=np.uint8, count=header.payload_len),
-                      self._arena[start : start + header.payload_len])
+            source = self._arena[start : start + header.payload_len]
+            if isinstance(dest, Scatter):
+                dest.fill(source)
+            else:
+                np.copyto(np.frombuffer(dest, dtype=np.uint8, count=header.payload_len), source)
         finally:
             with self._lock:
                 left = self._reading.pop(offset) - 1

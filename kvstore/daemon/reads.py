@@ -9,6 +9,11 @@
     each hit                     ─► counted, then note_read (the store's): a lower-tier hit is
                                     promoted to the top in the background (promotion.py)
 
+A destination may be a :class:`kvstore.scatter.Scatter` (a raw payload copied in rows straight into
+a KV cache in the caller's arena): tiers that copy in rows (CPU) do it themselves; the others read
+into a buffer first (`read_payload`). A payload that turns out not to be whole rows is, in that
+tier, a miss like a vanished block.
+
 A small read from a memory tier is synchronous (no await between finding and copying a block), so
 it needs no lock; large Gets copy CPU-tier blocks in worker threads, and the CPU tier frees the
 extent of a block deleted meanwhile only after those copies end (``Tier.busy``; eviction skips busy
@@ -29,7 +34,11 @@ from kvstore.daemon.holds import Holds
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.residency import Residency
 from kvstore.daemon.tier_io import TierIO
+from kvstore.scatter import Scatter, Unfit
 from tiers.base import Tier, TierUnavailableError
+
+#: Where a read copies a payload: a slice of an arena or a reply buffer, or a slice in rows.
+Dest = memoryview | Scatter
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +67,7 @@ class Reader:
         self.tiers, self.residency, self.holds, self.io, self.metrics = tiers, residency, holds, io, metrics
         self._note_read = note_read
 
-    async def get_into(self, key: bytes, dest: memoryview, first_level: int = 0) -> GetResult | None:
+    async def get_into(self, key: bytes, dest: Dest, first_level: int = 0) -> GetResult | None:
         """Copy the payload of ``key`` into ``dest`` from the highest tier at or below
         ``first_level`` holding it; None on a miss. Corrupt copies are dropped; unreachable tiers skipped."""
         for level, tier in enumerate(self.tiers):
@@ -66,9 +75,11 @@ class Reader:
                 continue
             try:
                 if tier.blocking_io:
-                    header = await self.io.run(tier, tier.read_payload_into, key, dest, reader=True)
+                    header = await self.io.run(tier, read_payload, tier, key, dest, reader=True)
                 else:
-                    header = tier.read_payload_into(key, dest)
+                    header = read_payload(tier, key, dest)
+            except Unfit:
+                continue  # a coded copy, or one of another size: not for this destination
             except KeyError:
                 self.forget_vanished(level, key)  # deleted underneath us: try the next tier
                 continue
@@ -83,7 +94,7 @@ class Reader:
         self.metrics.misses.inc()
         return None
 
-    async def get_many_into(self, requests: list[tuple[bytes, memoryview]]) -> list[GetResult | None]:
+    async def get_many_into(self, requests: list[tuple[bytes, Dest]]) -> list[GetResult | None]:
         """:meth:`get_into` for many blocks (one Get call); results in request order. The hits are
         used in each tier as one chain (``Residency.touch_chain``: a Get names a prompt's blocks
         first to last)."""
@@ -97,7 +108,7 @@ class Reader:
                 self.residency.touch_chain(level, used[tier.name])
         return results
 
-    async def _get_many_into(self, requests: list[tuple[bytes, memoryview]]) -> list[GetResult | None]:
+    async def _get_many_into(self, requests: list[tuple[bytes, Dest]]) -> list[GetResult | None]:
         """The reads of :meth:`get_many_into`, the LRU not yet touched.
 
         Blocks whose highest copy is in a blocking tier are read in at most ``read_lanes`` executor
@@ -111,7 +122,7 @@ class Reader:
         results: list[GetResult | None] = [None] * len(requests)
         blocking: dict[int, list[int]] = {}  # tier level -> indices into requests
         in_memory: dict[int, list[int]] = {}  # memory tiers: copied on the loop, one call per tier
-        offload = sum(len(dest) for _, dest in requests) >= OFFLOAD_GET_BYTES
+        offload = sum(len(dest.dest if isinstance(dest, Scatter) else dest) for _, dest in requests) >= OFFLOAD_GET_BYTES
         for i, (key, dest) in enumerate(requests):
             level = self.residency.locate(key)
             if level is None:
@@ -121,8 +132,14 @@ class Reader:
             else:
                 in_memory.setdefault(level, []).append(i)
         for level, indices in in_memory.items():
+            tier = self.tiers[level]
+            rows = [i for i in indices if isinstance(requests[i][1], Scatter) and not tier.scatters]
+            if rows:  # read one at a time: a buffer each, then copied in rows
+                for i in rows:
+                    results[i] = await self.get_into(*requests[i], first_level=level)
+                indices = [i for i in indices if i not in rows]
             # One call: the GPU tier copies each run of pool- and destination-adjacent blocks at once.
-            headers = self.tiers[level].read_many_into([requests[i] for i in indices])
+            headers = tier.read_many_into([requests[i] for i in indices])
             for i, header in zip(indices, headers):
                 results[i] = self._hit(level, requests[i][0], header, touch=False)
         if not blocking:
@@ -151,10 +168,11 @@ class Reader:
                     self.metrics.unavailable.labels(self.tiers[level].name).inc()
                 elif isinstance(outcome, KeyError):
                     self.forget_vanished(level, key)
+                # (Unfit: this tier's copy is not whole rows of the destination; try those below)
                 results[i] = await self.get_into(key, dest, level + 1)  # the tiers below, or a counted miss
         return results
 
-    async def get_layerwise(self, requests: list[tuple[bytes, memoryview]], owner: str = ""
+    async def get_layerwise(self, requests: list[tuple[bytes, Dest]], owner: str = ""
                             ) -> AsyncIterator[tuple[int, list[GetResult | None] | None]]:
         """Yield ``(-1, results)``, then ``(layer, None)`` once that layer of every block is in
         its destination. Raw blocks in memory tiers are copied layer by layer; other blocks
@@ -263,13 +281,28 @@ def _copy_range(dest: memoryview, source: object, start: int, size: int) -> None
     target.copy_(source[start : start + size])
 
 
-def _read_lane(tier: Tier, requests: list[tuple[bytes, memoryview]]) -> list[BlockHeader | Exception]:
+def read_payload(tier: Tier, key: bytes, dest: Dest) -> BlockHeader:
+    """``tier.read_payload_into(key, dest)``, a `Scatter` too: a tier that cannot copy in rows reads
+    the payload into a buffer, which is then copied in rows (Unfit, with nothing copied, for a
+    payload that is not whole rows of the destination)."""
+    if not isinstance(dest, Scatter) or tier.scatters:
+        return tier.read_payload_into(key, dest)
+    payload_len = tier.header(key).payload_len
+    if not dest.fits(payload_len):
+        raise Unfit(f"a {payload_len}-byte payload is not whole rows of the destination")
+    buffer = memoryview(bytearray(payload_len))
+    header = tier.read_payload_into(key, buffer)
+    dest.fill(buffer[: header.payload_len])
+    return header
+
+
+def _read_lane(tier: Tier, requests: list[tuple[bytes, Dest]]) -> list[BlockHeader | Exception]:
     """Read blocks one after another in a worker thread: each a header, or the KeyError,
-    CorruptBlockError or TierUnavailableError that made it a miss in this tier (others propagate)."""
+    CorruptBlockError, TierUnavailableError or Unfit that made it a miss in this tier (others propagate)."""
     outcomes: list[BlockHeader | Exception] = []
     for key, dest in requests:
         try:
-            outcomes.append(tier.read_payload_into(key, dest))
-        except (KeyError, CorruptBlockError, TierUnavailableError) as exc:
+            outcomes.append(read_payload(tier, key, dest))
+        except (KeyError, CorruptBlockError, TierUnavailableError, Unfit) as exc:
             outcomes.append(exc)
     return outcomes

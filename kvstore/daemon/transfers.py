@@ -31,6 +31,7 @@ from kvstore.daemon.residency import WalkBudget
 from kvstore.keys import KEY_BYTES
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.scatter import Scatter
 from kvstore.shm_index import REPORT_HEADER, parse_report
 from kvstore.transcode import check_codec_params
 from kvstore.wire import layout_from_message, layout_message
@@ -44,8 +45,9 @@ GPU_LEASE_SECONDS = 30.0
 #: Longest a Get waits for inline reply bytes to come free before RESOURCE_EXHAUSTED.
 INLINE_WAIT_S = 10.0
 
-#: A Get's plan, per item: the stored key, the header found (None: a miss) and the destination slice.
-Plan = list[tuple[bytes, BlockHeader | None, memoryview | None]]
+#: A Get's plan, per item: the stored key, the header found (None: a miss) and the destination:
+#: a slice, a slice in rows (kvstore/scatter.py), or None (inline).
+Plan = list[tuple[bytes, BlockHeader | None, memoryview | Scatter | None]]
 #: A Get's replies, per item: its result and, for one read inline, its payload.
 Replies = list[tuple[pb.GetResult, memoryview | None]]
 
@@ -313,9 +315,20 @@ class Transfers:
             if item.HasField("dest"):
                 dest = self._slice(item.dest, tenant)
                 arena_ids.add(item.dest.arena_id)
+                if item.row_bytes:
+                    if need_dest:
+                        raise ValueError(f"items[{i}] has row_bytes: GetLayers copies into plain slices only")
+                    try:
+                        dest = Scatter(dest, item.row_bytes, item.row_stride)
+                    except ValueError as exc:
+                        raise ValueError(f"items[{i}]: {exc}") from None
+            elif item.row_bytes:
+                raise ValueError(f"items[{i}] has row_bytes but no dest: rows go into a registered arena")
             if header is not None:
                 if dest is None:
                     inline += header.payload_len + RESULT_OVERHEAD
+                elif isinstance(dest, Scatter):
+                    shared += header.payload_len if dest.fits(header.payload_len) else 0
                 elif len(dest) < header.payload_len:
                     raise ValueError(f"items[{i}].dest has {len(dest)} bytes; the block needs {header.payload_len}")
                 else:
@@ -344,15 +357,22 @@ class Transfers:
         by_reference = self._gpu_direct(request, plan, tenant) if request.gpu_direct else {}
         # Read every other found block in one batch (disk reads overlap; GPU runs copy once).
         # Inline payloads are read into buffers that go into the reply as they are (encode_get_response).
-        found_at = [i for i, (_, header, _) in enumerate(plan) if header is not None and i not in by_reference]
+        results: list[GetResult | None] = [None] * len(plan)
+        # A block that is not whole rows of a scatter item's destination: found, its meta in the
+        # reply, nothing copied (the caller Gets it into a plain slice); neither a hit nor a miss.
+        unfit = {i: GetResult(header, "") for i, (_, header, dest) in enumerate(plan)
+                 if header is not None and isinstance(dest, Scatter) and not dest.fits(header.payload_len)}
+        found_at = [i for i, (_, header, _) in enumerate(plan)
+                    if header is not None and i not in by_reference and i not in unfit]
         buffers = {i: allocate(plan[i][1].payload_len) for i in found_at if plan[i][2] is None}
         reads = [(plan[i][0], plan[i][2] if i not in buffers else memoryview(buffers[i])[: plan[i][1].payload_len])
                  for i in found_at]
-        results: list[GetResult | None] = [None] * len(plan)
         for i, found in zip(found_at, await self.store.reads.get_many_into(reads)):
             results[i] = found
         self.store.metrics.misses.inc(sum(header is None for _, header, _ in plan))
-        self.count(tenant, "get", [by_reference[i][1] if i in by_reference else r for i, r in enumerate(results)])
+        self.count(tenant, "get", [by_reference[i][1] if i in by_reference else r
+                                   for i, r in enumerate(results) if i not in unfit], requested=len(plan))
+        results = [unfit.get(i, r) for i, r in enumerate(results)]
         return [(by_reference[i][0] if i in by_reference else get_result(item.key, found),
                  None if found is None or i not in buffers else memoryview(buffers[i])[: found.header.payload_len])
                 for i, (item, found) in enumerate(zip(request.items, results))]

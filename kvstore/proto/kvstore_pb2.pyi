@@ -101,12 +101,16 @@ class PutResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ...) -> None: ...
 
 class GetItem(_message.Message):
-    __slots__ = ("key", "dest")
+    __slots__ = ("key", "dest", "row_bytes", "row_stride")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DEST_FIELD_NUMBER: _ClassVar[int]
+    ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROW_STRIDE_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     dest: ArenaSlice
-    def __init__(self, key: _Optional[bytes] = ..., dest: _Optional[_Union[ArenaSlice, _Mapping]] = ...) -> None: ...
+    row_bytes: int
+    row_stride: int
+    def __init__(self, key: _Optional[bytes] = ..., dest: _Optional[_Union[ArenaSlice, _Mapping]] = ..., row_bytes: _Optional[int] = ..., row_stride: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("items", "allow_missing", "gpu_direct")

@@ -1,0 +1,194 @@
+"""KV memory in a shared-memory arena, which the daemon's Get fills in rows: a load in one copy.
+
+Without it a load copies every byte twice: the daemon from its tier into the client's staging
+arena, then the client from there into its KV cache. A KV cache allocated here is itself in an
+arena of the client's (a second one, beside the staging arena, with the same caps and the same
+tenant), so a Get whose items carry ``row_bytes`` (kvstore/scatter.py) puts each raw block's rows
+straight where the cache keeps them::
+
+    block c   [L0 K][L0 V][L1 K] ...          rows of tokens * head_dim elements
+    KV cache  [L0 K: tokens 0 .. capacity) [L0 V: ...) ...   block c's rows at c * tokens
+
+`SharedRegion.request` asks for the arena (None where there is no shared memory: a remote daemon, or
+a cap reached), `SharedRegion.tensor` views it, and `get_rows` makes the Get. The region's arena is
+released when the region is closed or collected; tensors over it keep this process's mapping until
+they go (kvstore/arena.py), so a view never outlives its memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+
+from engine_adapter.blocks import FetchedBlock, fetched_block
+from kvstore.arena import ArenaLease, arena_socket_path
+from kvstore.limits import MAX_ITEMS_PER_CALL
+from kvstore.proto import kvstore_pb2 as pb
+
+if TYPE_CHECKING:
+    from engine_adapter.client import KVStoreClient
+
+log = logging.getLogger(__name__)
+
+
+class SharedRegion:
+    """One arena of the client's own memory (not the staging arena), for tensors Gets fill in rows."""
+
+    def __init__(self, lease: ArenaLease) -> None:
+        self.arena_id, self.size = lease.arena_id, lease.arena.size
+        self._array = np.frombuffer(lease.arena.buffer, dtype=np.uint8)  # keeps the mapping while viewed
+        self._close = weakref.finalize(self, lease.close)
+
+    @classmethod
+    def request(cls, client: KVStoreClient, nbytes: int) -> SharedRegion | None:
+        """A region of at least ``nbytes`` from ``client``'s daemon, every page faulted in; None
+        when the client has no shared memory or the daemon refuses one (its caps)."""
+        if not client.shared_memory:
+            return None
+        size = -(-nbytes // 4096) * 4096
+        try:
+            lease = ArenaLease.request(arena_socket_path(client.address), size, client._token, timeout=client.timeout)
+        except (OSError, ConnectionError) as exc:
+            log.info("no shared KV memory of %d bytes from %s (%s): loads copy twice", size, client.address, exc)
+            return None
+        lease.arena.prefault()
+        return cls(lease)
+
+    def bytes(self, count: int) -> np.ndarray:
+        """A new uint8 array over the region's first ``count`` bytes (tensors over it keep it, and
+        so this process's mapping, alive)."""
+        if not 0 < count <= self.size:
+            raise ValueError(f"{count} bytes do not fit the {self.size}-byte region")
+        return self._array[:count]
+
+    def tensor(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` over the region's first bytes."""
+        return torch.from_numpy(self.bytes(_nbytes(shape, dtype))).view(dtype).view(*shape)
+
+    def offset_of(self, tensor: torch.Tensor) -> int:
+        """Byte offset of ``tensor``'s first element in the region; ValueError for one outside it."""
+        offset = tensor.data_ptr() - self._array.ctypes.data
+        if not 0 <= offset < self.size:
+            raise ValueError("the tensor is not in this region")
+        return offset
+
+    def close(self) -> None:
+        """Release the arena in the daemon now (tensors over it keep this process's mapping)."""
+        self._close()
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+
+
+class SharedKVMemory:
+    """A `KVCache` allocator (``allocate``) that puts each cache tensor in a region of its own, so
+    loads into it take one copy (`region_of` finds the region). Where the daemon gives no region
+    (no shared memory, a cap reached), or for a device other than the CPU, a plain tensor.
+
+    A new region costs what a new arena costs (the daemon allocates every page: ~160 ms per 200 MB
+    here, where ``torch.empty`` costs nothing until first touch), so a region whose tensor is gone
+    (its last view included) is kept for the next cache that fits in it: up to ``keep`` idle
+    regions, the larger ones first.
+    """
+
+    def __init__(self, client: KVStoreClient, device: torch.device | str = "cpu", keep: int = 2) -> None:
+        self.client, self.device, self.keep = client, torch.device(device), keep
+        self._idle: list[SharedRegion] = []  # under _lock
+        self._lock = threading.Lock()
+        # Regions whose tensors went: put by finalizers, which may run inside any allocation, this
+        # class's own under _lock included, so they only queue (SimpleQueue is reentrant).
+        self._returned: queue.SimpleQueue[SharedRegion] = queue.SimpleQueue()
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        nbytes = _nbytes(shape, dtype)
+        region = self._reuse(nbytes) or SharedRegion.request(self.client, nbytes)
+        if region is None:
+            return torch.empty(shape, dtype=dtype)
+        array = region.bytes(nbytes)
+        weakref.finalize(array, self._give_back, region)  # once the tensor and every view of it are gone
+        tensor = torch.from_numpy(array).view(dtype).view(*shape)
+        tensor.kvstore_region = region
+        return tensor
+
+    def _reuse(self, nbytes: int) -> SharedRegion | None:
+        """The smallest idle region of at least ``nbytes``, taken; None if none fits."""
+        with self._lock:
+            self._take_returned()
+            fitting = [r for r in self._idle if r.size >= nbytes]
+            if not fitting:
+                return None
+            region = min(fitting, key=lambda r: r.size)
+            self._idle.remove(region)
+            return region
+
+    def _give_back(self, region: SharedRegion) -> None:
+        self._returned.put(region)
+
+    def _take_returned(self) -> None:
+        """Returned regions become idle, the largest ``keep`` kept and the others released; under _lock."""
+        while True:
+            try:
+                self._idle.append(self._returned.get_nowait())
+            except queue.Empty:
+                break
+        self._idle.sort(key=lambda r: r.size, reverse=True)
+        for extra in self._idle[self.keep :]:
+            extra.close()
+        del self._idle[self.keep :]
+
+    def close(self) -> None:
+        """Release the idle regions now; those in use are released when their tensors go."""
+        with self._lock:
+            self.keep = 0
+            self._take_returned()
+
+
+def region_of(tensor: torch.Tensor) -> SharedRegion | None:
+    """The region a `SharedKVMemory` tensor lives in; None for any other tensor (views included)."""
+    return getattr(tensor, "kvstore_region", None)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where one block's payload goes in a region: row i of ``row_bytes`` at ``offset + i * row_stride``,
+    ``rows`` rows in all."""
+    offset: int
+    row_bytes: int
+    row_stride: int
+    rows: int
+
+    @property
+    def span(self) -> int:
+        return (self.rows - 1) * self.row_stride + self.row_bytes
+
+
+def get_rows(client: KVStoreClient, region: SharedRegion, keys: Sequence[bytes], places: Sequence[Rows]
+             ) -> list[tuple[FetchedBlock | None, bool]]:
+    """Get ``keys`` into ``region`` in rows, ``places[i]`` for ``keys[i]``: per key the block found
+    (None: a miss; its payload view is empty) and whether it is in its rows now. A found block is
+    there when it is raw and exactly ``rows * row_bytes`` bytes; for any other the daemon copied
+    nothing (a coded block: Get it into a plain slice)."""
+    found: list[tuple[FetchedBlock | None, bool]] = []
+    for start in range(0, len(keys), MAX_ITEMS_PER_CALL):
+        batch = range(start, min(start + MAX_ITEMS_PER_CALL, len(keys)))
+        items = [pb.GetItem(key=keys[i], row_bytes=places[i].row_bytes, row_stride=places[i].row_stride,
+                            dest=pb.ArenaSlice(arena_id=region.arena_id, offset=places[i].offset,
+                                               length=places[i].span)) for i in batch]
+        reply = client._call(client._stub.Get, pb.GetRequest(items=items, allow_missing=True))
+        for i, r in zip(batch, reply.results):
+            if not r.found:
+                found.append((None, False))
+                continue
+            whole = r.meta.codec == "raw" and r.meta.payload_len == places[i].rows * places[i].row_bytes
+            found.append((fetched_block(keys[i], r, memoryview(b"")), whole))
+    return found
