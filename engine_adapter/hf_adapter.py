@@ -30,10 +30,13 @@ from typing import Any, Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from engine_adapter.cached import GenerationResult
 from engine_adapter.prefix_cache import PrefixCache
 from engine_adapter.client import KVStoreClient
+from engine_adapter.kv_cache import KVCache
+from engine_adapter.shared_kv import SharedKVMemory, region_of
 from engine_adapter.loader import hf_rope
 from kvstore.dtypes import TORCH_DTYPE_NAMES
 from kvstore.keys import KVLayout, Namespace, prefix_keys
@@ -70,6 +73,22 @@ def cache_from_blocks(blocks: Sequence[torch.Tensor], config) -> DynamicCache:
     kv = torch.cat(list(blocks), dim=3)  # [layers, 2, kv_heads, sum(n_i), head_dim]
     for layer in range(num_layers):
         cache.update(kv[layer, 0].unsqueeze(0).contiguous(), kv[layer, 1].unsqueeze(0).contiguous(), layer)
+    return cache
+
+
+def cache_over(kv: KVCache, tokens: int, config) -> DynamicCache:
+    """A batch-1 DynamicCache over tokens 0..tokens-1 of ``kv``: each plain layer's keys and values
+    are views of ``kv`` (no copy; the first forward's update concatenates onto them, as it does onto
+    any cache). A layer of another kind (sliding window) gets a copy through its own update."""
+    cache = DynamicCache(config=config)
+    for index in range(kv.num_layers):
+        keys, values = (t.unsqueeze(0) for t in kv.read(index, tokens))
+        layer = cache.layers[index] if index < len(cache.layers) else None
+        if tokens and type(layer) is DynamicLayer:
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+        elif tokens:
+            cache.update(keys.contiguous(), values.contiguous(), index)
     return cache
 
 
@@ -116,11 +135,30 @@ class HFCachedGenerator:
         self.namespace = hf_namespace(model, model_id, tenant, chunk_tokens)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.cache = PrefixCache(client, self.namespace)
+        on_cpu = torch.device(model.device).type == "cpu"
+        self._allocate = SharedKVMemory(client) if on_cpu and client is not None and client.shared_memory else None
 
     @property
     def errors(self) -> int:
         """Daemon failures so far (each one cost misses, not a request)."""
         return self.cache.errors
+
+    def _load(self, keys: list[bytes], tiers: list[str]) -> DynamicCache:
+        """A cache holding the longest stored run of ``keys`` (one chunk each, tiers appended).
+        On the CPU with shared memory the daemon copies the blocks into a `KVCache` in an arena
+        (`PrefixCache.load_rows`) and the DynamicCache views it: one copy; else the blocks are
+        copied out of the fetch and concatenated."""
+        config, n = self.model.config, self.namespace.chunk_tokens
+        if self._allocate is not None and keys:
+            layout = self.namespace.layout
+            kv = KVCache(layout.num_layers, layout.num_kv_heads, layout.head_dim, len(keys) * n, self.model.dtype,
+                         "cpu", self._allocate)
+            region = region_of(kv.data)
+            if region is not None:
+                return cache_over(kv, self.cache.load_rows(keys, kv, region, tiers) * n, config)
+        blocks: list[torch.Tensor] = []  # copies: the fetched views die with their fetch
+        self.cache.load_run(keys, lambda c, block: blocks.append(block.clone()), tiers)
+        return cache_from_blocks([b.to(device=self.model.device, dtype=self.model.dtype) for b in blocks], config)
 
     def _forward(self, ids: Sequence[int], cache: DynamicCache, start_pos: int) -> torch.Tensor:
         """Run ``ids`` at positions start_pos.. on top of ``cache``; logits of the last token [vocab]."""
@@ -145,12 +183,8 @@ class HFCachedGenerator:
         n = self.namespace.chunk_tokens
         keys = prefix_keys(self.namespace, prompt_ids[: len(prompt_ids) - 1])  # the last token is computed
         tiers: list[str] = []
-        blocks: list[torch.Tensor] = []  # copies: the fetched views die with their fetch
-        if use_cache:
-            self.cache.load_run(keys, lambda c, block: blocks.append(block.clone()), tiers)
-        reused = len(blocks) * n
-        device = self.model.device
-        cache = cache_from_blocks([b.to(device=device, dtype=self.model.dtype) for b in blocks], self.model.config)
+        cache = self._load(keys, tiers) if use_cache else DynamicCache(config=self.model.config)
+        reused = len(tiers) * n
         loaded_at = time.perf_counter()
         logits = self._forward(prompt_ids[reused:], cache, reused)
         token = int(logits.argmax())

@@ -19,7 +19,9 @@ from kvstore.keys import prefix_keys
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # loads the real SmolLM2 twice
 
-from engine_adapter.hf_adapter import HFCachedGenerator, blocks_from_cache, cache_from_blocks, hf_namespace  # noqa: E402
+from engine_adapter.hf_adapter import (HFCachedGenerator, blocks_from_cache, cache_from_blocks,  # noqa: E402
+                                      cache_over, hf_namespace)
+from engine_adapter.kv_cache import KVCache  # noqa: E402
 
 CHUNK = 256
 NEW_TOKENS = 12
@@ -113,6 +115,22 @@ def test_blocks_round_trip_and_match_reference_layout(hf_model, reference, docum
     assert hf_namespace(hf_model, model_id, tenant="t").id != model_namespace(model).id
 
 
+def test_a_cache_over_a_kv_cache_views_it_and_equals_one_built_from_blocks(hf_model):
+    config = hf_model.config
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv = KVCache(layers, kv_heads, head_dim, 40, torch.float32, "cpu")
+    kv.data.normal_(generator=torch.Generator().manual_seed(3))
+    kv.length = 40
+    over = cache_over(kv, 37, config)
+    built = cache_from_blocks([kv.export(0, 20), kv.export(20, 37)], config)
+    assert over.get_seq_length() == built.get_seq_length() == 37
+    for a, b in zip(over.layers, built.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert over.layers[0].keys.data_ptr() == kv.data.data_ptr()  # a view: no copy
+    assert cache_over(kv, 0, config).get_seq_length() == 0
+
+
 # --- (2) HF cold then warm ---------------------------------------------------------------------------
 
 
@@ -124,6 +142,7 @@ def test_hf_warm_reuses_prefix_with_identical_tokens(hf_model, reference, prompt
         cold = generator.generate(prompt_ids, NEW_TOKENS)
         assert cold.reused_tokens == 0 and cold.stored_chunks == 2
         assert cold.store_done.wait(STORE_TIMEOUT_S)
+        assert generator._allocate is not None  # shared memory: the warm load is one copy (load_rows)
         warm = generator.generate(prompt_ids, NEW_TOKENS)
         assert warm.reused_tokens >= 512 and len(warm.tiers) == 2
         assert warm.stored_chunks == 0
