@@ -129,6 +129,17 @@ def place_block(model: LlamaModel, kv: KVCache, block: torch.Tensor, segment: Se
     kv.write_layers(segment.start, keys, block[:, 1])  # one copy for every layer
 
 
+def rotate_into_place(model: LlamaModel, kv: KVCache, segment: Segment) -> None:
+    """Rotate the keys of a block already in ``kv`` at ``segment``, as computed alone at 0..n-1
+    (a Get copied it there in rows), to segment.start..end-1, in place: what `place_block` does
+    on the way in."""
+    if not segment.start:
+        return
+    keys = kv.data[:, 0, :, segment.start : segment.end]  # [L, KVH, n, D], a view
+    old = torch.arange(segment.length, device=kv.device)
+    keys.copy_(rerotate_keys(keys, old, old + segment.start, model.inv_freq))
+
+
 @torch.inference_mode()
 def chunk_block(model: LlamaModel, token_ids: Sequence[int]) -> torch.Tensor:
     """The KV of ``token_ids`` computed alone at positions 0..n-1, as a block

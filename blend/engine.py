@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from blend.assemble import BlendLayout, Segment, chunk_block, place_block
+from blend.assemble import BlendLayout, Segment, chunk_block, place_block, rotate_into_place
 from blend.controller import LoadingController, Ratio
 from blend.recompute import blend_prefill
 from blend.select import DEFAULT_SELECTOR, TokenSelector, get_selector
@@ -37,8 +37,13 @@ from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_t
 from engine_adapter.generate import decode_after, sample_next
 from engine_adapter.kv_cache import KVCache
 from engine_adapter.model import LlamaModel
+from engine_adapter.shared_kv import SharedKVMemory, SharedRegion, region_of, rows_fit, rows_in
 from engine_adapter.tokenizer import Tokenizer
 from kvstore.keys import Namespace, chunk_key
+
+#: Blend caches are whole multiples of this many tokens: blends of near sizes share one (its
+#: shared memory kept between blends, engine_adapter/shared_kv.py).
+CACHE_ROUND = 256
 
 
 DEFAULT_SEPARATOR = "<|chunk|>"
@@ -183,6 +188,9 @@ class BlendEngine:
         # another engine's guarded daemon link and namespace (the vLLM connector's) may be shared
         self.namespace = namespace or (cache.namespace if cache is not None else model_namespace(model, tenant))
         self.cache = cache or PrefixCache(client, self.namespace)
+        # Blend caches in shared memory, kept for the next blend: the daemon copies each stored
+        # block straight to its segment, and no blend first-touches a fresh cache (shared_kv.py).
+        self._allocate = SharedKVMemory(self.cache.client, model.device)
 
     @property
     def errors(self) -> int:
@@ -205,12 +213,20 @@ class BlendEngine:
 
     # -- load ---------------------------------------------------------------------------------
 
-    def _fetch(self, keys: list[bytes], parts: list[list[int]], placed: list[Segment], kv, result: BlendResult
-               ) -> list[bool]:
+    def _fetch(self, keys: list[bytes], parts: list[list[int]], placed: list[Segment], kv: KVCache,
+               result: BlendResult) -> list[bool]:
         """Fetch and place every stored block; returns which segments were found."""
-        found = [False] * len(keys)
         if not keys:
-            return found
+            return []
+        region = region_of(kv.data)
+        if region is not None and all(rows_fit(kv, len(part)) for part in parts):
+            return self._fetch_rows(keys, parts, placed, kv, region, result)
+        return self._fetch_copies(keys, parts, placed, kv, result)
+
+    def _fetch_copies(self, keys: list[bytes], parts: list[list[int]], placed: list[Segment], kv: KVCache,
+                      result: BlendResult) -> list[bool]:
+        """`_fetch` through the staging arena: each block copied out of it into its segment (`place_block`)."""
+        found = [False] * len(keys)
         layout = self.namespace.layout
         per_tier: dict[str, int] = {}  # bytes loaded per tier in the current Get
 
@@ -219,22 +235,57 @@ class BlendEngine:
                 return True  # a miss: computed later
             place_block(self.model, kv, fetched_tensor(block), placed[i])
             found[i] = True
-            size = layout.block_bytes(block.tokens)
-            result.tiers.append(block.tier)
-            result.loaded_tokens += block.tokens
-            result.loaded_bytes += size
-            per_tier[block.tier] = per_tier.get(block.tier, 0) + size
+            self._loaded(block, result, per_tier)
             return True
 
-        def batch_done(seconds: float) -> None:
-            if self.controller is not None and per_tier:
-                moved = sum(per_tier.values())
-                for tier, size in per_tier.items():
-                    self.controller.observe_load(tier, size, seconds * size / moved)
-            per_tier.clear()
-
-        self.cache.fetch_blocks(keys, fetch_slot_bytes(layout, max(len(p) for p in parts)), take, batch_done)
+        self.cache.fetch_blocks(keys, fetch_slot_bytes(layout, max(len(p) for p in parts)), take,
+                                lambda seconds: self._observe(per_tier, seconds))
         return found
+
+    def _fetch_rows(self, keys: list[bytes], parts: list[list[int]], placed: list[Segment], kv: KVCache,
+                    region: SharedRegion, result: BlendResult) -> list[bool]:
+        """`_fetch` into a cache in shared memory: the daemon copies each raw block straight to its
+        segment (one copy), whose keys are then rotated into place; a coded block, which it does not
+        copy, loads the usual way."""
+        layout = self.namespace.layout
+        started = time.perf_counter()
+        blocks = self.cache.get_rows(keys, region, [rows_in(kv, region, segment.start, len(part))
+                                                    for segment, part in zip(placed, parts)])
+        found = [False] * len(keys)
+        per_tier: dict[str, int] = {}
+        coded = []
+        for i, (block, in_place) in enumerate(blocks):
+            if block is None or block.tokens != len(parts[i]) or block.layout != layout:
+                continue  # a miss: computed later
+            if not in_place:
+                coded.append(i)
+                continue
+            rotate_into_place(self.model, kv, placed[i])
+            found[i] = True
+            self._loaded(block, result, per_tier)
+        self._observe(per_tier, time.perf_counter() - started)
+        if coded:
+            loaded = self._fetch_copies([keys[i] for i in coded], [parts[i] for i in coded],
+                                        [placed[i] for i in coded], kv, result)
+            for i, was_found in zip(coded, loaded):
+                found[i] = was_found
+        return found
+
+    def _loaded(self, block: FetchedBlock, result: BlendResult, per_tier: dict[str, int]) -> None:
+        """Count a block placed in the cache: in the result, and its bytes per tier for the controller."""
+        size = self.namespace.layout.block_bytes(block.tokens)
+        result.tiers.append(block.tier)
+        result.loaded_tokens += block.tokens
+        result.loaded_bytes += size
+        per_tier[block.tier] = per_tier.get(block.tier, 0) + size
+
+    def _observe(self, per_tier: dict[str, int], seconds: float) -> None:
+        """Tell the controller what the last Get moved from each tier in ``seconds``; then forget it."""
+        if self.controller is not None and per_tier:
+            moved = sum(per_tier.values())
+            for tier, size in per_tier.items():
+                self.controller.observe_load(tier, size, seconds * size / moved)
+        per_tier.clear()
 
     def _compute_block(self, tokens: list[int]) -> torch.Tensor:
         started = time.perf_counter()
@@ -293,7 +344,8 @@ class BlendEngine:
         selector = self.selector if selector is None else (
             get_selector(selector) if isinstance(selector, str) else selector)
         keys = self.chunk_keys(parts)
-        kv = self.model.new_cache(layout.total + max(room, 1))
+        capacity = -(-(layout.total + max(room, 1)) // CACHE_ROUND) * CACHE_ROUND  # blends of near sizes share one
+        kv = self.model.new_cache(capacity, self._allocate)
         kv.clear(layout.query.start, kv.capacity)  # never read before written; zeroed all the same
         result = BlendResult(tokens=[], first_logits=torch.empty(0), ttft_s=0.0, prompt_tokens=layout.total,
                              chunk_tokens=layout.chunk_positions.numel(), recomputed_tokens=0, prefilled_tokens=0.0,

@@ -96,7 +96,9 @@ class CachedEngine:
             spare = self._spare if self._spare is not None and self._spare[1].is_set() else None
             if spare is not None:
                 self._spare = None
-        if spare is None or spare[0].capacity < capacity:  # none yet, still being stored from, or small
+        region = region_of(spare[0].data) if spare is not None else None
+        if spare is None or spare[0].capacity < capacity or (region is not None and not region.alive):
+            # none yet, still being stored from, too small, or in memory a restarted daemon no longer holds
             return self.model.new_cache(capacity, self._allocate)
         kv = spare[0]
         kv.truncate(0)

@@ -36,7 +36,7 @@ import torch
 from engine_adapter.blocks import FetchedBlock
 from engine_adapter.client import KVStoreClient
 from engine_adapter.kv_cache import KVCache
-from engine_adapter.shared_kv import Rows, SharedRegion, get_rows
+from engine_adapter.shared_kv import Rows, SharedRegion, get_rows, rows_fit, rows_in
 from kvstore.keys import KVLayout, LookupResult, Namespace
 from kvstore.transcode import payload_tensor
 
@@ -258,20 +258,15 @@ class PrefixCache:
         daemon copies each raw block's rows straight into the cache, one copy in all. Returns the
         chunks loaded, and sets ``kv.length`` to their tokens. A block that is not raw (nothing was
         copied for it) and the run after it load through `load_run`."""
+        n, layout = self.namespace.chunk_tokens, self.namespace.layout
+        if not rows_fit(kv, n):
+            kv.length = 0
+            return self.load_run(keys, lambda c, b: kv.load(b, c * n), tiers)
         found = self.lookup(keys)
         if found is None or not found.hits:
             return 0
-        client, n, layout = self.client(), self.namespace.chunk_tokens, self.namespace.layout
         hits = min(found.hits, kv.capacity // n)
-        base = region.offset_of(kv.data)
-        places = [Rows(base + offset, row_bytes, stride, rows)
-                  for offset, row_bytes, stride, rows in (kv.block_rows(c * n, n) for c in range(hits))]
-        try:
-            blocks = get_rows(client, region, keys[:hits], places) if client is not None else []
-        except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
-            self.failed("get", exc)
-            return 0
-        self.ok()
+        blocks = self.get_rows(keys[:hits], region, [rows_in(kv, region, c * n, n) for c in range(hits)])
         loaded = 0
         for block, in_place in blocks:
             if block is None or block.tokens != n or block.layout != layout or not in_place:
@@ -283,6 +278,21 @@ class PrefixCache:
             # A coded block: it and the run after it the two-copy way (decoded into the cache).
             loaded += self.load_run(keys[loaded:], lambda c, b: kv.load(b, (loaded + c) * n), tiers)
         return loaded
+
+    def get_rows(self, keys: list[bytes], region: SharedRegion, places: Sequence[Rows]
+                 ) -> list[tuple[FetchedBlock | None, bool]]:
+        """`shared_kv.get_rows`, guarded: per key the block found and whether it is in its rows;
+        every key a miss when the daemon is down or failed (counted)."""
+        client = self.client() if keys else None
+        if client is None:
+            return [(None, False)] * len(keys)
+        try:
+            found = get_rows(client, region, keys, places)
+        except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
+            self.failed("get", exc)
+            return [(None, False)] * len(keys)
+        self.ok()
+        return found
 
     def fetch_blocks(self, keys: list[bytes], slot: int, take: Callable[[int, FetchedBlock | None], bool],
                      batch_done: Callable[[float], None] | None = None) -> None:

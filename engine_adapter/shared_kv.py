@@ -22,15 +22,17 @@ import queue
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
 
 from engine_adapter.blocks import FetchedBlock, fetched_block
+from engine_adapter.kv_cache import KVCache
 from kvstore.arena import ArenaLease, arena_socket_path
 from kvstore.limits import MAX_ITEMS_PER_CALL
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.scatter import MIN_ROW_BYTES
 
 if TYPE_CHECKING:
     from engine_adapter.client import KVStoreClient
@@ -44,7 +46,14 @@ class SharedRegion:
     def __init__(self, lease: ArenaLease) -> None:
         self.arena_id, self.size = lease.arena_id, lease.arena.size
         self._array = np.frombuffer(lease.arena.buffer, dtype=np.uint8)  # keeps the mapping while viewed
+        self._lease = lease
         self._close = weakref.finalize(self, lease.close)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the daemon still holds the region (not closed, the daemon not gone or restarted):
+        a Get into a region it no longer holds fails."""
+        return self._close.alive and self._lease.held()
 
     @classmethod
     def request(cls, client: KVStoreClient, nbytes: int) -> SharedRegion | None:
@@ -99,8 +108,12 @@ class SharedKVMemory:
     regions, the larger ones first.
     """
 
-    def __init__(self, client: KVStoreClient, device: torch.device | str = "cpu", keep: int = 2) -> None:
-        self.client, self.device, self.keep = client, torch.device(device), keep
+    def __init__(self, client: KVStoreClient | Callable[[], KVStoreClient | None], device: torch.device | str = "cpu",
+                 keep: int = 2) -> None:
+        """``client``: the daemon's client, or a callable giving the current one (None: not connected,
+        a plain tensor then), e.g. `PrefixCache.client`."""
+        self.client = client if callable(client) else (lambda: client)
+        self.device, self.keep = torch.device(device), keep
         self._idle: list[SharedRegion] = []  # under _lock
         self._lock = threading.Lock()
         # Regions whose tensors went: put by finalizers, which may run inside any allocation, this
@@ -111,7 +124,8 @@ class SharedKVMemory:
         if self.device.type != "cpu":
             return torch.empty(shape, dtype=dtype, device=self.device)
         nbytes = _nbytes(shape, dtype)
-        region = self._reuse(nbytes) or SharedRegion.request(self.client, nbytes)
+        client = self.client()
+        region = self._reuse(nbytes) or (SharedRegion.request(client, nbytes) if client is not None else None)
         if region is None:
             return torch.empty(shape, dtype=dtype)
         array = region.bytes(nbytes)
@@ -124,6 +138,9 @@ class SharedKVMemory:
         """The smallest idle region of at least ``nbytes``, taken; None if none fits."""
         with self._lock:
             self._take_returned()
+            for dead in [r for r in self._idle if not r.alive]:  # the daemon restarted, or is gone
+                self._idle.remove(dead)
+                dead.close()
             fitting = [r for r in self._idle if r.size >= nbytes]
             if not fitting:
                 return None
@@ -170,6 +187,18 @@ class Rows:
     @property
     def span(self) -> int:
         return (self.rows - 1) * self.row_stride + self.row_bytes
+
+
+def rows_in(kv: KVCache, region: SharedRegion, start: int, tokens: int) -> Rows:
+    """Where a block of ``tokens`` tokens at ``start`` of ``kv`` (whose tensor is in ``region``) goes."""
+    offset, row_bytes, stride, rows = kv.block_rows(start, tokens)
+    return Rows(region.offset_of(kv.data) + offset, row_bytes, stride, rows)
+
+
+def rows_fit(kv: KVCache, tokens: int) -> bool:
+    """Whether blocks of ``tokens`` tokens can go into ``kv`` in rows: a row (tokens * head_dim
+    elements) of at least the daemon's `MIN_ROW_BYTES` (tiny test layouts load the two-copy way)."""
+    return tokens * kv.head_dim * kv.data.element_size() >= MIN_ROW_BYTES
 
 
 def get_rows(client: KVStoreClient, region: SharedRegion, keys: Sequence[bytes], places: Sequence[Rows]

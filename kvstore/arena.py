@@ -173,6 +173,16 @@ class ArenaLease:
             connection.close()
             raise
 
+    def held(self) -> bool:
+        """Whether the daemon still holds this arena: its connection has not ended (a daemon that
+        exited, restarted or released the arena has closed it). Never blocks."""
+        try:
+            return self._connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True  # open, nothing sent: held
+        except OSError:
+            return False
+
     def close(self) -> None:
         """Release the arena: ask the daemon to unmap it, wait until it has (it then closes the
         connection), and only then unmap ours. The last mapping to go frees the pages, so this

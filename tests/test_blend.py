@@ -22,6 +22,7 @@ from blend.recompute import blend_prefill, row_causal_mask
 from blend.select import DEFAULT_SELECTOR, SELECTORS, TokenSelector, get_selector, top_positions
 from engine_adapter.client import KVStoreClient
 from engine_adapter.model import LlamaModel, ModelConfig, causal_mask
+from engine_adapter.shared_kv import region_of
 
 TOL = 1e-4
 
@@ -491,6 +492,27 @@ def test_engine_without_a_daemon_computes_everything():
     assert result.computed_segments == 4 and engine.errors >= 1 and result.store_done.wait(10)
     expected, _ = full_logits(model, prefix + sum(chunks, []) + query)
     assert (result.first_logits - expected).abs().max() <= TOL
+
+
+def test_a_blend_loads_its_stored_segments_in_rows_as_it_would_by_copies(daemon):
+    # Shared memory: the daemon copies each stored segment straight into the blend's cache and its
+    # keys are rotated there; the same blend through the staging arena gives the same bits.
+    model = tiny_model()
+    prefix, chunks, query = tiny_prompt()
+    with KVStoreClient(daemon.address) as client:
+        engine = BlendEngine(model, tiny_tokenizer(), client, ratio=0.3, tenant="rows")
+        assert engine.generate(prefix, chunks, query, max_new_tokens=1).store_done.wait(30)
+        rows = engine.prefill(prefix, chunks[::-1], query)
+        assert region_of(rows.kv.data) is not None and rows.result.computed_segments == 0
+        shared = engine._allocate
+        engine._allocate = None  # plain memory: blocks copied out of the staging arena
+        copies = engine.prefill(prefix, chunks[::-1], query)
+        engine._allocate = shared
+        assert region_of(copies.kv.data) is None and copies.result.computed_segments == 0
+        end = rows.layout.total
+        assert torch.equal(rows.kv.data[:, :, :, :end], copies.kv.data[:, :, :, :end])
+        assert torch.equal(rows.result.first_logits, copies.result.first_logits)
+        assert rows.result.tiers == copies.result.tiers == ["cpu"] * 4 and engine.errors == 0
 
 
 def test_split_prompt():

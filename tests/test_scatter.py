@@ -242,3 +242,27 @@ def test_hostile_rows_are_refused_before_any_copy(daemon):
         assert bool((array[:4096] == 0xA5).all()) and bool((array[4096 + (rows - 1) * stride + row_bytes :] == 0xA5).all())
         del array
         region.close()
+
+
+def test_regions_a_restarted_daemon_no_longer_holds_are_not_reused(daemon):
+    with KVStoreClient(daemon.address) as client:
+        memory = SharedKVMemory(client)
+        kv = KVCache(5, 3, 48, N, torch.float32, "cpu", memory)
+        old = region_of(kv.data)
+        assert old.alive
+        old_id = old.arena_id
+        del kv, old
+        gc.collect()  # idle in the pool now
+        daemon.stop()
+        daemon.start()
+        kv = KVCache(5, 3, 48, N, torch.float32, "cpu", memory)  # the same size: the idle region would fit
+        new = region_of(kv.data)
+        assert new is not None and new.alive and new.arena_id != old_id
+        keys, source = _context(1, seed=7)
+        with KVStoreClient(daemon.address) as fresh:
+            _put(fresh, keys, source)
+            assert PrefixCache(fresh, NS).load_rows(keys, kv, new, []) == 1
+        assert torch.equal(kv.data, source.data)
+        del kv, new
+        gc.collect()
+        memory.close()
