@@ -53,12 +53,12 @@ class Scatter:
 
     def fill(self, source) -> None:
         """Copy ``source`` (a contiguous buffer or uint8 array of a payload that `fits`) in rows;
-        ValueError, with nothing copied, for one that does not."""
+        `Unfit`, with nothing copied, for one that does not."""
         source = np.frombuffer(source, dtype=np.uint8) if not isinstance(source, np.ndarray) else source
         rows = self.rows(source.nbytes)
         if rows is None:
             raise Unfit(f"a {source.nbytes}-byte payload is not whole rows of {self.row_bytes} bytes "
-                             f"within the {len(self.dest)}-byte destination")
+                        f"within the {len(self.dest)}-byte destination")
         base = np.frombuffer(self.dest, dtype=np.uint8)
         target = np.lib.stride_tricks.as_strided(base, shape=(rows, self.row_bytes), strides=(self.row_stride, 1))
         np.copyto(target, source.reshape(rows, self.row_bytes))

@@ -122,7 +122,8 @@ class Reader:
         results: list[GetResult | None] = [None] * len(requests)
         blocking: dict[int, list[int]] = {}  # tier level -> indices into requests
         in_memory: dict[int, list[int]] = {}  # memory tiers: copied on the loop, one call per tier
-        offload = sum(len(dest.dest if isinstance(dest, Scatter) else dest) for _, dest in requests) >= OFFLOAD_GET_BYTES
+        spans = (len(dest.dest) if isinstance(dest, Scatter) else len(dest) for _, dest in requests)
+        offload = sum(spans) >= OFFLOAD_GET_BYTES
         for i, (key, dest) in enumerate(requests):
             level = self.residency.locate(key)
             if level is None:
