@@ -18,6 +18,7 @@ they go (kvstore/arena.py), so a view never outlives its memory.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import weakref
@@ -94,7 +95,7 @@ class SharedRegion:
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 class SharedKVMemory:

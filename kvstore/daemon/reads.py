@@ -134,11 +134,11 @@ class Reader:
                 in_memory.setdefault(level, []).append(i)
         for level, indices in in_memory.items():
             tier = self.tiers[level]
-            rows = [i for i in indices if isinstance(requests[i][1], Scatter) and not tier.scatters]
+            rows = [i for i in indices if isinstance(requests[i][1], Scatter)] if not tier.scatters else []
             if rows:  # read one at a time: a buffer each, then copied in rows
                 for i in rows:
                     results[i] = await self.get_into(*requests[i], first_level=level)
-                indices = [i for i in indices if i not in rows]
+                indices = [i for i in indices if not isinstance(requests[i][1], Scatter)]
             # One call: the GPU tier copies each run of pool- and destination-adjacent blocks at once.
             headers = tier.read_many_into([requests[i] for i in indices])
             for i, header in zip(indices, headers):
