@@ -265,6 +265,8 @@ def test_no_tenant_and_no_stranger_holds_the_slots_others_need(daemon_factory, s
     d = serve(daemon_factory, tenants_file=str(tenants), data_max_connections=8)
     port = data_port(d, token=TOKEN_A)
     held = [hello(port, TOKEN_A), hello(port, TOKEN_A)]
+    for sock in held:  # admitted before the third says hello: the daemon serves hellos in any order
+        assert read_frame(sock) == (READY, b"")
     third = hello(port, TOKEN_A)
     assert "share of data_max_connections" in expect_error(third, grpc.StatusCode.RESOURCE_EXHAUSTED)
     assert closed(third)
