@@ -62,6 +62,41 @@ def client_put(args) -> tuple[float, int]:
         return time.perf_counter() - start, n * BLOCK
 
 
+def client_put_rows(args) -> tuple[float, int]:
+    """Puts of ``n`` blocks from a KV cache in shared memory (engine_adapter/shared_kv.py), as the
+    reference engine stores a prompt's chunks: the daemon copies each block's rows out of the cache
+    (``batch`` chunks of it, rows capacity * head_dim apart), one copy in all. Revisions without
+    Puts in rows raise ImportError (the benchmark then skips the row)."""
+    import torch
+
+    from engine_adapter.kv_cache import KVCache
+    from engine_adapter.shared_kv import SharedKVMemory, block_to_store, put_rows
+
+    address, client_id, n, batch, ready = args
+    keys = keys_for(client_id, n)
+    ns = namespace(client_id)
+    with KVStoreClient(address, shared_memory=True, arena_bytes=(batch + 2) * (BLOCK + 8192) * 2) as client:
+        memory = SharedKVMemory(client)
+        kv = KVCache(LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, batch * CHUNK, torch.float16, "cpu",
+                     memory)
+        rng = np.random.default_rng(10_000 + client_id)
+        # numpy, not a torch op: one client runs in the benchmark's own process, which then forks the
+        # others, and a fork after torch's OpenMP pool has run leaves the children hung in it
+        kv.data.numpy()[:] = rng.standard_normal(tuple(kv.data.shape), dtype=np.float32).astype(np.float16)
+        kv.length = batch * CHUNK
+        blocks = [block_to_store(kv, c * CHUNK, CHUNK) for c in range(batch)]
+        if any(isinstance(b, torch.Tensor) for b in blocks):
+            raise RuntimeError("the daemon gave no shared memory for the KV cache")
+        wait_until(ready)
+        start = time.perf_counter()
+        for i in range(0, n, batch):
+            put_rows(client, ns, [(k, CHUNK, b) for k, b in zip(keys[i:i + batch], blocks)])
+        took = time.perf_counter() - start
+        del blocks, kv
+        memory.close()
+        return took, n * BLOCK
+
+
 def client_get(args) -> tuple[float, int]:
     """``passes`` timed Gets of the client's ``n`` blocks, after one untimed pass (connection,
     first calls), so that with few blocks per client the run is not one call per client."""

@@ -9,6 +9,11 @@ Blocks are the size of one 256-token SmolLM2-135M chunk: 30 layers x 2 x 3 kv he
   on loopback, one thread ``sendall``-ing the same bytes and the other ``recv_into``-ing them into
   one buffer, measured in rounds alternating with the client's Puts and Gets.
 
+Transports: ``shm`` is a client that copies each payload into its staging arena, whence the
+daemon copies it (two copies for a Put); ``rows`` is a Put from a KV cache in shared memory
+(engine_adapter/shared_kv.py), which the daemon copies out of in rows (one copy: what the
+reference engine and the transformers adapter do); ``inline`` carries payloads in gRPC messages.
+
 Disk reads of both the daemon and the baseline come from the page cache (the files were just
 written); ``--o-direct`` makes the daemon bypass it (the baseline then uses O_DIRECT too).
 
@@ -18,6 +23,8 @@ written); ``--o-direct`` makes the daemon bypass it (the baseline then uses O_DI
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import mmap
 import os
@@ -36,7 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.daemon_clients import (  # noqa: E402  (the blocks and one client's work)
-    BLOCK, CHUNK, blocks_for, client_get, client_put, keys_for, lookup_latencies, namespace, run_clients)
+    BLOCK, CHUNK, blocks_for, client_get, client_put, client_put_rows, keys_for, lookup_latencies, namespace,
+    run_clients)
 from engine_adapter.client import KVStoreClient  # noqa: E402
 from kvstore.spawn import DaemonProcess  # noqa: E402
 
@@ -276,7 +284,9 @@ def main() -> int:
               f"{' (O_DIRECT)' if args.o_direct else ' (page cache)'}")
 
         # CPU tier: a daemon whose CPU tier holds everything.
-        cpu_bytes = max(per_client[c] * c for c in args.clients) * (BLOCK + 8192) * 2
+        puts_in_rows = importlib.util.find_spec("engine_adapter.shared_kv") is not None and hasattr(
+            importlib.import_module("engine_adapter.shared_kv"), "put_rows")  # older revisions (bench/ab_pairs.py)
+        cpu_bytes = max(per_client[c] * c for c in args.clients) * (BLOCK + 8192) * (3 if puts_in_rows else 2)
         (scratch / "cpu-run").mkdir()
         proc, address = start_daemon(scratch / "cpu-run", cpu_capacity=cpu_bytes, disk_path="")
         time.sleep(cpu_bytes / 250e6)  # let the arena finish faulting in (slow on VMs; see tiers/memory.py)
@@ -290,8 +300,13 @@ def main() -> int:
                     put = run_clients(client_put, clients, lambda i, t: (address, base + i, m, shm, batch, t))
                     get = run_clients(client_get, clients,
                                       lambda i, t: (address, base + i, m, shm, batch, t, args.get_passes))
-                    for op, gbps in (("put", put), ("get", get)):
-                        rows.append(dict(tier="cpu", transport=transport, clients=clients, op=op, gbps=gbps,
+                    figures = [("put", put), ("get", get)]
+                    if shm and puts_in_rows:
+                        # the same Puts from a KV cache in shared memory: one copy, the daemon's
+                        figures.append(("put", run_clients(client_put_rows, clients,
+                                                           lambda i, t: (address, base + 300 + i, m, batch, t))))
+                    for (op, gbps), kind in zip(figures, (transport, transport, "rows")):
+                        rows.append(dict(tier="cpu", transport=kind, clients=clients, op=op, gbps=gbps,
                                          baseline="memcpy", ratio=gbps / mem["hot"],
                                          ratio_slots=gbps / mem["slots"]))
             # Lookup latency with 8 concurrent clients, 32 keys per call (an 8k-token prompt):
@@ -331,7 +346,8 @@ def main() -> int:
     print(f"\n{'tier':<5} {'transport':<9} {'clients':>7} {'op':<4} {'GB/s':>7} {'baseline':<11} "
           f"{'vs hot':>7} {'vs slots':>8}")
     print("(get*: medians of alternating rounds against plain reads of the daemon's own block files; data: a "
-          "remote client on the data channel, medians of rounds alternating with a plain TCP socket)")
+          "remote client on the data channel, medians of rounds alternating with a plain TCP socket; rows: Puts "
+          "from a KV cache in shared memory, one copy)")
     for r in rows:
         print(f"{r['tier']:<5} {r['transport']:<9} {r['clients']:>7} {r['op']:<4} {r['gbps']:>7.2f} "
               f"{r['baseline']:<11} {r['ratio']:>7.2f} {r['ratio_slots']:>8.2f}")

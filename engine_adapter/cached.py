@@ -35,7 +35,7 @@ from engine_adapter.generate import decode_after, sample_next
 from engine_adapter.kv_cache import KVCache
 from engine_adapter.model import LlamaModel, ModelConfig
 from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
-from engine_adapter.shared_kv import SharedKVMemory, region_of
+from engine_adapter.shared_kv import SharedKVMemory, block_to_store, region_of
 from engine_adapter.tokenizer import Tokenizer
 from kvstore.dtypes import TORCH_DTYPE_NAMES
 from kvstore.keys import KVLayout, Namespace, prefix_keys
@@ -198,7 +198,7 @@ class CachedEngine:
         # Store the chunks computed here, behind the first token; decode only appends after the prompt.
         new_chunks = range(reused // n, len(keys)) if store else range(0)
         result.stored_chunks = len(new_chunks) if self.client is not None else 0
-        self.cache.store_async(keys, new_chunks, lambda c: kv.export(c * n, (c + 1) * n), result.store_done)
+        self.cache.store_async(keys, new_chunks, lambda c: block_to_store(kv, c * n, n), result.store_done)
         result.tokens = decode_after(self.model, kv, first, max_new_tokens, self.tokenizer.eos_token_ids,
                                      temperature, top_p, generator)
         result.total_s = time.perf_counter() - start

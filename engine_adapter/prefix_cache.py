@@ -22,6 +22,7 @@ loops (native C, torch) release the GIL, so a kvtc or int4 load uses the host's 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import queue
@@ -36,7 +37,7 @@ import torch
 from engine_adapter.blocks import FetchedBlock
 from engine_adapter.client import KVStoreClient
 from engine_adapter.kv_cache import KVCache
-from engine_adapter.shared_kv import Rows, SharedRegion, get_rows, rows_fit, rows_in
+from engine_adapter.shared_kv import Rows, RowsInRegion, SharedRegion, get_rows, put_rows, rows_fit, rows_in
 from kvstore.keys import KVLayout, LookupResult, Namespace
 from kvstore.transcode import payload_tensor
 
@@ -330,13 +331,23 @@ class PrefixCache:
 
     def put(self, blocks: Sequence[tuple], durable: bool = False) -> bool:
         """Put ``blocks`` (``(key, tokens, payload)``, or with the key before it in its chain last:
-        `KVStoreClient.put`) now; False when the daemon is down or failed.
+        `KVStoreClient.put`; a payload may be a `RowsInRegion`) now, in their order; False when the
+        daemon is down or failed.
         ``durable``: return once a durable tier (fsynced disk, S3) holds them."""
         client = self.client() if blocks else None
         if client is None:
             return not blocks
         try:
-            client.put(self.namespace, blocks, durable=durable)
+            # blocks in a KV cache's region go in rows (one copy, the daemon's), unless the daemon no
+            # longer holds the region (restarted): those are copied here and go as any other
+            blocks = [(*b[:2], b[2].copy(), *b[3:]) if isinstance(b[2], RowsInRegion) and not b[2].region.alive
+                      else b for b in blocks]
+            for in_rows, run in itertools.groupby(blocks, lambda b: isinstance(b[2], RowsInRegion)):
+                run = list(run)
+                if in_rows:
+                    put_rows(client, self.namespace, run, durable)
+                else:
+                    client.put(self.namespace, run, durable=durable)
         except Exception as exc:  # noqa: BLE001
             self.failed("put", exc)
             return False
@@ -345,7 +356,7 @@ class PrefixCache:
 
     # -- stores behind the request ------------------------------------------------------------
 
-    def store_async(self, keys: list[bytes], chunks: range, chunk: Callable[[int], torch.Tensor],
+    def store_async(self, keys: list[bytes], chunks: range, chunk: Callable[[int], torch.Tensor | RowsInRegion],
                     done: threading.Event) -> None:
         """Put ``chunk(c)`` under ``keys[c]`` for each c in ``chunks`` from the store thread
         (see `store_blocks_async`)."""

@@ -10,7 +10,10 @@ straight where the cache keeps them::
     KV cache  [L0 K: tokens 0 .. capacity) [L0 V: ...) ...   block c's rows at c * tokens
 
 `SharedRegion.request` asks for the arena (None where there is no shared memory: a remote daemon, or
-a cap reached), `SharedRegion.tensor` views it, and `get_rows` makes the Get. The region's arena is
+a cap reached), `SharedRegion.tensor` views it, and `get_rows` makes the Get. Stores go the other
+way in one copy too: `block_to_store` names a chunk's rows where the cache keeps them and `put_rows`
+sends Put items with ``row_bytes``, which the daemon copies out of the region into its tier (a Put
+of a private tensor copies it into the staging arena first, then the daemon copies it again). The region's arena is
 released when the region is closed or collected; tensors over it keep this process's mapping until
 they go (kvstore/arena.py), so a view never outlives its memory.
 """
@@ -28,12 +31,15 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 import torch
 
+from engine_adapter.arena_space import batches
 from engine_adapter.blocks import FetchedBlock, fetched_block
 from engine_adapter.kv_cache import KVCache
 from kvstore.arena import ArenaLease, arena_socket_path
+from kvstore.keys import Namespace
 from kvstore.limits import MAX_ITEMS_PER_CALL
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scatter import MIN_ROW_BYTES
+from kvstore.wire import layout_message
 
 if TYPE_CHECKING:
     from engine_adapter.client import KVStoreClient
@@ -194,6 +200,59 @@ def rows_in(kv: KVCache, region: SharedRegion, start: int, tokens: int) -> Rows:
     """Where a block of ``tokens`` tokens at ``start`` of ``kv`` (whose tensor is in ``region``) goes."""
     offset, row_bytes, stride, rows = kv.block_rows(start, tokens)
     return Rows(region.offset_of(kv.data) + offset, row_bytes, stride, rows)
+
+
+@dataclass(frozen=True)
+class RowsInRegion:
+    """A block to Put from where a KV cache keeps it (`block_to_store`): the daemon copies its rows
+    out of the region, one copy in all (`put_rows`). ``tensor`` is the cache's, held so that the
+    region is not handed to another cache while the Put reads it."""
+    tensor: torch.Tensor
+    region: SharedRegion
+    place: Rows
+
+    @property
+    def nbytes(self) -> int:
+        return self.place.rows * self.place.row_bytes
+
+    def copy(self) -> np.ndarray:
+        """The block in one run, copied here (for a daemon that no longer holds the region)."""
+        base = self.region.bytes(self.place.offset + self.place.span)[self.place.offset :]
+        rows = np.lib.stride_tricks.as_strided(base, shape=(self.place.rows, self.place.row_bytes),
+                                               strides=(self.place.row_stride, 1))
+        return np.ascontiguousarray(rows).reshape(-1)
+
+
+def block_to_store(kv: KVCache, start: int, tokens: int) -> RowsInRegion | torch.Tensor:
+    """What to Put for tokens ``start .. start + tokens`` of ``kv``: its rows where they lie when
+    ``kv`` is in a region the daemon holds and the rows fit, else a copy (`KVCache.export`)."""
+    region = region_of(kv.data)
+    if region is None or not region.alive or not rows_fit(kv, tokens):
+        return kv.export(start, start + tokens)
+    if not 0 <= start <= start + tokens <= kv.length:
+        raise ValueError(f"tokens {start}..{start + tokens} are outside the filled range 0..{kv.length}")
+    return RowsInRegion(kv.data, region, rows_in(kv, region, start, tokens))
+
+
+def put_rows(client: KVStoreClient, namespace: Namespace, blocks: Sequence[tuple], durable: bool = False) -> int:
+    """Put ``(key, tokens, RowsInRegion[, parent])`` raw blocks of ``namespace``: the daemon copies
+    each one's rows out of its region into its top tier (kvstore/scatter.py: `Gather`), with no copy
+    here. Returns how many were stored."""
+    layout = layout_message(namespace.layout)
+    stored = 0
+    for batch in batches([block[2].nbytes for block in blocks], client._planned_bytes()):
+        items = []
+        for i in batch:
+            key, tokens, rows = blocks[i][:3]
+            place = rows.place
+            meta = pb.BlockMeta(key=key, namespace=namespace.id, tokens=tokens, layout=layout, codec="raw",
+                                payload_len=rows.nbytes)
+            items.append(pb.PutItem(meta=meta, parent=(blocks[i][3] or b"") if len(blocks[i]) > 3 else b"",
+                                    slice=pb.ArenaSlice(arena_id=rows.region.arena_id, offset=place.offset,
+                                                        length=place.span),
+                                    row_bytes=place.row_bytes, row_stride=place.row_stride))
+        stored += client._call(client._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
+    return stored
 
 
 def rows_fit(kv: KVCache, tokens: int) -> bool:

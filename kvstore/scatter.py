@@ -14,11 +14,19 @@ daemon has bounds-checked inside the caller's own arena; rows are at least `MIN_
 call cannot turn into millions of tiny copies; and a payload that is not a whole number of rows
 that fit (a coded block, a block of another size) is not copied at all: its item comes back
 found, with its meta, and the caller Gets it into a plain slice.
+
+A Put item with ``row_bytes`` set is the same in reverse (`Gather`): the daemon reads payload row i
+from byte i * ``row_stride`` of the item's slice, so a block an engine computed into a KV cache in
+shared memory is stored by the daemon's one copy, with no copy into a staging slot before it. Its
+checksum is of the copy, as for any Put (kvstore/block.py: `copy_checksummed`).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import xxhash
+
+from kvstore.block import CHECKSUM_STEP
 
 #: Smallest row a scatter copies: a cache line. A row is tokens * head_dim * dtype size (e.g. 16 *
 #: 64 * 2 = 2 KiB for 16-token fp16 blocks), so any real layout is far above it.
@@ -29,24 +37,40 @@ class Unfit(ValueError):
     """A payload that is not whole rows of a scatter destination: nothing of it was copied."""
 
 
+def _check_rows(row_bytes: int, row_stride: int, span: int, what: str) -> None:
+    if row_bytes < MIN_ROW_BYTES:
+        raise ValueError(f"row_bytes {row_bytes} is under the minimum of {MIN_ROW_BYTES}")
+    if not row_bytes <= row_stride <= span:
+        raise ValueError(f"row_stride {row_stride} is outside row_bytes..{span} (the {what}'s bytes): rows "
+                         f"may not overlap or start past the {what}")
+
+
+def _whole_rows(payload_len: int, row_bytes: int, row_stride: int, span: int) -> int | None:
+    """Rows of a ``payload_len``-byte payload, or None when it is not a whole number of rows that
+    all lie within ``span`` bytes."""
+    rows, rest = divmod(payload_len, row_bytes)
+    if rest or rows == 0 or (rows - 1) * row_stride + row_bytes > span:
+        return None
+    return rows
+
+
+def _strided(view: memoryview, rows: int, row_bytes: int, row_stride: int) -> np.ndarray:
+    """The rows of ``view`` as a [rows, row_bytes] uint8 array over its memory."""
+    base = np.frombuffer(view, dtype=np.uint8)
+    return np.lib.stride_tricks.as_strided(base, shape=(rows, row_bytes), strides=(row_stride, 1))
+
+
 class Scatter:
     """A destination in rows: payload row i (``row_bytes`` bytes) at ``dest[i * row_stride:]``."""
 
     def __init__(self, dest: memoryview, row_bytes: int, row_stride: int) -> None:
-        if row_bytes < MIN_ROW_BYTES:
-            raise ValueError(f"row_bytes {row_bytes} is under the minimum of {MIN_ROW_BYTES}")
-        if not row_bytes <= row_stride <= len(dest):
-            raise ValueError(f"row_stride {row_stride} is outside row_bytes..{len(dest)} (the destination's "
-                             f"bytes): rows may not overlap or start past the destination")
+        _check_rows(row_bytes, row_stride, len(dest), "destination")
         self.dest, self.row_bytes, self.row_stride = dest, row_bytes, row_stride
 
     def rows(self, payload_len: int) -> int | None:
         """Rows of a ``payload_len``-byte payload, or None when it is not a whole number of rows
         that all fit the destination (nothing of it may then be copied)."""
-        rows, rest = divmod(payload_len, self.row_bytes)
-        if rest or rows == 0 or (rows - 1) * self.row_stride + self.row_bytes > len(self.dest):
-            return None
-        return rows
+        return _whole_rows(payload_len, self.row_bytes, self.row_stride, len(self.dest))
 
     def fits(self, payload_len: int) -> bool:
         return self.rows(payload_len) is not None
@@ -59,6 +83,52 @@ class Scatter:
         if rows is None:
             raise Unfit(f"a {source.nbytes}-byte payload is not whole rows of {self.row_bytes} bytes "
                         f"within the {len(self.dest)}-byte destination")
-        base = np.frombuffer(self.dest, dtype=np.uint8)
-        target = np.lib.stride_tricks.as_strided(base, shape=(rows, self.row_bytes), strides=(self.row_stride, 1))
-        np.copyto(target, source.reshape(rows, self.row_bytes))
+        np.copyto(_strided(self.dest, rows, self.row_bytes, self.row_stride), source.reshape(rows, self.row_bytes))
+
+
+class Gather:
+    """A Put's payload in rows: row i (``row_bytes`` bytes) at ``source[i * row_stride:]``,
+    ``payload_len`` bytes in all. ValueError unless they are whole rows within ``source``."""
+
+    def __init__(self, source: memoryview, row_bytes: int, row_stride: int, payload_len: int) -> None:
+        _check_rows(row_bytes, row_stride, len(source), "source slice")
+        rows = _whole_rows(payload_len, row_bytes, row_stride, len(source))
+        if rows is None:
+            raise ValueError(f"payload_len {payload_len} is not whole rows of {row_bytes} bytes within the "
+                             f"{len(source)}-byte slice at a stride of {row_stride}")
+        self.row_bytes, self.nbytes = row_bytes, payload_len
+        self._rows = _strided(source, rows, row_bytes, row_stride)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def checksum(self) -> int:
+        """The payload's checksum (`kvstore.block.payload_checksum` of its bytes in one run), hashed
+        a step of rows at a time through a buffer that stays in cache: one numpy copy a step, never
+        a Python call per row (rows may be as small as `MIN_ROW_BYTES`)."""
+        step = max(1, CHECKSUM_STEP // self.row_bytes)
+        buffer = np.empty((min(step, len(self._rows)), self.row_bytes), dtype=np.uint8)
+        digest = xxhash.xxh3_64()
+        for start in range(0, len(self._rows), step):
+            part = self._rows[start : start + step]
+            np.copyto(buffer[: len(part)], part)
+            digest.update(buffer[: len(part)])
+        return digest.intdigest()
+
+    def copy_checksummed(self, dest: memoryview) -> int:
+        """Copy the rows into ``dest`` (``len(self)`` bytes) in one run and return the checksum of
+        what ``dest`` now holds, hashing each step's rows from cache just after copying them, as
+        `kvstore.block.copy_checksummed` does for a payload in one run."""
+        if len(dest) != self.nbytes:
+            raise ValueError(f"destination of {len(dest)} bytes for a {self.nbytes}-byte payload")
+        target = np.frombuffer(dest, dtype=np.uint8).reshape(len(self._rows), self.row_bytes)
+        step = max(1, CHECKSUM_STEP // self.row_bytes)
+        digest = xxhash.xxh3_64()
+        for start in range(0, len(self._rows), step):
+            np.copyto(target[start : start + step], self._rows[start : start + step])
+            digest.update(target[start : start + step])
+        return digest.intdigest()
+
+    def tobytes(self) -> memoryview:
+        """The payload in one run, a new buffer (for a tier that cannot copy rows itself)."""
+        return memoryview(np.ascontiguousarray(self._rows).reshape(-1))

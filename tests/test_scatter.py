@@ -1,8 +1,10 @@
-"""Gets in rows (kvstore/scatter.py): a block's payload straight into a KV cache in shared memory.
+"""Gets and Puts in rows (kvstore/scatter.py): a block's payload straight into, and out of, a KV
+cache in shared memory.
 
 Against references: numpy's own strided copy for `Scatter`, and `KVCache.load` of the same blocks
 for the daemon's copy, with a real daemon process (CPU tier, disk tier, a coded block). Hostile
-rows from a client of the daemon are refused before any copy (docs/guarantees.md: Limits).
+rows from a client of the daemon are refused before any copy (docs/guarantees.md: Limits). A Put
+in rows is checked against the same blocks put the usual way (`KVCache.export`).
 """
 
 from __future__ import annotations
@@ -20,14 +22,18 @@ from engine_adapter.kv_cache import KVCache
 from engine_adapter.prefix_cache import PrefixCache
 from engine_adapter.shared_kv import (
     Rows,
+    RowsInRegion,
     SharedKVMemory,
     SharedRegion,
+    block_to_store,
     get_rows,
     region_of,
 )
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.scatter import MIN_ROW_BYTES, Scatter, Unfit
+from kvstore.block import CHECKSUM_STEP, payload_checksum
+from kvstore.scatter import MIN_ROW_BYTES, Gather, Scatter, Unfit
+from kvstore.wire import layout_message
 
 LAYOUT = KVLayout(num_layers=5, num_kv_heads=3, head_dim=48, dtype="float32")
 NS = Namespace("scatter-test", LAYOUT, chunk_tokens=24)
@@ -94,10 +100,15 @@ def _reference(keys: list[bytes], kv: KVCache, capacity: int) -> KVCache:
     return ref
 
 
-@pytest.mark.parametrize("tiers", ["cpu", "disk"])
-def test_a_get_in_rows_fills_a_shared_kv_cache_as_a_load_does(daemon_factory, short_tmp, tiers):
-    settings = {"cpu_capacity": 0, "disk_path": short_tmp / "blocks"} if tiers == "disk" else {}
-    d = daemon_factory(**settings)
+@pytest.fixture(params=["cpu", "disk"])
+def top_tier(request, daemon_factory, short_tmp):
+    """A daemon whose top tier is the CPU tier, or the disk (no CPU tier), and that tier's name."""
+    settings = {"cpu_capacity": 0, "disk_path": short_tmp / "blocks"} if request.param == "disk" else {}
+    return daemon_factory(**settings), request.param
+
+
+def test_a_get_in_rows_fills_a_shared_kv_cache_as_a_load_does(top_tier):
+    d, tiers = top_tier
     keys, source = _context(5, seed=1)
     with KVStoreClient(d.address) as client:
         _put(client, keys, source)
@@ -268,3 +279,137 @@ def test_regions_a_restarted_daemon_no_longer_holds_are_not_reused(daemon):
         del kv, new
         gc.collect()
         memory.close()
+
+
+# -- Puts in rows: the daemon's one copy out of a KV cache in shared memory -----------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_gather_copies_and_hashes_rows_as_the_payload_in_one_run(seed):
+    rng = np.random.default_rng(seed)
+    row_bytes = int(rng.integers(MIN_ROW_BYTES, 3000)) if seed % 2 else CHECKSUM_STEP // 3 + 5  # small, and > a step
+    stride = row_bytes + int(rng.integers(0, 300))
+    rows = int(rng.integers(2, 40))
+    if seed == 5:  # the smallest rows, many steps of them
+        row_bytes, stride, rows = MIN_ROW_BYTES, MIN_ROW_BYTES + 8, 3 * CHECKSUM_STEP // MIN_ROW_BYTES + 17
+    source = rng.integers(1, 256, (rows - 1) * stride + row_bytes + int(rng.integers(0, 100)), dtype=np.uint8)
+    payload = b"".join(source[i * stride : i * stride + row_bytes].tobytes() for i in range(rows))
+    gather = Gather(memoryview(source), row_bytes, stride, rows * row_bytes)
+    assert len(gather) == len(payload) and bytes(gather.tobytes()) == payload
+    assert gather.checksum() == payload_checksum(payload)
+    dest = bytearray(len(payload))
+    assert gather.copy_checksummed(memoryview(dest)) == payload_checksum(payload) and bytes(dest) == payload
+
+
+def test_a_gather_refuses_rows_that_are_not_whole_leave_the_slice_or_are_tiny():
+    source = memoryview(bytearray(4096))
+    for row_bytes, stride, length in ((MIN_ROW_BYTES - 1, 128, 630), (256, 255, 512), (256, 4097, 512),
+                                      (256, 1024, 5 * 256), (256, 1024, 3 * 256 + 1), (256, 1024, 0),
+                                      (256, 2**64 - 1, 512)):
+        with pytest.raises(ValueError):
+            Gather(source, row_bytes, stride, length)
+    assert len(Gather(source, 256, 1024, 4 * 256)) == 1024
+
+
+def test_a_put_in_rows_stores_what_an_export_would(top_tier):
+    d, tiers = top_tier
+    keys, source = _context(4, seed=8)
+    with KVStoreClient(d.address) as client:
+        kv = KVCache(LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, 4 * N + 5, torch.float32, "cpu",
+                     SharedKVMemory(client))
+        kv.load(source.data, 0)  # rows capacity * head_dim apart, not tokens * head_dim
+        blocks = [block_to_store(kv, c * N, N) for c in range(4)]
+        assert all(isinstance(b, RowsInRegion) for b in blocks)
+        cache = PrefixCache(client, NS)
+        assert cache.put([(k, N, b, keys[c - 1] if c else b"") for c, (k, b) in enumerate(zip(keys, blocks))])
+        assert cache.errors == 0 and client.lookup(keys).hits == 4
+        with client.fetch(keys, LAYOUT.block_bytes(N)) as fetched:
+            for c, block in enumerate(fetched):
+                assert block.tier == tiers and bytes(block.payload) == source.export(c * N, (c + 1) * N).numpy().tobytes()
+        # the same blocks again (the daemon compares checksums, stores nothing new), then other
+        # bytes under a stored key: replaced, its checksum of what was copied
+        assert cache.put([(keys[0], N, blocks[0])])
+        kv.data.add_(1.0)
+        assert cache.put([(keys[1], N, block_to_store(kv, N, N))])
+        with client.fetch(keys[:2], LAYOUT.block_bytes(N)) as fetched:
+            assert bytes(fetched[0].payload) == source.export(0, N).numpy().tobytes()
+            assert bytes(fetched[1].payload) == kv.export(N, 2 * N).numpy().tobytes()
+        with pytest.raises(ValueError, match="filled range"):
+            block_to_store(kv, 4 * N, N)
+        del kv, blocks
+        gc.collect()
+
+
+def test_a_put_from_a_region_the_daemon_dropped_is_copied_and_stored(daemon):
+    keys, source = _context(2, seed=9)
+    with KVStoreClient(daemon.address) as client:
+        kv = KVCache(5, 3, 48, 2 * N, torch.float32, "cpu", SharedKVMemory(client))
+        kv.load(source.data, 0)
+        blocks = [block_to_store(kv, c * N, N) for c in range(2)]
+    daemon.stop()
+    daemon.start()  # the region is gone from the daemon; the cache's memory is still this process's
+    with KVStoreClient(daemon.address) as fresh:
+        cache = PrefixCache(fresh, NS)
+        assert not blocks[0].region.alive
+        assert cache.put([(k, N, b) for k, b in zip(keys, blocks)]) and cache.errors == 0
+        assert fresh.get(keys, LAYOUT.block_bytes(N)) == [source.export(c * N, (c + 1) * N).numpy().tobytes()
+                                                          for c in range(2)]
+    del kv, blocks
+    gc.collect()
+
+
+def test_hostile_put_rows_are_refused_before_any_copy(daemon_factory, short_tmp):
+    """guarantees: Limits — a Put in rows reads only whole rows inside the caller's own slice."""
+    tenants = short_tmp / "tenants.toml"
+    tenants.write_text('[[tenant]]\nname = "a"\ntoken = "tenant-a-token-0123456789"\n\n'
+                       '[[tenant]]\nname = "b"\ntoken = "tenant-b-token-0123456789"\n')
+    tenants.chmod(0o600)
+    d = daemon_factory(tenants_file=str(tenants))
+    keys, source = _context(1, seed=10)
+    row_bytes, rows = N * 48 * 4, 5 * 2 * 3
+    with KVStoreClient(d.address, token="tenant-a-token-0123456789") as a, \
+            KVStoreClient(d.address, token="tenant-b-token-0123456789") as b:
+        region = SharedRegion.request(a, 1 << 20)
+        theirs = SharedRegion.request(b, 1 << 20)
+
+        def put(row_bytes, row_stride, offset=0, length=1 << 20, payload_len=rows * row_bytes, arena=None,
+                inline=False):
+            meta = pb.BlockMeta(key=keys[0], namespace=NS.id, tokens=N, layout=layout_message(LAYOUT),
+                                codec="raw", payload_len=payload_len)
+            item = pb.PutItem(meta=meta, row_bytes=row_bytes, row_stride=row_stride)
+            if inline:
+                item.inline = b"\x01" * payload_len
+            else:
+                item.slice.CopyFrom(pb.ArenaSlice(arena_id=arena or region.arena_id, offset=offset, length=length))
+            try:
+                return grpc.StatusCode.OK, a._stub.Put(pb.PutRequest(items=[item]), metadata=a._metadata)
+            except grpc.RpcError as exc:
+                return exc.code(), exc.details()
+
+        refused = [
+            put(1, 1, payload_len=rows),                          # one-byte rows
+            put(row_bytes, row_bytes - 1),                        # overlapping rows
+            put(row_bytes, (1 << 20) + 1),                        # a stride past the slice
+            put(row_bytes, 2**64 - 1),                            # a stride no pointer can take
+            put(row_bytes, row_bytes + 64, length=(rows - 1) * (row_bytes + 64)),  # the last row leaves the slice
+            put(row_bytes, row_bytes, payload_len=rows * row_bytes - 1),          # not whole rows
+            put(row_bytes, row_bytes, inline=True),               # rows, but inline bytes
+            put(row_bytes, row_bytes, offset=(1 << 20) - 10, length=4096),        # a slice past the arena
+        ]
+        assert [code for code, _ in refused] == [grpc.StatusCode.INVALID_ARGUMENT] * len(refused), refused
+        assert "row_bytes" in refused[0][1] and "row_stride" in refused[1][1]
+        code, _ = put(row_bytes, row_bytes, arena=theirs.arena_id)  # another tenant's memory
+        assert code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+        assert a.lookup(keys).hits == 0  # nothing stored by any of them
+        # Whole rows in its own region: stored, the rows and nothing between them.
+        array = region.bytes(1 << 20)
+        array[:] = 0xA5
+        stride = row_bytes + 128
+        placed = np.lib.stride_tricks.as_strided(array[4096:], shape=(rows, row_bytes), strides=(stride, 1))
+        placed[:] = source.export(0, N).numpy().view(np.uint8).reshape(rows, row_bytes)
+        code, reply = put(row_bytes, stride, offset=4096, length=(rows - 1) * stride + row_bytes)
+        assert code == grpc.StatusCode.OK and reply.stored == 1
+        assert a.get(keys, LAYOUT.block_bytes(N)) == [source.export(0, N).numpy().tobytes()]
+        del array, placed
+        region.close()
+        theirs.close()

@@ -46,7 +46,9 @@ class Tier(ABC):
     threadsafe_reads: bool = False
     #: True when ``read_payload_into`` also takes a :class:`kvstore.scatter.Scatter` (copies a raw
     #: payload in rows, raising ``Unfit`` before any copy for one that is not whole rows); the
-    #: store reads the other tiers' payloads into a buffer first (``reads.read_payload``).
+    #: store reads the other tiers' payloads into a buffer first (``reads.read_payload``). Its
+    #: ``put_checksummed`` then also takes a :class:`kvstore.scatter.Gather` (a Put in rows); the
+    #: store gives other tiers such payloads in one run.
     scatters: bool = False
     #: True when other daemons write the same storage (S3): keys may appear that this daemon did
     #: not put; see :meth:`take_new_keys` and :meth:`discover`.

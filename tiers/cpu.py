@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.block import BlockHeader, CorruptBlockError, copy_checksummed
-from kvstore.scatter import Scatter, Unfit
+from kvstore.scatter import Gather, Scatter, Unfit
 from tiers.allocator import ExtentAllocator
 from tiers.base import ExtentIndex, Tier, TierError, TierFullError
 from tiers.memory import prefault
@@ -160,11 +160,12 @@ class CpuTier(ExtentIndex, Tier):
         self._arena[start : start + header.payload_len] = np.frombuffer(payload, dtype=np.uint8)
         self._index(offset, header)
 
-    def put_checksummed(self, header: BlockHeader, payload: memoryview) -> BlockHeader:
+    def put_checksummed(self, header: BlockHeader, payload: memoryview | Gather) -> BlockHeader:
         offset = self._allocate(header, payload)
         start = offset + header.header_len  # header_len does not depend on the checksum
         try:
-            checksum = copy_checksummed(memoryview(self._arena[start : start + header.payload_len]), payload)
+            dest = memoryview(self._arena[start : start + header.payload_len])
+            checksum = payload.copy_checksummed(dest) if isinstance(payload, Gather) else copy_checksummed(dest, payload)
         except BaseException:
             with self._lock:
                 self._allocator.free(offset)

@@ -29,6 +29,7 @@ from kvstore.daemon.holds import Holds
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.residency import Residency
 from kvstore.daemon.tier_io import TierIO
+from kvstore.scatter import Gather
 from tiers.base import Tier, TierFullError
 
 #: Longest a Put waits for reads in flight to release space when everything else is pinned.
@@ -60,12 +61,15 @@ class Evictor:
         if owner is None:
             owner = self.residency.owner(header.key)
         if header.key in tier:
+            checksum = header.checksum
             if hash_payload:  # the stored copy's checksum is compared before anything is copied
-                header, hash_payload = dataclasses.replace(header, checksum=payload_checksum(payload)), False
-            if tier.header(header.key).checksum == header.checksum:
+                checksum = payload.checksum() if isinstance(payload, Gather) else payload_checksum(payload)
+            if tier.header(header.key).checksum == checksum:
                 # Keys are content addresses: the same block again only refreshes its LRU position.
                 self.residency.touch(level, header.key)
-                return header
+                return dataclasses.replace(header, checksum=checksum)
+            # other bytes under the key: replaced, hashed again as they are copied (a client's
+            # arena may change between the two reads; the stored checksum is of what was stored)
             await self.residency.delete(level, header.key)
         await self.make_room(level, header.block_len, owner)
         for attempt in range(8):

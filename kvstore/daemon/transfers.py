@@ -31,7 +31,7 @@ from kvstore.daemon.residency import WalkBudget
 from kvstore.keys import KEY_BYTES
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.scatter import Scatter
+from kvstore.scatter import Gather, Scatter
 from kvstore.shm_index import REPORT_HEADER, parse_report
 from kvstore.transcode import check_codec_params
 from kvstore.wire import layout_from_message, layout_message
@@ -244,6 +244,8 @@ class Transfers:
             # the tenant's own key space, like the block's: a parent names no other tenant's block
             parent = tenant.stored_key(item.parent) if item.parent else b""
             which = item.WhichOneof("data")
+            if item.row_bytes and (payloads is not None or which != "slice"):
+                raise ValueError(f"items[{i}] has row_bytes: rows are read from a registered arena's slice")
             if payloads is not None:
                 if which is not None:
                     raise ValueError(f"items[{i}] sets {which}: on the data channel payloads follow the message")
@@ -251,6 +253,11 @@ class Transfers:
                 inline += len(payload)
             elif which == "slice":
                 payload = self._slice(item.slice, tenant)
+                if item.row_bytes:
+                    try:
+                        payload = Gather(payload, item.row_bytes, item.row_stride, item.meta.payload_len)
+                    except ValueError as exc:
+                        raise ValueError(f"items[{i}]: {exc}") from None
                 shared += len(payload)
                 arena_ids.add(item.slice.arena_id)
             elif which == "inline":
@@ -283,6 +290,8 @@ class Transfers:
         # checksum and reads as a counted corrupt miss.)
         walk = WalkBudget()  # one for the call: many blocks naming deep parents cost one bounded walk
         for header, payload, parent in prepared:
+            if isinstance(payload, Gather) and not self.store.tiers[0].scatters:
+                payload = payload.tobytes()  # a top tier that takes payloads in one run only
             await self.store.put(header, payload, owner=tenant.name, quota=tenant.quota_bytes,
                                  durable=request.durable, hash_payload=True, parent=parent, walk=walk)
             if tenant.name:
