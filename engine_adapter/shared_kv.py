@@ -13,9 +13,10 @@ straight where the cache keeps them::
 a cap reached), `SharedRegion.tensor` views it, and `get_rows` makes the Get. Stores go the other
 way in one copy too: `block_to_store` names a chunk's rows where the cache keeps them and `put_rows`
 sends Put items with ``row_bytes``, which the daemon copies out of the region into its tier (a Put
-of a private tensor copies it into the staging arena first, then the daemon copies it again). The region's arena is
-released when the region is closed or collected; tensors over it keep this process's mapping until
-they go (kvstore/arena.py), so a view never outlives its memory.
+of a private tensor copies it into the staging arena first, then the daemon copies it again).
+
+The region's arena is released when the region is closed or collected; tensors over it keep this
+process's mapping until they go (kvstore/arena.py), so a view never outlives its memory.
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ from engine_adapter.shared_kv import (
     get_rows,
     region_of,
 )
+from kvstore.block import CHECKSUM_STEP, payload_checksum
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.block import CHECKSUM_STEP, payload_checksum
 from kvstore.scatter import MIN_ROW_BYTES, Gather, Scatter, Unfit
 from kvstore.wire import layout_message
 
@@ -325,7 +325,8 @@ def test_a_put_in_rows_stores_what_an_export_would(top_tier):
         assert cache.errors == 0 and client.lookup(keys).hits == 4
         with client.fetch(keys, LAYOUT.block_bytes(N)) as fetched:
             for c, block in enumerate(fetched):
-                assert block.tier == tiers and bytes(block.payload) == source.export(c * N, (c + 1) * N).numpy().tobytes()
+                assert block.tier == tiers
+                assert bytes(block.payload) == source.export(c * N, (c + 1) * N).numpy().tobytes()
         # the same blocks again (the daemon compares checksums, stores nothing new), then other
         # bytes under a stored key: replaced, its checksum of what was copied
         assert cache.put([(keys[0], N, blocks[0])])

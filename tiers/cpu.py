@@ -165,7 +165,10 @@ class CpuTier(ExtentIndex, Tier):
         start = offset + header.header_len  # header_len does not depend on the checksum
         try:
             dest = memoryview(self._arena[start : start + header.payload_len])
-            checksum = payload.copy_checksummed(dest) if isinstance(payload, Gather) else copy_checksummed(dest, payload)
+            if isinstance(payload, Gather):  # rows out of a client's KV cache (kvstore/scatter.py)
+                checksum = payload.copy_checksummed(dest)
+            else:
+                checksum = copy_checksummed(dest, payload)
         except BaseException:
             with self._lock:
                 self._allocator.free(offset)
