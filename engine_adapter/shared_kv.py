@@ -55,13 +55,20 @@ class SharedRegion:
         self.arena_id, self.size = lease.arena_id, lease.arena.size
         self._array = np.frombuffer(lease.arena.buffer, dtype=np.uint8)  # keeps the mapping while viewed
         self._lease = lease
+        self._retired = False
         self._close = weakref.finalize(self, lease.close)
 
     @property
     def alive(self) -> bool:
-        """Whether the daemon still holds the region (not closed, the daemon not gone or restarted):
-        a Get into a region it no longer holds fails."""
-        return self._close.alive and self._lease.held()
+        """Whether the daemon still holds the region (not closed, the daemon not gone or restarted)
+        and it was not retired: a Get into a region it no longer holds fails."""
+        return not self._retired and self._close.alive and self._lease.held()
+
+    def retire(self) -> None:
+        """Lend this region to no later cache: a Put in rows out of it failed (a timeout, the
+        daemon busy), and the daemon may still be reading it. Its tensors keep working; `alive` is
+        False from now on, so caches in it are replaced and it is released once they are gone."""
+        self._retired = True
 
     @classmethod
     def request(cls, client: KVStoreClient, nbytes: int) -> SharedRegion | None:
@@ -227,18 +234,23 @@ class RowsInRegion:
 def block_to_store(kv: KVCache, start: int, tokens: int) -> RowsInRegion | torch.Tensor:
     """What to Put for tokens ``start .. start + tokens`` of ``kv``: its rows where they lie when
     ``kv`` is in a region the daemon holds and the rows fit, else a copy (`KVCache.export`)."""
-    region = region_of(kv.data)
+    data = kv.data  # one tensor throughout, though the cache may grow (a new tensor) meanwhile
+    region = region_of(data)
     if region is None or not region.alive or not rows_fit(kv, tokens):
         return kv.export(start, start + tokens)
     if not 0 <= start <= start + tokens <= kv.length:
         raise ValueError(f"tokens {start}..{start + tokens} are outside the filled range 0..{kv.length}")
-    return RowsInRegion(kv.data, region, rows_in(kv, region, start, tokens))
+    offset, row_bytes, stride, rows = kv.block_rows(start, tokens)
+    if kv.data is not data:
+        return kv.export(start, start + tokens)
+    return RowsInRegion(data, region, Rows(region.offset_of(data) + offset, row_bytes, stride, rows))
 
 
 def put_rows(client: KVStoreClient, namespace: Namespace, blocks: Sequence[tuple], durable: bool = False) -> int:
     """Put ``(key, tokens, RowsInRegion[, parent])`` raw blocks of ``namespace``: the daemon copies
     each one's rows out of its region into its top tier (kvstore/scatter.py: `Gather`), with no copy
-    here. Returns how many were stored."""
+    here. Returns how many were stored. A call that fails retires its blocks' regions
+    (`SharedRegion.retire`): no later cache is computed into memory the daemon may still read."""
     layout = layout_message(namespace.layout)
     stored = 0
     for batch in batches([block[2].nbytes for block in blocks], client._planned_bytes()):
@@ -252,7 +264,12 @@ def put_rows(client: KVStoreClient, namespace: Namespace, blocks: Sequence[tuple
                                     slice=pb.ArenaSlice(arena_id=rows.region.arena_id, offset=place.offset,
                                                         length=place.span),
                                     row_bytes=place.row_bytes, row_stride=place.row_stride))
-        stored += client._call(client._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
+        try:
+            stored += client._call(client._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
+        except BaseException:
+            for i in batch:  # the daemon may still be copying out of them after a timeout
+                blocks[i][2].region.retire()
+            raise
     return stored
 
 

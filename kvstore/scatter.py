@@ -23,6 +23,8 @@ checksum is of the copy, as for any Put (kvstore/block.py: `copy_checksummed`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import xxhash
 
@@ -102,31 +104,44 @@ class Gather:
     def __len__(self) -> int:
         return self.nbytes
 
+    def _pieces(self) -> Iterator[tuple[np.ndarray, int]]:
+        """The payload in order as (piece of the source, its byte offset in the payload), each at
+        most `CHECKSUM_STEP` bytes: several whole rows where rows are small, part of a row where
+        they are large; a Python step per piece, never one per row of a large number."""
+        if self.row_bytes < CHECKSUM_STEP:
+            step = CHECKSUM_STEP // self.row_bytes
+            for start in range(0, len(self._rows), step):
+                yield self._rows[start : start + step], start * self.row_bytes
+            return
+        for row in range(len(self._rows)):
+            for start in range(0, self.row_bytes, CHECKSUM_STEP):
+                yield self._rows[row, start : start + CHECKSUM_STEP], row * self.row_bytes + start
+
     def checksum(self) -> int:
-        """The payload's checksum (`kvstore.block.payload_checksum` of its bytes in one run), hashed
-        a step of rows at a time through a buffer that stays in cache: one numpy copy a step, never
-        a Python call per row (rows may be as small as `MIN_ROW_BYTES`)."""
-        step = max(1, CHECKSUM_STEP // self.row_bytes)
-        buffer = np.empty((min(step, len(self._rows)), self.row_bytes), dtype=np.uint8)
+        """The payload's checksum (`kvstore.block.payload_checksum` of its bytes in one run); a
+        piece that is not one run is copied into a buffer that stays in cache first."""
+        buffer = np.empty(min(CHECKSUM_STEP, self.nbytes), dtype=np.uint8)
         digest = xxhash.xxh3_64()
-        for start in range(0, len(self._rows), step):
-            part = self._rows[start : start + step]
-            np.copyto(buffer[: len(part)], part)
-            digest.update(buffer[: len(part)])
+        for piece, _ in self._pieces():
+            if not piece.flags.c_contiguous:
+                staged = buffer[: piece.size].reshape(piece.shape)
+                np.copyto(staged, piece)
+                piece = staged
+            digest.update(piece)
         return digest.intdigest()
 
     def copy_checksummed(self, dest: memoryview) -> int:
         """Copy the rows into ``dest`` (``len(self)`` bytes) in one run and return the checksum of
-        what ``dest`` now holds, hashing each step's rows from cache just after copying them, as
+        what ``dest`` now holds, hashing each piece from cache just after copying it, as
         `kvstore.block.copy_checksummed` does for a payload in one run."""
         if len(dest) != self.nbytes:
             raise ValueError(f"destination of {len(dest)} bytes for a {self.nbytes}-byte payload")
-        target = np.frombuffer(dest, dtype=np.uint8).reshape(len(self._rows), self.row_bytes)
-        step = max(1, CHECKSUM_STEP // self.row_bytes)
+        flat = np.frombuffer(dest, dtype=np.uint8)
         digest = xxhash.xxh3_64()
-        for start in range(0, len(self._rows), step):
-            np.copyto(target[start : start + step], self._rows[start : start + step])
-            digest.update(target[start : start + step])
+        for piece, at in self._pieces():
+            target = flat[at : at + piece.size].reshape(piece.shape)
+            np.copyto(target, piece)
+            digest.update(target)
         return digest.intdigest()
 
     def tobytes(self) -> memoryview:

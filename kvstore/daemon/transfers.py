@@ -15,6 +15,7 @@ store is confined to it); the data channel's threads reach them through ``run_co
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections import defaultdict
@@ -244,6 +245,8 @@ class Transfers:
             # the tenant's own key space, like the block's: a parent names no other tenant's block
             parent = tenant.stored_key(item.parent) if item.parent else b""
             which = item.WhichOneof("data")
+            if item.row_stride and not item.row_bytes:
+                raise ValueError(f"items[{i}] has row_stride but no row_bytes")
             if item.row_bytes and (payloads is not None or which != "slice"):
                 raise ValueError(f"items[{i}] has row_bytes: rows are read from a registered arena's slice")
             if payloads is not None:
@@ -290,10 +293,20 @@ class Transfers:
         # checksum and reads as a counted corrupt miss.)
         walk = WalkBudget()  # one for the call: many blocks naming deep parents cost one bounded walk
         for header, payload, parent in prepared:
+            held = 0
             if isinstance(payload, Gather) and not self.store.tiers[0].scatters:
-                payload = payload.tobytes()  # a top tier that takes payloads in one run only
-            await self.store.put(header, payload, owner=tenant.name, quota=tenant.quota_bytes,
-                                 durable=request.durable, hash_payload=True, parent=parent, walk=walk)
+                # a top tier that takes payloads in one run only: the rows are copied into a buffer
+                # first, off the event loop, and held in the inline budget like a message's bytes
+                held = len(payload)
+                await self.inline.acquire(held, INLINE_WAIT_S)
+            try:
+                if held:
+                    payload = await asyncio.to_thread(payload.tobytes)
+                await self.store.put(header, payload, owner=tenant.name, quota=tenant.quota_bytes,
+                                     durable=request.durable, hash_payload=True, parent=parent, walk=walk)
+            finally:
+                if held:
+                    self.inline.release(held)
             if tenant.name:
                 self.usage[tenant.name].bytes_in[self.store.tiers[0].name] += header.payload_len
         return len(prepared)
@@ -333,6 +346,8 @@ class Transfers:
                         raise ValueError(f"items[{i}]: {exc}") from None
             elif item.row_bytes:
                 raise ValueError(f"items[{i}] has row_bytes but no dest: rows go into a registered arena")
+            if item.row_stride and not item.row_bytes:
+                raise ValueError(f"items[{i}] has row_stride but no row_bytes")
             if header is not None:
                 if dest is None:
                     inline += header.payload_len + RESULT_OVERHEAD
