@@ -23,8 +23,6 @@ written); ``--o-direct`` makes the daemon bypass it (the baseline then uses O_DI
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import mmap
 import os
@@ -284,8 +282,11 @@ def main() -> int:
               f"{' (O_DIRECT)' if args.o_direct else ' (page cache)'}")
 
         # CPU tier: a daemon whose CPU tier holds everything.
-        puts_in_rows = importlib.util.find_spec("engine_adapter.shared_kv") is not None and hasattr(
-            importlib.import_module("engine_adapter.shared_kv"), "put_rows")  # older revisions (bench/ab_pairs.py)
+        try:  # older revisions (bench/ab_pairs.py) have no Puts in rows
+            from engine_adapter.shared_kv import put_rows  # noqa: F401
+            puts_in_rows = True
+        except ImportError:
+            puts_in_rows = False
         cpu_bytes = max(per_client[c] * c for c in args.clients) * (BLOCK + 8192) * (3 if puts_in_rows else 2)
         (scratch / "cpu-run").mkdir()
         proc, address = start_daemon(scratch / "cpu-run", cpu_capacity=cpu_bytes, disk_path="")

@@ -39,7 +39,7 @@ from kvstore.arena import ArenaLease, arena_socket_path
 from kvstore.keys import Namespace
 from kvstore.limits import MAX_ITEMS_PER_CALL
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.scatter import MIN_ROW_BYTES
+from kvstore.scatter import MIN_ROW_BYTES, Gather
 from kvstore.wire import layout_message
 
 if TYPE_CHECKING:
@@ -223,12 +223,11 @@ class RowsInRegion:
     def nbytes(self) -> int:
         return self.place.rows * self.place.row_bytes
 
-    def copy(self) -> np.ndarray:
-        """The block in one run, copied here (for a daemon that no longer holds the region)."""
-        base = self.region.bytes(self.place.offset + self.place.span)[self.place.offset :]
-        rows = np.lib.stride_tricks.as_strided(base, shape=(self.place.rows, self.place.row_bytes),
-                                               strides=(self.place.row_stride, 1))
-        return np.ascontiguousarray(rows).reshape(-1)
+    def copy(self) -> memoryview:
+        """The block in one run, copied here (for a daemon that no longer holds the region): what
+        the daemon's `Gather` would have read."""
+        source = memoryview(self.region.bytes(self.place.offset + self.place.span)[self.place.offset :])
+        return Gather(source, self.place.row_bytes, self.place.row_stride, self.nbytes).tobytes()
 
 
 def block_to_store(kv: KVCache, start: int, tokens: int) -> RowsInRegion | torch.Tensor:
