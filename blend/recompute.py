@@ -36,6 +36,7 @@ first S-R+i keys) is wrong for them; row i sees keys 0..rows[i] exactly::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -100,16 +101,29 @@ def row_blocks_of(rows: torch.Tensor, dtype: torch.dtype, rows_per_block: int = 
     return blocks
 
 
-def attend_rows(layer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                blocks: list[RowBlock]) -> torch.Tensor:
-    """Row-exact attention output [R, hidden] (after o_proj) of queries ``q`` [H, R, D] at sorted
-    positions over ``keys`` / ``values`` [KVH, S, D], one SDPA call per `RowBlock`, each over the
-    keys its rows may see only."""
-    gqa = q.shape[0] != keys.shape[0]
-    heads = [F.scaled_dot_product_attention(q[None, :, b.start:b.stop], keys[None, :, :b.keys],
-                                            values[None, :, :b.keys], attn_mask=b.mask, enable_gqa=gqa)[0]
-             for b in blocks]  # each [H, R', D]
-    return layer.output(heads[0] if len(heads) == 1 else torch.cat(heads, dim=1))
+class SdpaRows:
+    """Row-exact attention of sorted ``rows`` over a cache, one SDPA call per `RowBlock` (each over
+    the keys its rows may see only): any model, any device. A model with a faster kernel of its own
+    for it answers `LlamaModel.row_attention` (vLLM's CPU attention: `engine_adapter.vllm.row_attention`)."""
+
+    def __init__(self, rows: torch.Tensor, dtype: torch.dtype) -> None:
+        self.blocks = row_blocks_of(rows, dtype)
+
+    def __call__(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Per-head outputs [H, R, D] of queries ``q`` [H, R, D] over ``keys`` / ``values`` [KVH, S, D]
+        (S: at least the last row's position + 1) on layer ``layer``."""
+        gqa = q.shape[0] != keys.shape[0]
+        heads = [F.scaled_dot_product_attention(q[None, :, b.start:b.stop], keys[None, :, :b.keys],
+                                                values[None, :, :b.keys], attn_mask=b.mask, enable_gqa=gqa)[0]
+                 for b in self.blocks]  # each [H, R', D]
+        return heads[0] if len(heads) == 1 else torch.cat(heads, dim=1)
+
+
+def row_attention(model: LlamaModel, rows: torch.Tensor, total: int) -> Callable[..., torch.Tensor]:
+    """The attention a partial layer computes its sorted ``rows`` with, planned once per row set:
+    the model's own kernel where it has one, else `SdpaRows`."""
+    own = model.row_attention(rows, total)
+    return own if own is not None else SdpaRows(rows, model.dtype)
 
 
 @dataclass
@@ -224,14 +238,14 @@ def blend_prefill(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids
     h = model.embed(token_ids.to(device)[rows])  # [R, hidden]
     out = BlendPrefill(logits=torch.empty(0), selected=selected, query_pass_rows=pass_rows)
     last = len(model.layers) - 1
-    planned: torch.Tensor | None = None  # the rows `blocks`, `cos` and `sin` were made for
-    blocks: list[RowBlock] = []
+    planned: torch.Tensor | None = None  # the rows `attention`, `cos` and `sin` were made for
+    attention = None
 
     for layer in model.layers:
         i = layer.index
         if rows is not planned:  # rows are rebound only where they change (check layer, refine)
             planned, cos, sin = rows, cos_all[rows], sin_all[rows]
-            blocks = [] if rows.numel() == total else row_blocks_of(rows, model.dtype)
+            attention = None if rows.numel() == total else row_attention(model, rows, total)
         q, k, v = layer.qkv(h, cos, sin)  # [H, R, D], [KVH, R, D], [KVH, R, D]
         full = rows.numel() == total
         if check is not None and i == check:
@@ -272,8 +286,8 @@ def blend_prefill(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids
         else:
             if rows is not planned:  # narrowed on this layer: the attention below is for the new rows
                 planned, cos, sin = rows, cos_all[rows], sin_all[rows]
-                blocks = row_blocks_of(rows, model.dtype)
-            h = h + attend_rows(layer, q, keys, values, blocks)
+                attention = row_attention(model, rows, total)
+            h = h + layer.output(attention(i, q, keys, values))
         h = h + layer.feed_forward(h)
 
     kv.length = total

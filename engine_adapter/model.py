@@ -21,9 +21,10 @@ Keys are stored after RoPE, at their absolute positions.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -320,6 +321,12 @@ class LlamaModel(nn.Module):
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 logits [T, vocab] from the residual stream [T, hidden]."""
         return self.lm_head(self.norm(h)).float()
+
+    def row_attention(self, rows: torch.Tensor, total: int) -> Callable[..., torch.Tensor] | None:
+        """A kernel of the model's own for row-exact attention of sorted ``rows`` over ``total``
+        cached tokens (`blend.recompute.SdpaRows`'s call), or None: the blend's SDPA calls. This
+        model has none; vLLM's does (`engine_adapter.vllm.model_view`)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, kv: KVCache, start_pos: int, last_only: bool = False,
                 before_layer: Callable[[int], None] | None = None) -> torch.Tensor:

@@ -112,6 +112,8 @@ def test_the_blend_computes_with_vllms_own_layers(blend_case):
     # modules through engine_adapter/vllm/model_view.py
     assert "blend computes with vLLM's own layers" in blend_case["log"]
     assert "second copy of the weights" not in blend_case["log"]
+    # and the recomputed rows' attention on vLLM's CPU attention kernel (engine_adapter/vllm/row_attention.py)
+    assert "the blend's row attention runs on vLLM's CPU attention kernel" in blend_case["log"]
 
 
 def test_blend_reports_every_token_before_the_query_as_cached(blend_case):

@@ -9,6 +9,7 @@ suite skips this module.
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -327,3 +328,78 @@ def test_connector_settings_are_validated():
         ConnectorSettings.from_extra_config({"save_mode": "later"})
     with pytest.raises(ValueError, match="tail_blocks.*must be a bool"):
         ConnectorSettings.from_extra_config({"tail_blocks": "maybe"})
+
+
+def rows_reference(q, keys, values, rows):
+    """float64 row-exact attention [H, R, D]: row i (position rows[i]) reads keys 0 .. rows[i]."""
+    heads, kv_heads = q.shape[0], keys.shape[0]
+    k = keys.double().repeat_interleave(heads // kv_heads, 0)
+    v = values.double().repeat_interleave(heads // kv_heads, 0)
+    scores = q.double() @ k.transpose(1, 2) / q.shape[-1] ** 0.5  # [H, R, S]
+    hidden = torch.arange(keys.shape[1])[None, :] > rows[:, None]
+    return scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v
+
+
+def scattered_rows(total: int, generator: torch.Generator) -> torch.Tensor:
+    """Sorted positions as a blend selects them: runs (a chunk's first tokens), pairs and lone rows,
+    position 0 and the last position included."""
+    picked = torch.rand(total, generator=generator) < 0.15
+    start = int(torch.randint(0, max(1, total - 16), (1,), generator=generator))
+    picked[start:start + 16] = True
+    picked[0] = picked[total - 1] = True
+    return torch.nonzero(picked).flatten()
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])  # measured 1.2e-6, 3.0e-3
+@pytest.mark.parametrize("total, block", [(37, 32), (300, 128), (1000, 64)])
+def test_the_blends_rows_on_vllms_cpu_attention_kernel_match_a_float64_reference(monkeypatch, dtype, bound, total,
+                                                                                    block):
+    """`PagedRows` (the blend's row-exact attention on vLLM's CPU kernel, each run of positions a
+    request over one scratch cache) against float64, on random irregular rows; the SDPA calls it
+    replaces within the same bound. A cache with room past the prompt, GQA, runs split over calls."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from blend.recompute import SdpaRows
+    from engine_adapter.vllm import row_attention
+
+    monkeypatch.setattr(row_attention, "REQUESTS_PER_CALL", 2)  # several kernel calls per layer
+    generator = torch.Generator().manual_seed(total + block)
+    heads, kv_heads, head_dim, capacity = 6, 2, 64, total + 23
+    attention = SimpleNamespace(isa=_get_attn_isa(dtype, block, head_dim), impl=SimpleNamespace(scale=head_dim ** -0.5),
+                                kv_cache=torch.empty(1, kv_heads, block, 2 * head_dim, dtype=dtype))
+    rows = scattered_rows(total, generator)
+    paged = row_attention.PagedRows(attention, rows, total, heads, kv_heads, head_dim, dtype)
+    sdpa = SdpaRows(rows, dtype)
+    assert len(paged.calls) > 1
+    for layer in range(2):  # the scratch cache is refilled per layer
+        keys, values = (torch.randn(kv_heads, capacity, head_dim, generator=generator).to(dtype) for _ in range(2))
+        keys[:, total:] = float("nan")  # past the prompt: never read
+        q = (torch.randn(heads, rows.numel(), head_dim, generator=generator) * 2).to(dtype)
+        want = rows_reference(q, keys[:, :total], values[:, :total], rows)
+        for name, got in (("vllm", paged(layer, q, keys, values)), ("sdpa", sdpa(layer, q, keys, values))):
+            assert got.shape == want.shape
+            error = float((got.double() - want).abs().max() / want.abs().max())
+            assert error < bound, (name, dtype, total, block, error)
+    none = row_attention.PagedRows(attention, rows[:0], total, heads, kv_heads, head_dim, dtype)
+    assert none(0, q[:, :0], keys, values).shape == (heads, 0, head_dim)
+
+
+def test_only_a_plain_cpu_attention_layer_lends_its_kernel_to_the_blend():
+    from engine_adapter.vllm.row_attention import row_attention_problem
+
+    class CPUAttentionBackendImpl:  # noqa: N801 - the name the check reads
+        def __init__(self, **changes):
+            self.scale, self.alibi_slopes, self.sliding_window, self.logits_soft_cap = 0.125, None, -1, 0
+            self.sinks, self.kv_cache_dtype = None, "auto"
+            self.__dict__.update(changes)
+
+    def layer(impl, isa="vec", cache=torch.empty(2, 3, 32, 128)):
+        return SimpleNamespace(impl=impl, isa=isa, kv_cache=cache)
+
+    assert row_attention_problem(layer(CPUAttentionBackendImpl())) is None
+    assert "backend" in row_attention_problem(layer(SimpleNamespace()))
+    assert "ISA" in row_attention_problem(layer(CPUAttentionBackendImpl(), isa=None))
+    for change in ({"sliding_window": 128}, {"alibi_slopes": torch.ones(3)}, {"logits_soft_cap": 30.0},
+                   {"sinks": torch.ones(3)}, {"kv_cache_dtype": "fp8"}):
+        assert "sliding window" in row_attention_problem(layer(CPUAttentionBackendImpl(**change))), change
+    assert "paged KV cache" in row_attention_problem(layer(CPUAttentionBackendImpl(), cache=[]))

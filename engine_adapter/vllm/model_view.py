@@ -5,8 +5,9 @@
 vLLM's modules instead of weights of its own: the fused ``qkv_proj`` split into q, k, v, ``o_proj``,
 the ``mlp`` and the ``RMSNorm`` layers, the embedding and the LM head, each through vLLM's own
 kernels (on a CPU, weights vLLM may have repacked for oneDNN and dropped from ``.weight``, so a view
-of its parameters would not do). RoPE and attention stay `blend/`'s, so positions, re-rotation and
-the row-exact mask are the ones `BlendEngine` uses everywhere.
+of its parameters would not do). RoPE stays `blend/`'s, so positions and re-rotation are the ones
+`BlendEngine` uses everywhere. A partial layer's row-exact attention runs on vLLM's CPU attention
+kernel where vLLM runs that backend (`row_attention.PagedRows`), else on `blend/`'s SDPA calls.
 
 The connector is not handed the model (vLLM 0.32), so `find_vllm_model` finds it once, by its
 attention layer: the live module whose submodule of that name is vLLM's registered attention layer.
@@ -17,11 +18,15 @@ and a reason, and the blender falls back to a second copy of the weights from th
 from __future__ import annotations
 
 import gc
+import logging
 
 import torch
 from torch import nn
 
 from engine_adapter.model import DecoderLayer, LlamaModel, ModelConfig, apply_rope, rope_inverse_frequencies
+from engine_adapter.vllm.row_attention import PagedRows, row_attention_problem
+
+log = logging.getLogger("vllm.kvstore_connector")
 
 
 def find_vllm_model(layer_name: str, attention: nn.Module) -> nn.Module | None:
@@ -98,6 +103,8 @@ class VllmModelView(LlamaModel):
         self.layers = [_LayerView(config, i, layer) for i, layer in enumerate(model.model.layers)]
         self.inv_freq = rope_inverse_frequencies(config)
         self._dtype, self._device = dtype, torch.device(device)
+        self.__dict__["vllm_attention"] = getattr(model.model.layers[0].self_attn, "attn", None)
+        self.row_kernel: str | None = None  # "vllm" or why not, once the first partial layer asked
 
     @property
     def dtype(self) -> torch.dtype:
@@ -109,6 +116,21 @@ class VllmModelView(LlamaModel):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.vllm_model.model.embed_tokens(input_ids)
+
+    def row_attention(self, rows: torch.Tensor, total: int) -> PagedRows | None:
+        if self.row_kernel is None:  # asked at the first blend: vLLM sets its kernel up after loading the model
+            attention = self.vllm_attention
+            problem = "no attention layer" if attention is None else row_attention_problem(attention)
+            if problem is None and self._device.type != "cpu":
+                problem = f"the model is on {self._device}"
+            self.row_kernel = problem or "vllm"
+            log.info("KVStoreConnector: the blend's row attention runs on %s", "vLLM's CPU attention kernel"
+                     if problem is None else f"SDPA calls ({problem})")
+        if self.row_kernel != "vllm":
+            return None
+        config = self.config
+        return PagedRows(self.vllm_attention, rows, total, config.num_heads, config.num_kv_heads, config.head_dim,
+                         self._dtype)
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         head = self.vllm_model.lm_head
