@@ -312,3 +312,37 @@ def test_the_view_refuses_a_worker_with_other_heads_or_layers():
     assert view_problem(model(config.num_layers, config.num_heads), config) is None
     assert "tensor parallel" in view_problem(model(config.num_layers, config.num_heads // 3), config)
     assert "pipeline parallel" in view_problem(model(config.num_layers // 2, config.num_heads), config)
+
+
+def test_the_view_uses_vllms_row_kernel_only_where_it_applies_and_says_which(caplog):
+    """The blend's rows attend on vLLM's CPU kernel with vLLM's CPU backend, a bf16 or float32 model on
+    the host; any other backend, dtype or device keeps the SDPA calls. Decided once, logged once."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine_adapter.loader import find_smollm2_gguf, gguf_config
+    from engine_adapter.vllm.model_view import VllmModelView
+
+    config = gguf_config(find_smollm2_gguf())[0]
+
+    class CPUAttentionBackendImpl:  # the name the view checks
+        scale, alibi_slopes, sliding_window, logits_soft_cap, sinks, kv_cache_dtype = 0.125, None, -1, 0, None, "auto"
+
+    def view(impl, dtype=torch.bfloat16, device="cpu"):
+        attention = SimpleNamespace(impl=impl, isa="vec", kv_cache=torch.empty(1, 3, 32, 128))
+        layer = SimpleNamespace(self_attn=SimpleNamespace(attn=attention))
+        model = SimpleNamespace(model=SimpleNamespace(layers=[layer] * config.num_layers))
+        return VllmModelView(config, model, dtype, torch.device(device))
+
+    cases = [(view(SimpleNamespace()), "SDPA calls (backend SimpleNamespace"),
+             (view(CPUAttentionBackendImpl(), dtype=torch.float16), "SDPA calls (torch.float16"),
+             (view(CPUAttentionBackendImpl(), device="meta"), "SDPA calls (the model is on meta")]
+    for other, line in cases:
+        with caplog.at_level("INFO", logger="vllm.kvstore_connector"):
+            assert other.row_attention(torch.tensor([3, 4, 9]), 12) is None
+            assert other.row_attention(torch.tensor([5]), 12) is None
+        assert caplog.text.count("the blend's row attention runs on") == 1 and line in caplog.text, caplog.text
+        caplog.clear()
+    # the kernel's own case needs vLLM: tests/test_vllm_layout.py (the kernel against float64) and
+    # tests/test_vllm_blend.py (the log line of a real worker)

@@ -387,14 +387,14 @@ def test_the_blends_rows_on_vllms_cpu_attention_kernel_match_a_float64_reference
 def test_only_a_plain_cpu_attention_layer_lends_its_kernel_to_the_blend():
     from engine_adapter.vllm.row_attention import row_attention_problem
 
-    class CPUAttentionBackendImpl:  # noqa: N801 - the name the check reads
+    class CPUAttentionBackendImpl:  # the name the check reads
         def __init__(self, **changes):
             self.scale, self.alibi_slopes, self.sliding_window, self.logits_soft_cap = 0.125, None, -1, 0
             self.sinks, self.kv_cache_dtype = None, "auto"
             self.__dict__.update(changes)
 
-    def layer(impl, isa="vec", cache=torch.empty(2, 3, 32, 128)):
-        return SimpleNamespace(impl=impl, isa=isa, kv_cache=cache)
+    def layer(impl, isa="vec", cache=None):
+        return SimpleNamespace(impl=impl, isa=isa, kv_cache=torch.empty(2, 3, 32, 128) if cache is None else cache)
 
     assert row_attention_problem(layer(CPUAttentionBackendImpl())) is None
     assert "backend" in row_attention_problem(layer(SimpleNamespace()))

@@ -123,6 +123,8 @@ class VllmModelView(LlamaModel):
             problem = "no attention layer" if attention is None else row_attention_problem(attention)
             if problem is None and self._device.type != "cpu":
                 problem = f"the model is on {self._device}"
+            if problem is None and self._dtype not in (torch.bfloat16, torch.float32):
+                problem = f"{self._dtype} (the row kernel is tested in bf16 and float32)"
             self.row_kernel = problem or "vllm"
             log.info("KVStoreConnector: the blend's row attention runs on %s", "vLLM's CPU attention kernel"
                      if problem is None else f"SDPA calls ({problem})")
