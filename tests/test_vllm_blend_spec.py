@@ -346,3 +346,55 @@ def test_the_view_uses_vllms_row_kernel_only_where_it_applies_and_says_which(cap
         caplog.clear()
     # the kernel's own case needs vLLM: tests/test_vllm_layout.py (the kernel against float64) and
     # tests/test_vllm_blend.py (the log line of a real worker)
+
+
+def test_a_row_kernel_that_fails_costs_the_blend_speed_not_the_blend(monkeypatch, caplog):
+    """vLLM's kernel not yet set up: SDPA for now, asked again later. A kernel that raises when planned
+    or when called (an ISA no test here ran): that layer and every later row set take the SDPA calls,
+    with the same result, and one warning says why."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from blend.recompute import SdpaRows
+    from engine_adapter.loader import find_smollm2_gguf, gguf_config
+    from engine_adapter.vllm import model_view
+
+    config = gguf_config(find_smollm2_gguf())[0]
+
+    class CPUAttentionBackendImpl:  # the name the view checks
+        scale, alibi_slopes, sliding_window, logits_soft_cap, sinks, kv_cache_dtype = 0.125, None, -1, 0, None, "auto"
+
+    attention = SimpleNamespace(impl=CPUAttentionBackendImpl(), isa=None, kv_cache=torch.empty(1, 3, 32, 128))
+    layer = SimpleNamespace(self_attn=SimpleNamespace(attn=attention))
+    model = SimpleNamespace(model=SimpleNamespace(layers=[layer] * config.num_layers))
+
+    class Raises:
+        def __init__(self, *args, when="plan"):
+            if when == "plan":
+                raise RuntimeError("no kernel for this ISA")
+
+        def __call__(self, *args):
+            raise RuntimeError("kernel failed mid-blend")
+
+    rows = torch.tensor([2, 3, 7, 11])
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(config.num_heads, 4, config.head_dim, generator=generator)
+    keys, values = (torch.randn(config.num_kv_heads, 14, config.head_dim, generator=generator) for _ in range(2))
+    want = SdpaRows(rows, torch.float32)(0, q, keys, values)
+    for when in ("plan", "call"):
+        monkeypatch.setattr(model_view, "PagedRows", lambda *args, when=when: Raises(when=when))
+        attention.isa = None
+        view = model_view.VllmModelView(config, model, torch.float32, torch.device("cpu"))
+        assert view.row_attention(rows, 12) is None and view.row_kernel is None  # not decided yet
+        attention.isa = "vec"
+        with caplog.at_level("WARNING", logger="vllm.kvstore_connector"):
+            chosen = view.row_attention(rows, 12)
+            if when == "call":
+                assert torch.equal(chosen(0, q, keys, values), want)
+                assert torch.equal(chosen(1, q, keys, values), want)
+            else:
+                assert chosen is None
+        assert view.row_kernel.startswith("vLLM's kernel failed") and caplog.text.count("falls back to SDPA") == 1
+        assert view.row_attention(rows, 12) is None  # every later row set
+        caplog.clear()

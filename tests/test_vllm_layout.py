@@ -385,7 +385,7 @@ def test_the_blends_rows_on_vllms_cpu_attention_kernel_match_a_float64_reference
 
 
 def test_only_a_plain_cpu_attention_layer_lends_its_kernel_to_the_blend():
-    from engine_adapter.vllm.row_attention import row_attention_problem
+    from engine_adapter.vllm.row_attention import NO_ISA_YET, row_attention_problem
 
     class CPUAttentionBackendImpl:  # the name the check reads
         def __init__(self, **changes):
@@ -396,10 +396,12 @@ def test_only_a_plain_cpu_attention_layer_lends_its_kernel_to_the_blend():
     def layer(impl, isa="vec", cache=None):
         return SimpleNamespace(impl=impl, isa=isa, kv_cache=torch.empty(2, 3, 32, 128) if cache is None else cache)
 
-    assert row_attention_problem(layer(CPUAttentionBackendImpl())) is None
-    assert "backend" in row_attention_problem(layer(SimpleNamespace()))
-    assert "ISA" in row_attention_problem(layer(CPUAttentionBackendImpl(), isa=None))
+    assert row_attention_problem(layer(CPUAttentionBackendImpl()), 64) is None
+    assert "backend" in row_attention_problem(layer(SimpleNamespace()), 64)
+    assert row_attention_problem(layer(CPUAttentionBackendImpl(), isa=None), 64) == NO_ISA_YET
     for change in ({"sliding_window": 128}, {"alibi_slopes": torch.ones(3)}, {"logits_soft_cap": 30.0},
                    {"sinks": torch.ones(3)}, {"kv_cache_dtype": "fp8"}):
-        assert "sliding window" in row_attention_problem(layer(CPUAttentionBackendImpl(**change))), change
-    assert "paged KV cache" in row_attention_problem(layer(CPUAttentionBackendImpl(), cache=[]))
+        assert "sliding window" in row_attention_problem(layer(CPUAttentionBackendImpl(**change)), 64), change
+    assert "scale 0.1 is not 1/sqrt(64)" in row_attention_problem(layer(CPUAttentionBackendImpl(scale=0.1)), 64)
+    assert "paged KV cache" in row_attention_problem(layer(CPUAttentionBackendImpl(), cache=[]), 64)
+    assert "paged KV cache" in row_attention_problem(layer(CPUAttentionBackendImpl(scale=1 / 16)), 256)  # heads of 64

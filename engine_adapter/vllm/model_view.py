@@ -23,8 +23,9 @@ import logging
 import torch
 from torch import nn
 
+from blend.recompute import SdpaRows
 from engine_adapter.model import DecoderLayer, LlamaModel, ModelConfig, apply_rope, rope_inverse_frequencies
-from engine_adapter.vllm.row_attention import PagedRows, row_attention_problem
+from engine_adapter.vllm.row_attention import NO_ISA_YET, PagedRows, row_attention_problem
 
 log = logging.getLogger("vllm.kvstore_connector")
 
@@ -117,10 +118,13 @@ class VllmModelView(LlamaModel):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.vllm_model.model.embed_tokens(input_ids)
 
-    def row_attention(self, rows: torch.Tensor, total: int) -> PagedRows | None:
+    def row_attention(self, rows: torch.Tensor, total: int) -> KernelRows | None:
         if self.row_kernel is None:  # asked at the first blend: vLLM sets its kernel up after loading the model
             attention = self.vllm_attention
-            problem = "no attention layer" if attention is None else row_attention_problem(attention)
+            problem = "no attention layer" if attention is None else row_attention_problem(attention,
+                                                                                            self.config.head_dim)
+            if problem == NO_ISA_YET:
+                return None  # SDPA for this row set; asked again for the next
             if problem is None and self._device.type != "cpu":
                 problem = f"the model is on {self._device}"
             if problem is None and self._dtype not in (torch.bfloat16, torch.float32):
@@ -131,10 +135,42 @@ class VllmModelView(LlamaModel):
         if self.row_kernel != "vllm":
             return None
         config = self.config
-        return PagedRows(self.vllm_attention, rows, total, config.num_heads, config.num_kv_heads, config.head_dim,
-                         self._dtype)
+        try:
+            paged = PagedRows(self.vllm_attention, rows, total, config.num_heads, config.num_kv_heads,
+                              config.head_dim, self._dtype)
+        except Exception as exc:  # noqa: BLE001 - a kernel this host cannot plan: the SDPA calls, for good
+            self.kernel_failed(exc)
+            return None
+        return KernelRows(self, paged, rows)
+
+    def kernel_failed(self, exc: BaseException) -> None:
+        """vLLM's row kernel raised: every later row set takes the SDPA calls (logged once)."""
+        self.row_kernel = f"vLLM's kernel failed: {exc}"
+        log.warning("KVStoreConnector: the blend's row attention falls back to SDPA calls: vLLM's CPU attention "
+                    "kernel failed (%s)", exc)
 
     def final_logits(self, h: torch.Tensor) -> torch.Tensor:
         head = self.vllm_model.lm_head
         logits = head.quant_method.apply(head, self.vllm_model.model.norm(h))
         return logits[..., : self.config.vocab_size].float()  # vLLM pads the vocabulary
+
+
+class KernelRows:
+    """`PagedRows` for one row set, which falls back to `blend.recompute.SdpaRows` (and makes its
+    view do so for every later row set) the first time vLLM's kernel raises: a kernel that cannot
+    run on this host, an ISA no test here ran, costs the blend speed, never the blend."""
+
+    def __init__(self, view: VllmModelView, paged: PagedRows, rows: torch.Tensor) -> None:
+        self.view, self.paged, self.rows = view, paged, rows
+        self.sdpa: SdpaRows | None = None
+
+    def __call__(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        if self.paged is not None:
+            try:
+                return self.paged(layer, q, keys, values)
+            except Exception as exc:  # noqa: BLE001 - see the class doc
+                self.view.kernel_failed(exc)
+                self.paged = None
+        if self.sdpa is None:
+            self.sdpa = SdpaRows(self.rows, self.view.dtype)
+        return self.sdpa(layer, q, keys, values)

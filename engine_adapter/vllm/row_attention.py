@@ -18,7 +18,8 @@ cache on every layer (vLLM's own cache-write op, `worker.cpu_cache_write`; ~0.1-
 cache stays the one truth and vLLM's pages are not touched before the blend is done.
 
 Only for vLLM's CPU backend, with what its kernel takes here: no sliding window, ALiBi, soft cap,
-sinks or quantized KV. Other backends (CUDA's) keep the SDPA calls.
+sinks or quantized KV, and SDPA's scale. Other backends (CUDA's) keep the SDPA calls, and so does a
+blend whose kernel raised (`model_view.KernelRows`).
 """
 
 from __future__ import annotations
@@ -29,18 +30,24 @@ from torch import nn
 REQUESTS_PER_CALL = 256  # runs per kernel call: bounds the block table at 256 x pages (int32)
 
 
-def row_attention_problem(attention: nn.Module) -> str | None:
-    """Why vLLM's attention layer ``attention`` cannot lend its kernel to the blend, or None."""
+NO_ISA_YET = "the CPU backend chose no ISA yet"  # vLLM sets it when it builds its metadata: asked again later
+
+
+def row_attention_problem(attention: nn.Module, head_dim: int) -> str | None:
+    """Why vLLM's attention layer ``attention`` cannot lend its kernel to the blend's rows of a model
+    with ``head_dim``-wide heads, or None."""
     impl = getattr(attention, "impl", None)
     if type(impl).__name__ != "CPUAttentionBackendImpl":
         return f"backend {type(impl).__name__} (the row kernel is the CPU backend's)"
     if getattr(attention, "isa", None) is None:
-        return "the CPU backend chose no ISA yet"
+        return NO_ISA_YET
     if impl.alibi_slopes is not None or impl.sliding_window not in (None, -1) or impl.logits_soft_cap or \
             getattr(impl, "sinks", None) is not None or impl.kv_cache_dtype != "auto":
         return "ALiBi, a sliding window, a soft cap, sinks or a quantized KV cache"
+    if abs(impl.scale * head_dim ** 0.5 - 1) > 1e-6:  # every other attention of the blend is SDPA's 1/sqrt(D)
+        return f"attention scale {impl.scale} is not 1/sqrt({head_dim})"
     cache = getattr(attention, "kv_cache", None)
-    if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or cache.shape[3] != 2 * head_dim:
         return "no paged KV cache [blocks, kv heads, block size, 2 x head size]"
     return None
 
@@ -54,6 +61,7 @@ class PagedRows:
     def __init__(self, attention: nn.Module, rows: torch.Tensor, total: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype) -> None:
         from vllm import _custom_ops as ops
+        from vllm import envs
 
         from engine_adapter.vllm.worker import cpu_cache_write
 
@@ -61,6 +69,7 @@ class PagedRows:
         self.isa = attention.isa
         self._write = cpu_cache_write(self.isa)
         self.scale = attention.impl.scale
+        split_kv = bool(envs.VLLM_CPU_ATTN_SPLIT_KV)  # as vLLM's own metadata builder plans its calls
         block = attention.kv_cache.shape[2]
         pages = -(-total // block)
         self.total = total
@@ -84,8 +93,10 @@ class PagedRows:
             row0, row1 = int(starts[first]), int(ends[last - 1])
             query_start = (torch.cat((starts[first:last], ends[last - 1:last])) - row0).to(torch.int32)
             lens = seq_lens[first:last].contiguous()
-            meta = ops.cpu_attn_get_scheduler_metadata(last - first, num_heads, num_kv_heads, head_dim, lens, dtype,
-                                                       query_start, True, -1, self.isa, False)
+            meta = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=last - first, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                seq_lens=lens, dtype=dtype, query_start_loc=query_start, causal=True, sliding_window_size=-1,
+                isa=self.isa, enable_kv_split=split_kv)
             self.calls.append((row0, row1, query_start, lens, meta))
         self.out = torch.empty(count, num_heads, head_dim, dtype=dtype, device=device)
 
@@ -96,7 +107,9 @@ class PagedRows:
         self._write(keys[:, :self.total].transpose(0, 1), values[:, :self.total].transpose(0, 1), self.plane, self.slots)
         query = q.transpose(0, 1).contiguous()  # [R, H, D]
         for row0, row1, query_start, lens, meta in self.calls:
-            ops.cpu_attention_with_kv_cache(query[row0:row1], self.key_cache, self.value_cache, self.out[row0:row1],
-                                            query_start, lens, self.scale, True, None, -1,
-                                            self.table[: query_start.numel() - 1], 0.0, meta, None)
+            ops.cpu_attention_with_kv_cache(
+                query=query[row0:row1], key_cache=self.key_cache, value_cache=self.value_cache,
+                output=self.out[row0:row1], query_start_loc=query_start, seq_lens=lens, scale=self.scale, causal=True,
+                alibi_slopes=None, sliding_window=-1, block_table=self.table[: query_start.numel() - 1], softcap=0.0,
+                scheduler_metadata=meta, s_aux=None)
         return self.out.transpose(0, 1)
