@@ -204,10 +204,11 @@ class Rows:
         return (self.rows - 1) * self.row_stride + self.row_bytes
 
 
-def rows_in(kv: KVCache, region: SharedRegion, start: int, tokens: int) -> Rows:
-    """Where a block of ``tokens`` tokens at ``start`` of ``kv`` (whose tensor is in ``region``) goes."""
+def rows_in(kv: KVCache, region: SharedRegion, start: int, tokens: int, data: torch.Tensor | None = None) -> Rows:
+    """Where a block of ``tokens`` tokens at ``start`` of ``kv`` (whose tensor, or ``data`` as read
+    before, is in ``region``) goes."""
     offset, row_bytes, stride, rows = kv.block_rows(start, tokens)
-    return Rows(region.offset_of(kv.data) + offset, row_bytes, stride, rows)
+    return Rows(region.offset_of(kv.data if data is None else data) + offset, row_bytes, stride, rows)
 
 
 @dataclass(frozen=True)
@@ -239,10 +240,10 @@ def block_to_store(kv: KVCache, start: int, tokens: int) -> RowsInRegion | torch
         return kv.export(start, start + tokens)
     if not 0 <= start <= start + tokens <= kv.length:
         raise ValueError(f"tokens {start}..{start + tokens} are outside the filled range 0..{kv.length}")
-    offset, row_bytes, stride, rows = kv.block_rows(start, tokens)
-    if kv.data is not data:
+    place = rows_in(kv, region, start, tokens, data)
+    if kv.data is not data:  # grown meanwhile: the rows above are the new tensor's
         return kv.export(start, start + tokens)
-    return RowsInRegion(data, region, Rows(region.offset_of(data) + offset, row_bytes, stride, rows))
+    return RowsInRegion(data, region, place)
 
 
 def put_rows(client: KVStoreClient, namespace: Namespace, blocks: Sequence[tuple], durable: bool = False) -> int:

@@ -314,6 +314,22 @@ def test_the_view_refuses_a_worker_with_other_heads_or_layers():
     assert "pipeline parallel" in view_problem(model(config.num_layers // 2, config.num_heads), config)
 
 
+class CPUAttentionBackendImpl:
+    """A stand-in for vLLM's CPU attention backend (the view reads its class name and settings)."""
+    scale, alibi_slopes, sliding_window, logits_soft_cap, sinks, kv_cache_dtype = 0.125, None, -1, 0, None, "auto"
+
+
+def fake_vllm_model(config, impl, isa: str | None = "vec"):
+    """What `VllmModelView` reads of a vLLM model for its row attention: layer 0's attention layer."""
+    from types import SimpleNamespace
+
+    import torch
+
+    attention = SimpleNamespace(impl=impl, isa=isa, kv_cache=torch.empty(1, 3, 32, 128))
+    layer = SimpleNamespace(self_attn=SimpleNamespace(attn=attention))
+    return SimpleNamespace(model=SimpleNamespace(layers=[layer] * config.num_layers)), attention
+
+
 def test_the_view_uses_vllms_row_kernel_only_where_it_applies_and_says_which(caplog):
     """The blend's rows attend on vLLM's CPU kernel with vLLM's CPU backend, a bf16 or float32 model on
     the host; any other backend, dtype or device keeps the SDPA calls. Decided once, logged once."""
@@ -326,14 +342,8 @@ def test_the_view_uses_vllms_row_kernel_only_where_it_applies_and_says_which(cap
 
     config = gguf_config(find_smollm2_gguf())[0]
 
-    class CPUAttentionBackendImpl:  # the name the view checks
-        scale, alibi_slopes, sliding_window, logits_soft_cap, sinks, kv_cache_dtype = 0.125, None, -1, 0, None, "auto"
-
     def view(impl, dtype=torch.bfloat16, device="cpu"):
-        attention = SimpleNamespace(impl=impl, isa="vec", kv_cache=torch.empty(1, 3, 32, 128))
-        layer = SimpleNamespace(self_attn=SimpleNamespace(attn=attention))
-        model = SimpleNamespace(model=SimpleNamespace(layers=[layer] * config.num_layers))
-        return VllmModelView(config, model, dtype, torch.device(device))
+        return VllmModelView(config, fake_vllm_model(config, impl)[0], dtype, torch.device(device))
 
     cases = [(view(SimpleNamespace()), "SDPA calls (backend SimpleNamespace"),
              (view(CPUAttentionBackendImpl(), dtype=torch.float16), "SDPA calls (torch.float16"),
@@ -352,8 +362,6 @@ def test_a_row_kernel_that_fails_costs_the_blend_speed_not_the_blend(monkeypatch
     """vLLM's kernel not yet set up: SDPA for now, asked again later. A kernel that raises when planned
     or when called (an ISA no test here ran): that layer and every later row set take the SDPA calls,
     with the same result, and one warning says why."""
-    from types import SimpleNamespace
-
     import torch
 
     from blend.recompute import SdpaRows
@@ -361,13 +369,7 @@ def test_a_row_kernel_that_fails_costs_the_blend_speed_not_the_blend(monkeypatch
     from engine_adapter.vllm import model_view
 
     config = gguf_config(find_smollm2_gguf())[0]
-
-    class CPUAttentionBackendImpl:  # the name the view checks
-        scale, alibi_slopes, sliding_window, logits_soft_cap, sinks, kv_cache_dtype = 0.125, None, -1, 0, None, "auto"
-
-    attention = SimpleNamespace(impl=CPUAttentionBackendImpl(), isa=None, kv_cache=torch.empty(1, 3, 32, 128))
-    layer = SimpleNamespace(self_attn=SimpleNamespace(attn=attention))
-    model = SimpleNamespace(model=SimpleNamespace(layers=[layer] * config.num_layers))
+    model, attention = fake_vllm_model(config, CPUAttentionBackendImpl(), isa=None)
 
     class Raises:
         def __init__(self, *args, when="plan"):
