@@ -182,7 +182,7 @@ def test_large_gets_copy_off_the_loop_and_puts_wait_for_busy_blocks(tmp_path, mo
 
     from kvstore.daemon import reads
 
-    monkeypatch.setattr(reads, "OFFLOAD_GET_BYTES", 0)  # every Get copies in worker threads
+    monkeypatch.setattr(reads, "OFFLOAD_BYTES", 0)  # every Get copies in worker threads
     release = threading.Event()
     real_copyto = np.copyto
 
@@ -235,6 +235,146 @@ def test_a_quota_evicts_none_of_its_owners_leased_blocks(tmp_path):
         with pytest.raises(TierFullError, match="in use"):
             await store.put(*bs[3], owner="a", quota=quota)
         assert store.locate(bs[0][0].key) == 0 and store.locate(bs[2][0].key) == 0
+        await store.close()
+
+    run(scenario())
+
+
+def _in_rows(payload: memoryview, row_bytes: int, stride: int, seed: int):
+    """``payload`` as a Put in rows (kvstore/scatter.py: `Gather`): its rows ``stride`` apart in a
+    buffer whose other bytes are not zero, as a KV cache keeps a chunk."""
+    import numpy as np
+
+    from kvstore.scatter import Gather
+
+    rows = len(payload) // row_bytes
+    source = np.random.default_rng(seed).integers(1, 255, (rows - 1) * stride + row_bytes, dtype=np.uint8)
+    np.lib.stride_tricks.as_strided(source, (rows, row_bytes), (stride, 1))[:] = \
+        np.frombuffer(payload, dtype=np.uint8).reshape(rows, row_bytes)
+    return Gather(memoryview(source), row_bytes, stride, len(payload))
+
+
+@pytest.mark.parametrize("case", ["tier smaller than the call", "quota smaller than the call",
+                                  "keys the call repeats or the tier holds"])
+def test_a_large_put_copies_in_threads_and_ends_as_one_block_at_a_time_would(tmp_path, monkeypatch, case):
+    """A Put into the CPU tier copies its blocks in worker threads, several at once
+    (`Evictor.store_many`); whatever the call meets, the store ends as the one-block-at-a-time
+    path leaves it: the same blocks in each tier in the same LRU order, the same checksums, every
+    byte read back, integrity intact. Payloads alternate between one run and rows."""
+    from kvstore.daemon import eviction
+
+    async def scenario(threads: bool):
+        monkeypatch.setattr(eviction, "OFFLOAD_BYTES", 0 if threads else 1 << 62)
+        store = make_store(tmp_path / str(threads), cpu_blocks=4, disk_blocks=12)
+        fills = []
+        real_fill_many = store.io.fill_many
+
+        async def fill_many(tier, items):
+            fills.append(len(items))
+            return await real_fill_many(tier, items)
+
+        store.io.fill_many = fill_many
+        store.io.fill_lanes = 2  # as on a host of four cores or more: copies interleaved across lanes
+        store.start()
+        earlier = blocks(2, start=200)
+        for h, p in earlier:
+            await store.put(h, p, owner="a")
+        call = blocks(6, start=210)
+        quota = 0
+        if case == "quota smaller than the call":
+            quota = 3 * BLOCK + 100
+        elif case == "keys the call repeats or the tier holds":
+            call = [earlier[1], call[0], call[1], call[0], call[2]]
+        # row sizes that divide the payload (38,400 bytes): 12 rows of 3,200, 30 of 1,280
+        items = [(h, p if i % 2 else _in_rows(p, (3200, 1280)[i % 4 // 2], 4096 + 64 * i, seed=i), b"")
+                 for i, (h, p) in enumerate(call)]
+        stored = await store.put_many(items, owner="a", quota=quota)
+        assert [s.checksum for s in stored] == [h.checksum for h, _ in call]
+        state = [list(store.residency[level]) for level in (0, 1)]
+        store.check_integrity()
+        for h, _ in earlier + call:
+            assert await get(store, h) is not None  # `get` compares every byte (and promotes)
+        await store.close()
+        assert bool(fills) == threads and (not threads or max(fills) > 1)
+        return state
+
+    serial = run(scenario(False))
+    assert run(scenario(True)) == serial
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_put_whose_copy_fails_stores_the_blocks_before_it_and_frees_the_rest(tmp_path, monkeypatch, lanes):
+    """A copy that raises in a worker thread (injected: a real source cannot fail this way) fails
+    the Put as one block at a time would: the blocks before it stored, its extent and those of
+    the blocks after it freed, nothing indexed that was not filled."""
+    from kvstore.daemon import eviction
+
+    monkeypatch.setattr(eviction, "OFFLOAD_BYTES", 0)
+
+    async def scenario():
+        store = make_store(tmp_path, cpu_blocks=6)
+        store.io.fill_lanes = lanes
+        cpu = store.tiers[0]
+        call = blocks(5, start=230)
+        bad = call[2][0]
+        real_fill = cpu.fill
+
+        def fill(offset, header, payload):
+            if header.key == bad.key:
+                raise OSError("injected: the source could not be read")
+            return real_fill(offset, header, payload)
+
+        monkeypatch.setattr(cpu, "fill", fill)
+        stored = [None] * len(call)
+        with pytest.raises(OSError, match="injected"):
+            await store.put_many([(h, p, b"") for h, p in call], stored=stored)
+        assert [s is not None for s in stored] == [True, True, False, False, False]
+        assert [store.locate(h.key) for h, _ in call] == [0, 0, None, None, None]
+        assert cpu.used_bytes == 2 * BLOCK
+        store.check_integrity()
+        for h, _ in call[:2]:
+            assert await get(store, h) is not None
+        await store.close()
+
+    run(scenario())
+
+
+def test_a_cancelled_put_frees_its_extents_only_after_its_copies_end(tmp_path, monkeypatch):
+    """A Put cancelled (its client gone) while its copies run in worker threads returns only once
+    they have ended: an extent freed under a running copy could be handed to another block and
+    overwritten. Afterwards nothing of it is stored or reserved."""
+    import threading
+
+    from kvstore.daemon import eviction
+
+    monkeypatch.setattr(eviction, "OFFLOAD_BYTES", 0)
+    release, started = threading.Event(), threading.Event()
+
+    async def scenario():
+        store = make_store(tmp_path, cpu_blocks=6)
+        store.io.fill_lanes = 2
+        cpu = store.tiers[0]
+        real_fill = cpu.fill
+
+        def fill(offset, header, payload):
+            started.set()
+            release.wait(10)
+            return real_fill(offset, header, payload)
+
+        monkeypatch.setattr(cpu, "fill", fill)
+        call = blocks(4, start=240)
+        put = asyncio.create_task(store.put_many([(h, p, b"") for h, p in call]))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        put.cancel()
+        await asyncio.sleep(0.05)
+        assert not put.done()  # the copies still run: their extents stay reserved
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        assert [store.locate(h.key) for h, _ in call] == [None] * 4 and cpu.used_bytes == 0
+        store.check_integrity()
+        assert cpu.can_fit(6 * BLOCK)  # every extent free again
         await store.close()
 
     run(scenario())

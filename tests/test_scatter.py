@@ -313,18 +313,19 @@ def test_a_gather_refuses_rows_that_are_not_whole_leave_the_slice_or_are_tiny():
     assert len(Gather(source, 256, 1024, 4 * 256)) == 1024
 
 
-def test_a_put_in_rows_stores_what_an_export_would(top_tier):
+@pytest.mark.parametrize("chunks", [4, 8])  # 0.55 MB: the CPU tier copies on the loop; 1.1 MB: in threads
+def test_a_put_in_rows_stores_what_an_export_would(top_tier, chunks):
     d, tiers = top_tier
-    keys, source = _context(4, seed=8)
+    keys, source = _context(chunks, seed=8)
     with KVStoreClient(d.address) as client:
-        kv = KVCache(LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, 4 * N + 5, torch.float32, "cpu",
+        kv = KVCache(LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, chunks * N + 5, torch.float32, "cpu",
                      SharedKVMemory(client))
         kv.load(source.data, 0)  # rows capacity * head_dim apart, not tokens * head_dim
-        blocks = [block_to_store(kv, c * N, N) for c in range(4)]
+        blocks = [block_to_store(kv, c * N, N) for c in range(chunks)]
         assert all(isinstance(b, RowsInRegion) for b in blocks)
         cache = PrefixCache(client, NS)
         assert cache.put([(k, N, b, keys[c - 1] if c else b"") for c, (k, b) in enumerate(zip(keys, blocks))])
-        assert cache.errors == 0 and client.lookup(keys).hits == 4
+        assert cache.errors == 0 and client.lookup(keys).hits == chunks
         with client.fetch(keys, LAYOUT.block_bytes(N)) as fetched:
             for c, block in enumerate(fetched):
                 assert block.tier == tiers
@@ -338,7 +339,7 @@ def test_a_put_in_rows_stores_what_an_export_would(top_tier):
             assert bytes(fetched[0].payload) == source.export(0, N).numpy().tobytes()
             assert bytes(fetched[1].payload) == kv.export(N, 2 * N).numpy().tobytes()
         with pytest.raises(ValueError, match="filled range"):
-            block_to_store(kv, 4 * N, N)
+            block_to_store(kv, chunks * N, N)
         del kv, blocks
         gc.collect()
 

@@ -44,6 +44,12 @@ class Tier(ABC):
     #: and puts (memory tiers whose copy releases the GIL); the store then copies large Gets off
     #: its event loop. Such a tier reports blocks being read as :meth:`busy`.
     threadsafe_reads: bool = False
+    #: True when the tier puts in three steps, ``reserve(header, payload) -> offset`` and
+    #: ``commit(offset, header, checksum) -> header`` on the store's thread and ``fill(offset, header,
+    #: payload) -> checksum`` (the copy and its hash) in any thread, with ``unreserve(offset)`` for
+    #: a fill that failed: the store then copies the blocks of a large Put in worker threads, several
+    #: at once (host-memory tiers whose copy releases the GIL). See ``TierIO.fill_many``.
+    threadsafe_fills: bool = False
     #: True when ``read_payload_into`` also takes a :class:`kvstore.scatter.Scatter` (copies a raw
     #: payload in rows, raising ``Unfit`` before any copy for one that is not whole rows); the
     #: store reads the other tiers' payloads into a buffer first (``reads.read_payload``). Its

@@ -7,6 +7,10 @@ Reads may run in worker threads (``threadsafe_reads``): the store copies large G
 loop, where numpy's copy releases the GIL. A block deleted or replaced while a read copies it
 leaves the index at once, but its extent is freed only when the last such read ends, so a read
 never sees bytes of a block put in its place.
+
+Puts may copy in worker threads too (``threadsafe_fills``): a put is reserve (an extent, not yet
+indexed), fill (the copy and its hash, in any thread) and commit (indexed), so the store copies the
+blocks of a large Put on every core while its event loop serves others.
 """
 
 from __future__ import annotations
@@ -109,6 +113,7 @@ def _host_arena(capacity: int, pin: bool) -> np.ndarray:
 class CpuTier(ExtentIndex, Tier):
     blocking_io = False
     threadsafe_reads = True
+    threadsafe_fills = True
     scatters = True
 
     def __init__(self, capacity_bytes: int, name: str = "cpu", pin: bool = True) -> None:
@@ -131,6 +136,7 @@ class CpuTier(ExtentIndex, Tier):
         self._lock = threading.Lock()
         self._reading: dict[int, int] = {}  # extent offset -> reads in flight
         self._doomed: set[int] = set()      # extents deleted while read: freed by the last reader
+        self._reserved: set[int] = set()    # extents reserved for puts whose copies are under way
         self._used = 0                      # block_len of the indexed blocks (Tier.used_bytes)
 
     def can_fit(self, nbytes: int) -> bool:
@@ -161,21 +167,47 @@ class CpuTier(ExtentIndex, Tier):
         self._index(offset, header)
 
     def put_checksummed(self, header: BlockHeader, payload: memoryview | Gather) -> BlockHeader:
-        offset = self._allocate(header, payload)
-        start = offset + header.header_len  # header_len does not depend on the checksum
+        offset = self.reserve(header, payload)
         try:
-            dest = memoryview(self._arena[start : start + header.payload_len])
-            if isinstance(payload, Gather):  # rows out of a client's KV cache (kvstore/scatter.py)
-                checksum = payload.copy_checksummed(dest)
-            else:
-                checksum = copy_checksummed(dest, payload)
+            checksum = self.fill(offset, header, payload)
         except BaseException:
-            with self._lock:
-                self._allocator.free(offset)
+            self.unreserve(offset)
             raise
+        return self.commit(offset, header, checksum)
+
+    # A put in three steps, so that the copies of several blocks can run at once in worker threads
+    # (``threadsafe_fills``): reserve and commit on the store's thread, fill in any thread.
+
+    def reserve(self, header: BlockHeader, payload: memoryview | Gather) -> int:
+        """An extent for the block, not yet indexed (no read finds it, eviction cannot take it):
+        its offset. Raises TierFullError (nothing reserved) when no free extent is large enough."""
+        offset = self._allocate(header, payload)
+        with self._lock:
+            self._reserved.add(offset)
+        return offset
+
+    def fill(self, offset: int, header: BlockHeader, payload: memoryview | Gather) -> int:
+        """Copy the payload into the reserved extent and return the checksum of what it now holds
+        (read once: each chunk is hashed from cache just after its copy). Any thread; no lock."""
+        start = offset + header.header_len  # header_len does not depend on the checksum
+        dest = memoryview(self._arena[start : start + header.payload_len])
+        if isinstance(payload, Gather):  # rows out of a client's KV cache (kvstore/scatter.py)
+            return payload.copy_checksummed(dest)
+        return copy_checksummed(dest, payload)
+
+    def commit(self, offset: int, header: BlockHeader, checksum: int) -> BlockHeader:
+        """Index a filled extent under its key (replacing any block there): the header stored."""
         header = dataclasses.replace(header, checksum=checksum)
+        with self._lock:
+            self._reserved.discard(offset)
         self._index(offset, header)
         return header
+
+    def unreserve(self, offset: int) -> None:
+        """Free a reserved extent that will not be committed (its copy failed or was abandoned)."""
+        with self._lock:
+            self._reserved.discard(offset)
+            self._allocator.free(offset)
 
     def _allocate(self, header: BlockHeader, payload: memoryview) -> int:
         """An extent for the block (its header and payload); raises before anything is written."""
@@ -246,8 +278,8 @@ class CpuTier(ExtentIndex, Tier):
         with self._lock:
             self._allocator.check_integrity()
             extents = self._allocator.used_extents()
-            doomed = set(self._doomed)
-        indexed = sorted([offset for offset, _ in self._blocks.values()] + list(doomed))
+            unindexed = self._doomed | self._reserved  # extents read after deletion, or being filled
+        indexed = sorted([offset for offset, _ in self._blocks.values()] + list(unindexed))
         if indexed != sorted(extents):
             raise RuntimeError(f"{self.name}: index offsets do not match allocated extents")
         if self._used != sum(h.block_len for _, h in self._blocks.values()):

@@ -28,7 +28,7 @@ from kvstore.block import BlockHeader, payload_checksum
 from kvstore.daemon.holds import Holds
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.residency import Residency
-from kvstore.daemon.tier_io import TierIO
+from kvstore.daemon.tier_io import OFFLOAD_BYTES, TierIO
 from kvstore.scatter import Gather
 from tiers.base import Tier, TierFullError
 
@@ -88,13 +88,90 @@ class Evictor:
         self.metrics.bytes_in.labels(tier.name).inc(header.block_len)
         return header
 
-    async def make_room(self, level: int, nbytes: int, owner: str = "") -> None:
-        """Evict ``owner``'s LRU blocks of tier ``level`` until ``nbytes`` fit in its quota there,
-        then anyone's LRU blocks until they fit in the tier. Holds the store lock. TierFullError
-        when every block left is pinned, leased or held (after waiting for reads in flight)."""
-        await self._enforce_quota(level, owner, nbytes)
+    async def store_many(self, level: int, blocks: list[tuple[BlockHeader, memoryview | Gather]],
+                         owner: str, stored: list) -> None:
+        """:meth:`store_in` of several blocks, each hashed as it is copied (``hash_payload``), each
+        header stored set in ``stored`` (as long as ``blocks``) as its block is. Into a tier with
+        ``threadsafe_fills`` (CPU), blocks of at least ``OFFLOAD_BYTES`` in all are copied in worker
+        threads, several at once, while the event loop serves others::
+
+            per block   make room (the blocks reserved so far count), reserve an extent
+            then        fill every reserved extent in io.fill_lanes threads    (TierIO.fill_many)
+            then        commit each in order: indexed, recorded, charged to ``owner``
+
+        A block that finds no room beside the extents reserved so far (a tier or a quota smaller
+        than the call) first has those filled and committed, which makes them evictable as they
+        would be one block at a time. Holds the store lock throughout, so nothing else evicts,
+        deletes or puts meanwhile. A copy that fails stores the blocks before it, as one block at a
+        time would, and frees the extents of the rest; a cancelled call frees those not committed,
+        once every copy has ended."""
         tier = self.tiers[level]
-        deadline = time.monotonic() + BUSY_WAIT_S
+        if not tier.threadsafe_fills or sum(header.payload_len for header, _ in blocks) < OFFLOAD_BYTES:
+            for i, (header, payload) in enumerate(blocks):
+                stored[i] = await self.store_in(level, header, payload, True, owner)
+            return
+        group: list[tuple[int, int, BlockHeader, memoryview | Gather]] = []  # (index, offset, header, payload)
+        group_keys: set[bytes] = set()
+
+        def unreserve_group() -> None:
+            for _, offset, _, _ in group:
+                tier.unreserve(offset)
+            group.clear()
+            group_keys.clear()
+
+        async def fill_and_commit() -> None:
+            try:
+                outcomes = await self.io.fill_many(tier, [(offset, header, payload)
+                                                          for _, offset, header, payload in group])
+            except BaseException:
+                unreserve_group()
+                raise
+            for outcome in outcomes:  # in order: the blocks before a failed copy are stored
+                if not isinstance(outcome, int):
+                    unreserve_group()
+                    raise outcome if outcome is not None else RuntimeError("a copy was skipped")
+                i, offset, header, _ = group[0]
+                stored[i] = tier.commit(offset, header, outcome)
+                group.pop(0)  # indexed: no longer ours to free
+                group_keys.discard(header.key)
+                self.residency.record(level, header.key, owner)
+                self.metrics.bytes_in.labels(tier.name).inc(header.block_len)
+
+        try:
+            for i, (header, payload) in enumerate(blocks):
+                if header.key in tier or header.key in group_keys:
+                    # the same block again (a touch), or other bytes under its key: the blocks
+                    # before it first, as one block at a time would
+                    if group:
+                        await fill_and_commit()
+                    stored[i] = await self.store_in(level, header, payload, True, owner)
+                    continue
+                try:
+                    await self.make_room(level, header.block_len, owner, sum(h.block_len for _, _, h, _ in group),
+                                         wait=not group)
+                    offset = tier.reserve(header, payload)
+                except TierFullError:
+                    if not group:
+                        raise
+                    await fill_and_commit()
+                    await self.make_room(level, header.block_len, owner)
+                    offset = tier.reserve(header, payload)
+                group.append((i, offset, header, payload))
+                group_keys.add(header.key)
+            if group:
+                await fill_and_commit()
+        except BaseException:
+            unreserve_group()  # reserved, no copy started
+            raise
+
+    async def make_room(self, level: int, nbytes: int, owner: str = "", reserved: int = 0, wait: bool = True) -> None:
+        """Evict ``owner``'s LRU blocks of tier ``level`` until ``nbytes`` fit in its quota there
+        (beside ``reserved`` bytes it has in extents being filled), then anyone's LRU blocks until
+        they fit in the tier. Holds the store lock. TierFullError when every block left is pinned,
+        leased or held (after waiting for reads in flight, unless not ``wait``)."""
+        await self._enforce_quota(level, owner, nbytes, reserved)
+        tier = self.tiers[level]
+        deadline = time.monotonic() + (BUSY_WAIT_S if wait else 0.0)
         while not tier.can_fit(nbytes):
             victim = self._victim(level)
             if victim is None:
@@ -122,9 +199,9 @@ class Evictor:
             return False
         return True
 
-    async def _enforce_quota(self, level: int, owner: str, nbytes: int) -> None:
+    async def _enforce_quota(self, level: int, owner: str, nbytes: int, reserved: int = 0) -> None:
         """Evict ``owner``'s LRU blocks of tier ``level`` until ``nbytes`` more fit in its quota
-        there. A quota bounds a tenant's bytes in each memory tier (GPU, CPU), however they got
+        there, beside the ``reserved`` bytes of its blocks being filled. A quota bounds a tenant's bytes in each memory tier (GPU, CPU), however they got
         there (Put, promotion, Prefetch); in disk and S3 its bytes are counted but share the tier's
         LRU with everyone's. The owner's bytes are kept by the tier's LRU: nothing is scanned
         unless it is over."""
@@ -134,7 +211,7 @@ class Evictor:
         if nbytes > quota:
             raise TierFullError(f"a {nbytes}-byte block exceeds tenant {owner!r}'s quota of {quota} bytes")
         lru = self.residency[level]
-        while lru.owned_bytes(owner) + nbytes > quota:
+        while lru.owned_bytes(owner) + reserved + nbytes > quota:
             # the same blocks eviction spares: pinned, leased, streamed or being copied by a reader
             victim = next((k for k in lru.owned(owner) if self.holds.evictable(self.tiers[level], k)), None)
             if victim is None:

@@ -54,6 +54,7 @@ from tiers.base import Tier, TierError, TierUnavailableError
 
 if TYPE_CHECKING:
     from kvstore.daemon.events import EventPublisher
+    from kvstore.scatter import Gather
 
 __all__ = ["DISCOVER_TIMEOUT_S", "STREAM_HOLD_S", "BlockGoneError", "BlockStore", "GetResult", "HoldRefused",
            "LookupResult"]
@@ -313,15 +314,61 @@ class BlockStore:
             # linked once stored: a Put no tier took keeps nothing of its hint
             self.residency.link(header.key, parent, 0, walk if walk is not None else WalkBudget())
             self._note_layout(header)
+        await self._make_durable(header, durable_level)
+        self._queue_lower(header, durable, durable_level)
+        self.refresh_gauges()
+        return header
+
+    async def put_many(self, blocks: list[tuple[BlockHeader, memoryview | Gather, bytes]], owner: str = "",
+                       quota: int = 0, durable: bool = False, stored: list | None = None) -> list[BlockHeader]:
+        """:meth:`put` of ``(header, payload, parent)`` blocks of one owner, each hashed as it is
+        copied (``hash_payload``), the parents walked within one budget. Into a CPU top tier the
+        copies of a large call run in worker threads, several at once (``Evictor.store_many``).
+        ``stored``: a list as long as ``blocks``, filled in place with each header as its block is
+        stored, so that a caller whose call fails midway knows which blocks were."""
+        stored = stored if stored is not None else [None] * len(blocks)
+        layouts: dict[bytes, object] = {}
+        for header, _, _ in blocks:
+            self.check_namespace(header)
+            if layouts.setdefault(header.namespace, header.layout) != header.layout:
+                raise ValueError(f"layout {header.layout} does not match namespace {header.namespace.hex()}, "
+                                 f"whose blocks have layout {layouts[header.namespace]}")
+        durable_level = self._durable_level() if durable else 0
+        if quota:
+            self.quotas[owner] = quota
+        walk = WalkBudget()
+        try:
+            async with self.lock:
+                try:
+                    await self.evictor.store_many(0, [(header, payload) for header, payload, _ in blocks], owner, stored)
+                finally:  # the blocks stored, even when a later one failed
+                    for header, (_, _, parent) in zip(stored, blocks):
+                        if header is not None:
+                            self.residency.link(header.key, parent, 0, walk)
+                            self._note_layout(header)
+            for header in stored:
+                await self._make_durable(header, durable_level)
+        finally:
+            for header in stored:
+                if header is not None:
+                    self._queue_lower(header, durable, durable_level)
+            self.refresh_gauges()
+        return stored
+
+    async def _make_durable(self, header: BlockHeader, durable_level: int) -> None:
+        """Copy a block just stored in the top tier down to the durable tier at ``durable_level``
+        (0: not a durable put); TierError when that fails."""
         for level in range(1, durable_level + 1):
             if not await self.write_behind.copy(level, header.key):
                 raise TierError(f"the block could not be made durable in {self.tiers[durable_level].name}")
+
+    def _queue_lower(self, header: BlockHeader, durable: bool, durable_level: int) -> None:
+        """Queue a stored block's copy to the tiers below (the tier below the durable one, for a
+        durable put), as write-through and admission allow."""
         if self.write_through and (durable or self.admits(header.key)):
             self.write_behind.enqueue(durable_level + 1 if durable else 1, header.key)
         elif self.write_through and len(self.tiers) > 1:
             self.metrics.not_admitted.labels(self.tiers[1].name).inc()
-        self.refresh_gauges()
-        return header
 
     def _durable_level(self) -> int:
         level = next((i for i, tier in enumerate(self.tiers) if tier.durable), None)

@@ -1,7 +1,7 @@
 """Reads: Get of one block or many, layer-wise reads, and what a read does with a bad copy.
 
     get_many_into(requests)      per block, its highest tier:
-        blocking tier (disk, s3), or a CPU tier in a Get of >= OFFLOAD_GET_BYTES
+        blocking tier (disk, s3), or a CPU tier in a Get of >= OFFLOAD_BYTES
                                  ─► at most read_lanes executor calls per tier (_read_lane)
         memory tier              ─► one Tier.read_many_into per tier, on the loop (no await)
         miss, or a copy that failed
@@ -33,7 +33,7 @@ from kvstore.block import BlockHeader, CorruptBlockError
 from kvstore.daemon.holds import Holds
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.residency import Residency
-from kvstore.daemon.tier_io import TierIO
+from kvstore.daemon.tier_io import OFFLOAD_BYTES, TierIO
 from kvstore.scatter import Scatter, Unfit
 from tiers.base import Tier, TierUnavailableError
 
@@ -41,9 +41,6 @@ from tiers.base import Tier, TierUnavailableError
 Dest = memoryview | Scatter
 
 log = logging.getLogger(__name__)
-
-#: A Get moving at least this many bytes copies memory-tier blocks in worker threads.
-OFFLOAD_GET_BYTES = 1 << 20
 
 
 class BlockGoneError(RuntimeError):
@@ -113,7 +110,7 @@ class Reader:
 
         Blocks whose highest copy is in a blocking tier are read in at most ``read_lanes`` executor
         calls (not one thread hop per block); so are blocks in a memory tier with thread-safe reads
-        (CPU) when the call moves at least ``OFFLOAD_GET_BYTES``: the event loop keeps serving
+        (CPU) when the call moves at least ``OFFLOAD_BYTES``: the event loop keeps serving
         other clients while the copies run, on every core. Smaller calls copy at once, one
         ``read_many_into`` per tier (a thread hop would cost more than the copy). A block that
         turns out corrupt or vanished falls back to :meth:`get_into`, which drops the corrupt copy
@@ -123,7 +120,7 @@ class Reader:
         blocking: dict[int, list[int]] = {}  # tier level -> indices into requests
         in_memory: dict[int, list[int]] = {}  # memory tiers: copied on the loop, one call per tier
         spans = (len(dest.dest) if isinstance(dest, Scatter) else len(dest) for _, dest in requests)
-        offload = sum(spans) >= OFFLOAD_GET_BYTES
+        offload = sum(spans) >= OFFLOAD_BYTES
         for i, (key, dest) in enumerate(requests):
             level = self.residency.locate(key)
             if level is None:

@@ -291,6 +291,17 @@ class Transfers:
         # block of its own, stored under its tenant's keys: in the CPU tier the checksum is of the
         # copy, so the block holds whatever was copied; in a tier that hashes first, it fails its
         # checksum and reads as a counted corrupt miss.)
+        if self.store.tiers[0].scatters or not any(isinstance(payload, Gather) for _, payload, _ in prepared):
+            stored: list[BlockHeader | None] = [None] * len(prepared)
+            try:
+                await self.store.put_many(prepared, owner=tenant.name, quota=tenant.quota_bytes,
+                                          durable=request.durable, stored=stored)
+            finally:
+                if tenant.name:
+                    for header in stored:
+                        if header is not None:
+                            self.usage[tenant.name].bytes_in[self.store.tiers[0].name] += header.payload_len
+            return len(prepared)
         walk = WalkBudget()  # one for the call: many blocks naming deep parents cost one bounded walk
         for header, payload, parent in prepared:
             held = 0
