@@ -148,6 +148,26 @@ def client_lookups(args) -> tuple[list[float], int]:
     return latencies, fallbacks
 
 
+def lookups_during_puts(address: str, calls: int, interval: float, put_blocks: int, batch: int) -> dict[str, dict]:
+    """One client's paced gRPC Lookups alone, then while another client Puts ``put_blocks`` blocks
+    in rows (``batch`` a call) back to back: what a large Put costs the daemon's other callers. The
+    Puts start with the Lookups (a barrier) and last longer than them."""
+    out = {"grpc paced, 1 client": lookup_latencies(address, 1, calls, interval, False)}
+    with multiprocessing.Manager() as manager, ProcessPoolExecutor(2) as pool:
+        ready = manager.Barrier(2)
+        puts = pool.submit(client_put_rows, (address, 900, put_blocks, batch, ready))
+        looks = pool.submit(client_lookups, (address, 1900, 32, calls, interval, ready, False))
+        latencies, _ = looks.result()
+        took, nbytes = puts.result()
+    lat_ms = sorted(x * 1e3 for x in latencies)
+    out["grpc paced, 1 client, during puts"] = {
+        "calls": len(lat_ms), "interval_ms": interval * 1e3, "rpc_fallbacks": 0, "clients": 1,
+        "p50": statistics.median(lat_ms), "p99": lat_ms[int(len(lat_ms) * 0.99) - 1],
+        "put_gbps": nbytes / took / 1e9}
+    out["grpc paced, 1 client"]["clients"] = 1
+    return out
+
+
 def run_clients(fn, clients: int, make_args) -> float:
     """Aggregate GB/s of ``clients`` processes running ``fn`` together, timed by the slowest."""
     if clients == 1:
@@ -167,6 +187,6 @@ def lookup_latencies(address: str, clients: int, calls: int, interval: float, lo
     lat = [x for latencies, _ in results for x in latencies]
     fallbacks = sum(f for _, f in results)
     lat_ms = sorted(x * 1e3 for x in lat)
-    return {"calls": len(lat_ms), "interval_ms": interval * 1e3, "rpc_fallbacks": fallbacks,
+    return {"calls": len(lat_ms), "interval_ms": interval * 1e3, "rpc_fallbacks": fallbacks, "clients": clients,
             "p50": statistics.median(lat_ms),
             "p99": lat_ms[int(len(lat_ms) * 0.99) - 1]}

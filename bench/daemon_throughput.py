@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.daemon_clients import (  # noqa: E402  (the blocks and one client's work)
-    BLOCK, CHUNK, blocks_for, client_get, client_put, client_put_rows, keys_for, lookup_latencies, namespace,
-    run_clients)
+    BLOCK, CHUNK, blocks_for, client_get, client_put, client_put_rows, keys_for, lookup_latencies,
+    lookups_during_puts, namespace, run_clients)
 from engine_adapter.client import KVStoreClient  # noqa: E402
 from kvstore.spawn import DaemonProcess  # noqa: E402
 
@@ -253,6 +253,9 @@ def main() -> int:
                         help="alternating rounds of the socket baseline and a remote client's Put and Get "
                              "(default 5; 0: none, e.g. against a revision without the data channel)")
     parser.add_argument("--remote-only", action="store_true", help="only the remote client against the socket")
+    parser.add_argument("--loaded-lookups", type=int, default=1000, metavar="N",
+                        help="paced gRPC Lookups of one client alone and then during another client's Puts in "
+                             "rows (default 1000; 0: none)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = parser.parse_args()
 
@@ -315,6 +318,11 @@ def main() -> int:
             # same-host clients (the default: answered from the shared key index) and over gRPC.
             lookups = {f"{kind} {mode}": lookup_latencies(address, 8, args.lookup_calls, interval, kind == "local")
                        for kind in ("local", "grpc") for mode, interval in (("paced", 0.005), ("back-to-back", 0.0))}
+            if puts_in_rows and args.loaded_lookups:
+                # What a large Put costs others: one client's gRPC Lookups (every 2 ms) alone, then
+                # while another client Puts in rows, 47 MB calls back to back (lasting past them).
+                lookups.update(lookups_during_puts(address, args.loaded_lookups, 0.002,
+                                                   args.loaded_lookups * batch // 2, batch))
         finally:
             stop_daemon(proc)
 
@@ -354,8 +362,9 @@ def main() -> int:
               f"{r['baseline']:<11} {r['ratio']:>7.2f} {r['ratio_slots']:>8.2f}")
     for mode, lk in lookups.items():
         fallbacks = f", {lk['rpc_fallbacks']} answered over gRPC" if mode.startswith("local") else ""
-        print(f"Lookup, 32 keys, 8 clients {mode:<18} ({lk['calls']} calls{fallbacks}): p50 {lk['p50']:.3f} ms, "
-              f"p99 {lk['p99']:.3f} ms")
+        puts = f"; the Puts meanwhile {lk['put_gbps']:.2f} GB/s" if "put_gbps" in lk else ""
+        print(f"Lookup, 32 keys, {mode if ', ' in mode else '8 clients ' + mode:<36} ({lk['calls']} calls{fallbacks}): "
+              f"p50 {lk['p50']:.3f} ms, p99 {lk['p99']:.3f} ms{puts}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "block_bytes": BLOCK, "batch": batch, "blocks": n,
