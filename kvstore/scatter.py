@@ -130,13 +130,17 @@ class Gather:
             digest.update(piece)
         return digest.intdigest()
 
-    def copy_checksummed(self, dest: memoryview) -> int:
+    def copy_checksummed(self, dest: memoryview, step: int = CHECKSUM_STEP) -> int:
         """Copy the rows into ``dest`` (``len(self)`` bytes) in one run and return the checksum of
         what ``dest`` now holds, hashing each piece from cache just after copying it, as
-        `kvstore.block.copy_checksummed` does for a payload in one run."""
+        `kvstore.block.copy_checksummed` does for a payload in one run (``step`` 0: all rows in
+        one copy, then one hash, as there)."""
         if len(dest) != self.nbytes:
             raise ValueError(f"destination of {len(dest)} bytes for a {self.nbytes}-byte payload")
         flat = np.frombuffer(dest, dtype=np.uint8)
+        if not step:
+            np.copyto(flat.reshape(self._rows.shape), self._rows)
+            return xxhash.xxh3_64_intdigest(flat)
         digest = xxhash.xxh3_64()
         for piece, at in self._pieces():
             target = flat[at : at + piece.size].reshape(piece.shape)

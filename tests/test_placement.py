@@ -319,10 +319,10 @@ def test_a_put_whose_copy_fails_stores_the_blocks_before_it_and_frees_the_rest(t
         bad = call[2][0]
         real_fill = cpu.fill
 
-        def fill(offset, header, payload):
+        def fill(offset, header, payload, in_thread=False):
             if header.key == bad.key:
                 raise OSError("injected: the source could not be read")
-            return real_fill(offset, header, payload)
+            return real_fill(offset, header, payload, in_thread)
 
         monkeypatch.setattr(cpu, "fill", fill)
         stored = [None] * len(call)
@@ -356,10 +356,10 @@ def test_a_cancelled_put_frees_its_extents_only_after_its_copies_end(tmp_path, m
         cpu = store.tiers[0]
         real_fill = cpu.fill
 
-        def fill(offset, header, payload):
+        def fill(offset, header, payload, in_thread=False):
             started.set()
             release.wait(10)
-            return real_fill(offset, header, payload)
+            return real_fill(offset, header, payload, in_thread)
 
         monkeypatch.setattr(cpu, "fill", fill)
         call = blocks(4, start=240)

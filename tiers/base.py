@@ -46,7 +46,7 @@ class Tier(ABC):
     threadsafe_reads: bool = False
     #: True when the tier puts in three steps, ``reserve(header, payload) -> offset`` and
     #: ``commit(offset, header, checksum) -> header`` on the store's thread and ``fill(offset, header,
-    #: payload) -> checksum`` (the copy and its hash) in any thread, with ``unreserve(offset)`` for
+    #: payload, in_thread) -> checksum`` (the copy and its hash) in any thread, with ``unreserve(offset)`` for
     #: a fill that failed: the store then copies the blocks of a large Put in worker threads, several
     #: at once (host-memory tiers whose copy releases the GIL). See ``TierIO.fill_many``.
     threadsafe_fills: bool = False

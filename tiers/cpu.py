@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.block import BlockHeader, CorruptBlockError, copy_checksummed
+from kvstore.block import CHECKSUM_STEP, BlockHeader, CorruptBlockError, copy_checksummed
 from kvstore.scatter import Gather, Scatter, Unfit
 from tiers.allocator import ExtentAllocator
 from tiers.base import ExtentIndex, Tier, TierError, TierFullError
@@ -186,14 +186,17 @@ class CpuTier(ExtentIndex, Tier):
             self._reserved.add(offset)
         return offset
 
-    def fill(self, offset: int, header: BlockHeader, payload: memoryview | Gather) -> int:
-        """Copy the payload into the reserved extent and return the checksum of what it now holds
-        (read once: each chunk is hashed from cache just after its copy). Any thread; no lock."""
+    def fill(self, offset: int, header: BlockHeader, payload: memoryview | Gather, in_thread: bool = False) -> int:
+        """Copy the payload into the reserved extent and return the checksum of what it now holds.
+        On the event loop the payload is read once (each chunk hashed from cache just after its
+        copy); ``in_thread`` (a worker thread) it is copied whole and then hashed, two calls
+        without the GIL (see `kvstore.block.copy_checksummed`). Any thread; no lock."""
         start = offset + header.header_len  # header_len does not depend on the checksum
         dest = memoryview(self._arena[start : start + header.payload_len])
+        step = 0 if in_thread else CHECKSUM_STEP
         if isinstance(payload, Gather):  # rows out of a client's KV cache (kvstore/scatter.py)
-            return payload.copy_checksummed(dest)
-        return copy_checksummed(dest, payload)
+            return payload.copy_checksummed(dest, step)
+        return copy_checksummed(dest, payload, step)
 
     def commit(self, offset: int, header: BlockHeader, checksum: int) -> BlockHeader:
         """Index a filled extent under its key (replacing any block there): the header stored."""

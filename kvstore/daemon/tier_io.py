@@ -125,7 +125,7 @@ def _fill_lane(tier: Tier, fills: list[tuple[int, BlockHeader, object]]) -> list
     outcomes: list[int | Exception | None] = []
     for offset, header, payload in fills:
         try:
-            outcomes.append(tier.fill(offset, header, payload))
+            outcomes.append(tier.fill(offset, header, payload, in_thread=True))
         except Exception as exc:  # noqa: BLE001 - handed to the store, which fails the Put with it
             outcomes.append(exc)
             break
