@@ -89,11 +89,11 @@ class Evictor:
         return header
 
     async def store_many(self, level: int, blocks: list[tuple[BlockHeader, memoryview | Gather]],
-                         owner: str, stored: list) -> None:
+                         owner: str, stored: list, offload: bool = True) -> None:
         """:meth:`store_in` of several blocks, each hashed as it is copied (``hash_payload``), each
         header stored set in ``stored`` (as long as ``blocks``) as its block is. Into a tier with
         ``threadsafe_fills`` (CPU), blocks of at least ``OFFLOAD_BYTES`` in all are copied in worker
-        threads, several at once, while the event loop serves others::
+        threads (unless not ``offload``), several at once, while the event loop serves others::
 
             per block   make room (the blocks reserved so far count), reserve an extent
             then        fill every reserved extent in io.fill_lanes threads    (TierIO.fill_many)
@@ -106,7 +106,7 @@ class Evictor:
         time would, and frees the extents of the rest; a cancelled call frees those not committed,
         once every copy has ended."""
         tier = self.tiers[level]
-        if not tier.threadsafe_fills or sum(header.payload_len for header, _ in blocks) < OFFLOAD_BYTES:
+        if not (offload and tier.threadsafe_fills) or sum(header.payload_len for header, _ in blocks) < OFFLOAD_BYTES:
             for i, (header, payload) in enumerate(blocks):
                 stored[i] = await self.store_in(level, header, payload, True, owner)
             return

@@ -320,10 +320,12 @@ class BlockStore:
         return header
 
     async def put_many(self, blocks: list[tuple[BlockHeader, memoryview | Gather, bytes]], owner: str = "",
-                       quota: int = 0, durable: bool = False, stored: list | None = None) -> list[BlockHeader]:
+                       quota: int = 0, durable: bool = False, stored: list | None = None,
+                       offload: bool = True) -> list[BlockHeader]:
         """:meth:`put` of ``(header, payload, parent)`` blocks of one owner, each hashed as it is
         copied (``hash_payload``), the parents walked within one budget. Into a CPU top tier the
-        copies of a large call run in worker threads, several at once (``Evictor.store_many``).
+        copies of a large call run in worker threads (``Evictor.store_many``; not ``offload``: on
+        the event loop).
         ``stored``: a list as long as ``blocks``, filled in place with each header as its block is
         stored, so that a caller whose call fails midway knows which blocks were."""
         stored = stored if stored is not None else [None] * len(blocks)
@@ -340,7 +342,8 @@ class BlockStore:
         try:
             async with self.lock:
                 try:
-                    await self.evictor.store_many(0, [(header, payload) for header, payload, _ in blocks], owner, stored)
+                    await self.evictor.store_many(0, [(header, payload) for header, payload, _ in blocks], owner, stored,
+                                                  offload)
                 finally:  # the blocks stored, even when a later one failed
                     for header, (_, _, parent) in zip(stored, blocks):
                         if header is not None:
