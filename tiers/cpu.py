@@ -10,7 +10,7 @@ never sees bytes of a block put in its place.
 
 Puts may copy in worker threads too (``threadsafe_fills``): a put is reserve (an extent, not yet
 indexed), fill (the copy and its hash, in any thread) and commit (indexed), so the store copies the
-blocks of a large Put on every core while its event loop serves others.
+blocks of a large Put in worker threads while its event loop serves others.
 """
 
 from __future__ import annotations

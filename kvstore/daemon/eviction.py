@@ -201,10 +201,10 @@ class Evictor:
 
     async def _enforce_quota(self, level: int, owner: str, nbytes: int, reserved: int = 0) -> None:
         """Evict ``owner``'s LRU blocks of tier ``level`` until ``nbytes`` more fit in its quota
-        there, beside the ``reserved`` bytes of its blocks being filled. A quota bounds a tenant's bytes in each memory tier (GPU, CPU), however they got
-        there (Put, promotion, Prefetch); in disk and S3 its bytes are counted but share the tier's
-        LRU with everyone's. The owner's bytes are kept by the tier's LRU: nothing is scanned
-        unless it is over."""
+        there, beside the ``reserved`` bytes of its blocks being filled. A quota bounds a tenant's
+        bytes in each memory tier (GPU, CPU), however they got there (Put, promotion, Prefetch); in
+        disk and S3 its bytes are counted but share the tier's LRU with everyone's. The owner's
+        bytes are kept by the tier's LRU: nothing is scanned unless it is over."""
         quota = self.quotas.get(owner, 0) if owner else 0
         if not quota or self.tiers[level].blocking_io:
             return

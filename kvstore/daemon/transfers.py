@@ -344,7 +344,6 @@ class Transfers:
                                  f"(first: items[{keys.index(missing[0])}]); set allow_missing to get the others")
         plan: Plan = []
         inline = shared = 0
-        in_message = False  # payloads inside the gRPC message (not an arena's, not the data channel's)
         arena_ids: set[int] = set()
         for i, (key, item) in enumerate(zip(keys, request.items)):
             if need_dest and not item.HasField("dest"):
