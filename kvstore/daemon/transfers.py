@@ -296,9 +296,10 @@ class Transfers:
         if self.store.tiers[0].scatters or not any(isinstance(payload, Gather) for _, payload, _ in prepared):
             stored: list[BlockHeader | None] = [None] * len(prepared)
             try:
-                # Payloads in a gRPC message are copied on the event loop: the loop parses the next
-                # clients' messages holding the GIL, and a copy in a worker thread waited for it
-                # (inline Puts of 8 clients 0.85x as fast in bench/ab_pairs.py); others in threads.
+                # Payloads in a gRPC message are copied on the event loop, others in worker threads:
+                # in threads, inline Puts of 8 clients were 0.81-0.85x as fast (three bench/ab_pairs.py
+                # runs), we think because the loop parses the next clients' large messages holding
+                # the GIL, which each copy then has to win back.
                 await self.store.put_many(prepared, owner=tenant.name, quota=tenant.quota_bytes,
                                           durable=request.durable, stored=stored, offload=not in_message)
             finally:
