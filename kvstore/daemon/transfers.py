@@ -238,7 +238,6 @@ class Transfers:
         keys = stored_keys(tenant, [item.meta.key for item in request.items], "items")
         prepared: list[tuple[BlockHeader, memoryview, bytes]] = []
         inline = shared = 0
-        in_message = False  # payloads inside the gRPC message (not an arena's, not the data channel's)
         arena_ids: set[int] = set()
         for i, item in enumerate(request.items):
             if item.parent and len(item.parent) != KEY_BYTES:
@@ -267,7 +266,6 @@ class Transfers:
             elif which == "inline":
                 payload = memoryview(item.inline)
                 inline += len(payload)
-                in_message = True
             else:
                 raise ValueError(f"items[{i}] carries no payload (set inline or slice)")
             try:
@@ -296,12 +294,15 @@ class Transfers:
         if self.store.tiers[0].scatters or not any(isinstance(payload, Gather) for _, payload, _ in prepared):
             stored: list[BlockHeader | None] = [None] * len(prepared)
             try:
-                # Payloads in a gRPC message are copied on the event loop, others in worker threads:
-                # in threads, inline Puts of 8 clients were 0.81-0.85x as fast (three bench/ab_pairs.py
-                # runs), we think because the loop parses the next clients' large messages holding
-                # the GIL, which each copy then has to win back.
+                # Puts in rows and from the data channel copy in worker threads, whose client waits
+                # idle meanwhile. Whole payloads in an arena (a client that copies its next payload
+                # in while this one is stored) or in a gRPC message copy on the event loop: in
+                # threads they were 0.87x (one client, arena) and 0.81-0.85x (eight, inline) as fast
+                # in bench/ab_pairs.py runs, the threads' copies competing with the clients' work
+                # (for the second, we think, with the loop parsing the next large messages).
+                offload = payloads is not None or any(isinstance(payload, Gather) for _, payload, _ in prepared)
                 await self.store.put_many(prepared, owner=tenant.name, quota=tenant.quota_bytes,
-                                          durable=request.durable, stored=stored, offload=not in_message)
+                                          durable=request.durable, stored=stored, offload=offload)
             finally:
                 if tenant.name:
                     for header in stored:
