@@ -111,7 +111,7 @@ class Evictor:
                 stored[i] = await self.store_in(level, header, payload, True, owner)
             return
         group: list[tuple[int, int, BlockHeader, memoryview | Gather]] = []  # (index, offset, header, payload)
-        group_keys: set[bytes] = set()
+        group_keys: set[bytes] = set()  # the keys in ``group``, for a key the call repeats
 
         def unreserve_group() -> None:
             for _, offset, _, _ in group:

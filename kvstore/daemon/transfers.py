@@ -291,7 +291,8 @@ class Transfers:
         # block of its own, stored under its tenant's keys: in the CPU tier the checksum is of the
         # copy, so the block holds whatever was copied; in a tier that hashes first, it fails its
         # checksum and reads as a counted corrupt miss.)
-        if self.store.tiers[0].scatters or not any(isinstance(payload, Gather) for _, payload, _ in prepared):
+        in_rows = any(isinstance(payload, Gather) for _, payload, _ in prepared)
+        if self.store.tiers[0].scatters or not in_rows:
             stored: list[BlockHeader | None] = [None] * len(prepared)
             try:
                 # Puts in rows and from the data channel copy in worker threads, whose client waits
@@ -300,9 +301,9 @@ class Transfers:
                 # threads they were 0.87x (one client, arena) and 0.81-0.85x (eight, inline) as fast
                 # in bench/ab_pairs.py runs, the threads' copies competing with the clients' work
                 # (for the second, we think, with the loop parsing the next large messages).
-                offload = payloads is not None or any(isinstance(payload, Gather) for _, payload, _ in prepared)
                 await self.store.put_many(prepared, owner=tenant.name, quota=tenant.quota_bytes,
-                                          durable=request.durable, stored=stored, offload=offload)
+                                          durable=request.durable, stored=stored,
+                                          offload=payloads is not None or in_rows)
             finally:
                 if tenant.name:
                     for header in stored:
