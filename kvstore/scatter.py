@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import numpy as np
 import xxhash
 
-from kvstore.block import CHECKSUM_STEP
+from kvstore.block import CHECKSUM_STEP, fused_copy
 
 #: Smallest row a scatter copies: a cache line. A row is tokens * head_dim * dtype size (e.g. 16 *
 #: 64 * 2 = 2 KiB for 16-token fp16 blocks), so any real layout is far above it.
@@ -132,12 +132,18 @@ class Gather:
 
     def copy_checksummed(self, dest: memoryview, step: int = CHECKSUM_STEP) -> int:
         """Copy the rows into ``dest`` (``len(self)`` bytes) in one run and return the checksum of
-        what ``dest`` now holds, hashing each piece from cache just after copying it, as
-        `kvstore.block.copy_checksummed` does for a payload in one run (``step`` 0: all rows in
-        one copy, then one hash, as there)."""
+        what ``dest`` now holds, as `kvstore.block.copy_checksummed` does for a payload in one run:
+        in one pass by the C kernel where it applies (rows of a multiple of 64 bytes), else each
+        piece hashed from cache just after its copy (``step`` 0: all rows in one copy, then one
+        hash)."""
         if len(dest) != self.nbytes:
             raise ValueError(f"destination of {len(dest)} bytes for a {self.nbytes}-byte payload")
         flat = np.frombuffer(dest, dtype=np.uint8)
+        fused = fused_copy()
+        if fused is not None:
+            digest = fused(flat, self._rows)  # None: rows not a multiple of 64 bytes, or no AVX2
+            if digest is not None:
+                return digest
         if not step:
             np.copyto(flat.reshape(self._rows.shape), self._rows)
             return xxhash.xxh3_64_intdigest(flat)

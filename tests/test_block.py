@@ -53,9 +53,12 @@ def test_raw_payload_must_match_layout():
         BlockHeader(key=b"k" * 16, namespace=b"n" * 16, layout=LAYOUT, tokens=10, payload_len=123, checksum=0)
 
 
+@pytest.mark.parametrize("path", ["kernel", "python"])  # kernels/copy_hash.c where it applies, or the fallback
 @pytest.mark.parametrize("step", [CHECKSUM_STEP, 0])  # a step per chunk (on the loop), or whole (in a thread)
 @pytest.mark.parametrize("size", [0, 1, 63, CHECKSUM_STEP - 1, CHECKSUM_STEP, CHECKSUM_STEP + 1, 5 * CHECKSUM_STEP + 500])
-def test_copy_checksummed_copies_and_hashes_as_the_one_shot_checksum(size, step):
+def test_copy_checksummed_copies_and_hashes_as_the_one_shot_checksum(size, step, path, monkeypatch):
+    if path == "python":
+        monkeypatch.setattr("kvstore.block.fused_copy", lambda: None)
     payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     dest = bytearray(size)
     assert copy_checksummed(memoryview(dest), memoryview(payload), step) == payload_checksum(payload.tobytes())

@@ -284,8 +284,11 @@ def test_regions_a_restarted_daemon_no_longer_holds_are_not_reused(daemon):
 # -- Puts in rows: the daemon's one copy out of a KV cache in shared memory -----------------------
 
 
+@pytest.mark.parametrize("path", ["kernel", "python"])  # kernels/copy_hash.c, or the fallback without it
 @pytest.mark.parametrize("seed", range(6))
-def test_a_gather_copies_and_hashes_rows_as_the_payload_in_one_run(seed):
+def test_a_gather_copies_and_hashes_rows_as_the_payload_in_one_run(seed, path, monkeypatch):
+    if path == "python":
+        monkeypatch.setattr("kvstore.scatter.fused_copy", lambda: None)
     rng = np.random.default_rng(seed)
     row_bytes = int(rng.integers(MIN_ROW_BYTES, 3000)) if seed % 2 else CHECKSUM_STEP // 3 + 5  # small, and > a step
     stride = row_bytes + int(rng.integers(0, 300))
@@ -294,6 +297,9 @@ def test_a_gather_copies_and_hashes_rows_as_the_payload_in_one_run(seed):
         row_bytes, stride, rows = MIN_ROW_BYTES, MIN_ROW_BYTES + 8, 3 * CHECKSUM_STEP // MIN_ROW_BYTES + 17
     if seed == 4:  # rows of more than a step, hashed a part of a row at a time
         row_bytes, stride, rows = 2 * CHECKSUM_STEP + 7, 2 * CHECKSUM_STEP + 100, 3
+    if path == "kernel":  # rows the kernel takes: whole 64-byte stripes (others fall back, as in "python")
+        row_bytes = row_bytes // 64 * 64
+        stride = max(stride, row_bytes)
     source = rng.integers(1, 256, (rows - 1) * stride + row_bytes + int(rng.integers(0, 100)), dtype=np.uint8)
     payload = b"".join(source[i * stride : i * stride + row_bytes].tobytes() for i in range(rows))
     gather = Gather(memoryview(source), row_bytes, stride, rows * row_bytes)

@@ -187,10 +187,11 @@ class CpuTier(ExtentIndex, Tier):
         return offset
 
     def fill(self, offset: int, header: BlockHeader, payload: memoryview | Gather, in_thread: bool = False) -> int:
-        """Copy the payload into the reserved extent and return the checksum of what it now holds.
-        On the event loop the payload is read once (each chunk hashed from cache just after its
-        copy); ``in_thread`` (a worker thread) it is copied whole and then hashed, two calls
-        without the GIL (see `kvstore.block.copy_checksummed`). Any thread; no lock."""
+        """Copy the payload into the reserved extent and return the checksum of what it now holds:
+        in one pass by the C kernel where it applies, one call without the GIL. Where it does not,
+        on the event loop each chunk is hashed from cache just after its copy, and ``in_thread`` (a
+        worker thread) the payload is copied whole and then hashed, two calls without the GIL (see
+        `kvstore.block.copy_checksummed`). Any thread; no lock."""
         start = offset + header.header_len  # header_len does not depend on the checksum
         dest = memoryview(self._arena[start : start + header.payload_len])
         step = 0 if in_thread else CHECKSUM_STEP

@@ -1,0 +1,56 @@
+"""A payload copied and hashed in one pass (`copy_hash.c`): the daemon's Put copy.
+
+`copy_rows_checksummed` copies rows (or one run) of bytes into a destination and returns the
+XXH3-64 of what it wrote, the block format's payload checksum (`kvstore.block.payload_checksum`),
+reading each source byte once and streaming the stores. It returns None where the C kernel does
+not apply (no compiler, no AVX2, a payload of 240 bytes or fewer, several rows of a length that is
+not a multiple of 64): the caller then copies and hashes the way it did before (`kvstore/block.py`,
+`kvstore/scatter.py`), which is also the reference the tests hold the kernel to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import numpy as np
+
+from kernels.native import build
+
+SOURCE = Path(__file__).with_name("copy_hash.c")
+_U64 = ctypes.c_uint64
+
+
+@functools.lru_cache(maxsize=1)
+def native_library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use (`kernels.native.build`); None when it cannot be."""
+    library = build(SOURCE, "copy and hash")
+    if library is None:
+        return None
+    library.kvstore_copy_xxh3.restype = ctypes.c_int
+    library.kvstore_copy_xxh3.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _U64, _U64, _U64, ctypes.POINTER(_U64)]
+    return library
+
+
+def copy_rows_checksummed(dest: np.ndarray, rows: np.ndarray) -> int | None:
+    """Copy ``rows`` (uint8 [R, row_bytes], each row contiguous, any row stride; or [N], one run)
+    into ``dest`` (uint8 [R * row_bytes], contiguous, writable) and return the XXH3-64 of ``dest``;
+    None, with nothing written, where the kernel does not apply. ctypes releases the GIL for the
+    call, so it runs beside the event loop when called from a worker thread."""
+    library = native_library()
+    if library is None:
+        return None
+    if rows.ndim == 1:
+        rows = rows.reshape(1, -1)
+    count, row_bytes = rows.shape
+    if (rows.dtype != np.uint8 or dest.dtype != np.uint8 or dest.size != count * row_bytes
+            or not dest.flags.c_contiguous or not dest.flags.writeable or (row_bytes > 1 and rows.strides[1] != 1)
+            or rows.strides[0] < 0):
+        raise ValueError(f"copy_rows_checksummed needs uint8 rows with contiguous rows and a contiguous uint8 "
+                         f"destination of their size; got rows {rows.dtype} {rows.shape} strides {rows.strides}, "
+                         f"destination {dest.dtype} {dest.shape}")
+    digest = _U64()
+    status = library.kvstore_copy_xxh3(dest.ctypes.data, rows.ctypes.data, row_bytes, rows.strides[0] if count > 1
+                                       else row_bytes, count, ctypes.byref(digest))
+    return digest.value if status == 0 else None
