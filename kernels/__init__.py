@@ -9,10 +9,11 @@
 A `choice` argument overrides the environment. Triton is imported only when it is chosen, so this
 package imports (and the codecs work) without triton installed.
 
-Two kernels are native C rather than Triton, for CPU tensors, where Triton does not run (built by
+Some kernels are native C rather than Triton, for CPU memory, where Triton does not run (built by
 `kernels.native`): `page_copy.c` (through `page_copy.py`, beside `page_copy_ref.py`) writes blocks
-into vLLM's CPU pages, and `rope_native.c` (`rope_native.py`) re-rotates keys with the bits of
-`rope_ref.py`.
+into vLLM's CPU pages, `rope_native.c` (`rope_native.py`) re-rotates keys with the bits of
+`rope_ref.py`, `rans.c` (`rans.py`, beside `rans_ref.py`) is kvtc's entropy coder, and
+`copy_hash.c` (`copy_hash.py`) copies a Put's payload and computes its XXH3-64 in one pass.
 """
 
 from __future__ import annotations

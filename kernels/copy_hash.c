@@ -151,6 +151,47 @@ __attribute__((target("avx2"))) static void copy_blocks_avx2(uint64_t acc[8], ui
 }
 #endif
 
+#ifdef HAVE_X86
+/* One row: plain copies up to dest's first 32-byte boundary and after its last, streamed between. */
+__attribute__((target("avx2"))) static void stream_row_avx2(uint8_t *dest, const uint8_t *src, uint64_t n) {
+    uint64_t head = (32 - ((uintptr_t)dest & 31)) & 31;
+    if (head > n)
+        head = n;
+    memcpy(dest, src, head);
+    uint64_t at = head;
+    for (; at + 128 <= n; at += 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + at)), b = _mm256_loadu_si256((const __m256i *)(src + at + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(src + at + 64)), d = _mm256_loadu_si256((const __m256i *)(src + at + 96));
+        _mm256_stream_si256((__m256i *)(dest + at), a);
+        _mm256_stream_si256((__m256i *)(dest + at + 32), b);
+        _mm256_stream_si256((__m256i *)(dest + at + 64), c);
+        _mm256_stream_si256((__m256i *)(dest + at + 96), d);
+    }
+    for (; at + 32 <= n; at += 32)
+        _mm256_stream_si256((__m256i *)(dest + at), _mm256_loadu_si256((const __m256i *)(src + at)));
+    memcpy(dest + at, src + at, n - at);
+}
+#endif
+
+/* Copy `rows` rows of `row_bytes` bytes from `src` (rows `src_stride` apart) to `dest` (rows
+ * `dest_stride` apart) with streamed stores: a Get's copy out of a tier into a client's memory,
+ * which the reader takes from memory either way once a load outgrows the caches. OK, or
+ * NOT_HANDLED (nothing written) without AVX2. */
+int kvstore_copy_streamed(uint8_t *dest, uint64_t dest_stride, const uint8_t *src, uint64_t src_stride,
+                          uint64_t row_bytes, uint64_t rows) {
+#ifdef HAVE_X86
+    if (!__builtin_cpu_supports("avx2"))
+        return NOT_HANDLED;
+    for (uint64_t r = 0; r < rows; r++)
+        stream_row_avx2(dest + r * dest_stride, src + r * src_stride, row_bytes);
+    _mm_sfence();
+    return OK;
+#else
+    (void)dest, (void)dest_stride, (void)src, (void)src_stride, (void)row_bytes, (void)rows;
+    return NOT_HANDLED;
+#endif
+}
+
 /* Copy `rows` rows of `row_bytes` bytes, `row_stride` apart at `src`, to `dest` in one run of
  * rows * row_bytes bytes, and put the XXH3-64 of those bytes in `*digest`. OK, or NOT_HANDLED
  * (nothing written) where this kernel does not apply: no AVX2, a payload of 240 bytes or fewer,

@@ -1,4 +1,5 @@
-"""A payload copied and hashed in one pass (`copy_hash.c`): the daemon's Put copy.
+"""A payload copied and hashed in one pass (`copy_hash.c`): the daemon's Put copy; and its Get copy
+with streamed stores.
 
 `copy_rows_checksummed` copies rows (or one run) of bytes into a destination and returns the
 XXH3-64 of what it wrote, the block format's payload checksum (`kvstore.block.payload_checksum`),
@@ -30,6 +31,8 @@ def native_library() -> ctypes.CDLL | None:
         return None
     library.kvstore_copy_xxh3.restype = ctypes.c_int
     library.kvstore_copy_xxh3.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _U64, _U64, _U64, ctypes.POINTER(_U64)]
+    library.kvstore_copy_streamed.restype = ctypes.c_int
+    library.kvstore_copy_streamed.argtypes = [ctypes.c_void_p, _U64, ctypes.c_void_p, _U64, _U64, _U64]
     return library
 
 
@@ -54,3 +57,22 @@ def copy_rows_checksummed(dest: np.ndarray, rows: np.ndarray) -> int | None:
     status = library.kvstore_copy_xxh3(dest.ctypes.data, rows.ctypes.data, row_bytes, rows.strides[0] if count > 1
                                        else row_bytes, count, ctypes.byref(digest))
     return digest.value if status == 0 else None
+
+
+def copy_rows_streamed(dest: np.ndarray, source: np.ndarray) -> bool:
+    """Copy ``source`` into ``dest`` (uint8, both [R, row_bytes] with contiguous rows at any row
+    stride, or [N]) with streamed stores; False, with nothing written, where the kernel does not
+    apply (no compiler, no AVX2). The GIL is released for the call."""
+    library = native_library()
+    if library is None:
+        return False
+    dest, source = (a.reshape(1, -1) if a.ndim == 1 else a for a in (dest, source))
+    if (dest.dtype != np.uint8 or source.dtype != np.uint8 or dest.shape != source.shape or dest.ndim != 2
+            or not dest.flags.writeable or any(a.shape[1] > 1 and a.strides[1] != 1 for a in (dest, source))
+            or min(dest.strides[0], source.strides[0]) < 0):
+        raise ValueError(f"copy_rows_streamed needs uint8 rows of one shape, each row contiguous, into writable "
+                         f"memory; got {source.dtype} {source.shape} strides {source.strides} into {dest.dtype} "
+                         f"{dest.shape} strides {dest.strides}")
+    rows, row_bytes = dest.shape
+    return library.kvstore_copy_streamed(dest.ctypes.data, dest.strides[0], source.ctypes.data, source.strides[0],
+                                         row_bytes, rows) == 0

@@ -34,8 +34,8 @@ from __future__ import annotations
 import functools
 import json
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -70,18 +70,18 @@ def payload_checksum(payload: bytes | memoryview) -> int:
 
 
 @functools.lru_cache(maxsize=1)
-def fused_copy() -> Callable[[np.ndarray, np.ndarray], int | None] | None:
-    """`kernels.copy_hash.copy_rows_checksummed` (a copy and its checksum in one pass, in C), loaded
-    on first use; None where it cannot be (the kernels need torch, which a daemon has). The one
-    loader of it for `copy_checksummed` and `kvstore.scatter.Gather`."""
+def native_copies() -> ModuleType | None:
+    """`kernels.copy_hash` (a Put's copy and checksum in one pass, a Get's copy with streamed
+    stores, in C), loaded on first use; None where it cannot be (the kernels need torch, which a
+    daemon has). The one loader of it for `copy_checksummed`, `kvstore.scatter` and the CPU tier."""
     try:
         from kvstore import kernels_path
 
         kernels_path.claim()
-        from kernels.copy_hash import copy_rows_checksummed
+        from kernels import copy_hash
     except ImportError:
         return None
-    return copy_rows_checksummed
+    return copy_hash
 
 
 def copy_checksummed(dest: memoryview, payload: bytes | memoryview, step: int = CHECKSUM_STEP) -> int:
@@ -89,7 +89,7 @@ def copy_checksummed(dest: memoryview, payload: bytes | memoryview, step: int = 
     ``dest`` now holds. The hash is of the copy, not of the source: a payload rewritten during the
     call (a client's arena) cannot leave stored bytes that differ from their checksum.
 
-    Where the C kernel applies (`fused_copy`: x86-64 with AVX2, payloads over 240 bytes) each byte
+    Where the C kernel applies (`native_copies`: x86-64 with AVX2, payloads over 240 bytes) each byte
     is read once into registers that are both stored and hashed, the stores streamed: a 5.9 MB
     payload between two memfds copies and hashes at 1.3x the speed of a numpy memcpy alone, where
     the Python paths below took 1.5-1.7x its time. Its GIL is released for the whole call.
@@ -105,9 +105,9 @@ def copy_checksummed(dest: memoryview, payload: bytes | memoryview, step: int = 
     source = memoryview(payload).cast("B")
     if len(dest) != len(source):
         raise ValueError(f"destination of {len(dest)} bytes for a {len(source)}-byte payload")
-    fused = fused_copy()
-    if fused is not None:
-        digest = fused(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))
+    native = native_copies()
+    if native is not None:
+        digest = native.copy_rows_checksummed(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))
         if digest is not None:
             return digest
     if not step or len(source) <= step:

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import numpy as np
 import xxhash
 
-from kvstore.block import CHECKSUM_STEP, fused_copy
+from kvstore.block import CHECKSUM_STEP, native_copies
 
 #: Smallest row a scatter copies: a cache line. A row is tokens * head_dim * dtype size (e.g. 16 *
 #: 64 * 2 = 2 KiB for 16-token fp16 blocks), so any real layout is far above it.
@@ -62,6 +62,15 @@ def _strided(view: memoryview, rows: int, row_bytes: int, row_stride: int) -> np
     return np.lib.stride_tricks.as_strided(base, shape=(rows, row_bytes), strides=(row_stride, 1))
 
 
+def copy_streamed(dest: np.ndarray, source: np.ndarray) -> None:
+    """``source`` into ``dest`` (uint8 arrays of one shape, rows contiguous): a Get's copy, with
+    streamed stores where the C kernel applies (`kernels.copy_hash.copy_rows_streamed`), else
+    numpy's."""
+    native = native_copies()
+    if native is None or not native.copy_rows_streamed(dest, source):
+        np.copyto(dest, source)
+
+
 class Scatter:
     """A destination in rows: payload row i (``row_bytes`` bytes) at ``dest[i * row_stride:]``."""
 
@@ -85,7 +94,7 @@ class Scatter:
         if rows is None:
             raise Unfit(f"a {source.nbytes}-byte payload is not whole rows of {self.row_bytes} bytes "
                         f"within the {len(self.dest)}-byte destination")
-        np.copyto(_strided(self.dest, rows, self.row_bytes, self.row_stride), source.reshape(rows, self.row_bytes))
+        copy_streamed(_strided(self.dest, rows, self.row_bytes, self.row_stride), source.reshape(rows, self.row_bytes))
 
 
 class Gather:
@@ -139,9 +148,9 @@ class Gather:
         if len(dest) != self.nbytes:
             raise ValueError(f"destination of {len(dest)} bytes for a {self.nbytes}-byte payload")
         flat = np.frombuffer(dest, dtype=np.uint8)
-        fused = fused_copy()
-        if fused is not None:
-            digest = fused(flat, self._rows)  # None: rows not a multiple of 64 bytes, or no AVX2
+        native = native_copies()
+        if native is not None:
+            digest = native.copy_rows_checksummed(flat, self._rows)  # None: rows not whole stripes, or no AVX2
             if digest is not None:
                 return digest
         if not step:

@@ -58,7 +58,7 @@ def test_raw_payload_must_match_layout():
 @pytest.mark.parametrize("size", [0, 1, 63, CHECKSUM_STEP - 1, CHECKSUM_STEP, CHECKSUM_STEP + 1, 5 * CHECKSUM_STEP + 500])
 def test_copy_checksummed_copies_and_hashes_as_the_one_shot_checksum(size, step, path, monkeypatch):
     if path == "python":
-        monkeypatch.setattr("kvstore.block.fused_copy", lambda: None)
+        monkeypatch.setattr("kvstore.block.native_copies", lambda: None)
     payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     dest = bytearray(size)
     assert copy_checksummed(memoryview(dest), memoryview(payload), step) == payload_checksum(payload.tobytes())

@@ -1,5 +1,6 @@
 """The one-pass copy and checksum (kernels/copy_hash.c) against the `xxhash` package's XXH3-64 and a
-plain copy, on random bytes of irregular lengths, rows, strides and alignments."""
+plain copy, and its streamed Get copy against numpy's, on random bytes of irregular lengths, rows,
+strides and alignments."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kernels.copy_hash import copy_rows_checksummed, native_library
+from kernels.copy_hash import copy_rows_checksummed, copy_rows_streamed, native_library
 
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or native_library() is None,
                                 reason="the kernel is built for x86-64 with a C compiler")
@@ -101,3 +102,32 @@ def test_the_checksum_is_of_the_copy_while_the_source_is_rewritten():
     finally:
         stop.set()
         writer.join()
+
+
+@pytest.mark.parametrize("rows, row_bytes, source_stride, dest_stride, offset", [
+    (1, 3_000_017, 0, 0, 3), (1, 31, 0, 0, 1), (40, 32768, 262144, 32768, 0), (7, 129, 300, 200, 5),
+    (3, 31, 40, 33, 1), (16, 4096 + 96, 4096 + 96, 3 * 4096, 32)])
+def test_a_streamed_copy_writes_the_rows_and_nothing_else(rows, row_bytes, source_stride, dest_stride, offset):
+    rng = np.random.default_rng(rows * row_bytes + offset)
+    source_stride, dest_stride = max(source_stride, row_bytes), max(dest_stride, row_bytes)
+    source = _rows(rng, rows, row_bytes, source_stride, offset)
+    room = rng.integers(0, 256, offset + (rows - 1) * dest_stride + row_bytes + 64, dtype=np.uint8)
+    guard = room.copy()
+    dest = np.lib.stride_tricks.as_strided(room[offset:], shape=(rows, row_bytes), strides=(dest_stride, 1))
+    if not copy_rows_streamed(dest, source):
+        pytest.skip("no AVX2 on this CPU: the callers copy with numpy")
+    assert np.array_equal(dest, source)
+    outside = np.ones(room.size, dtype=bool)
+    for r in range(rows):
+        outside[offset + r * dest_stride : offset + r * dest_stride + row_bytes] = False
+    assert np.array_equal(room[outside], guard[outside])
+
+
+def test_a_streamed_copy_refuses_mismatched_or_read_only_arrays():
+    source = np.random.default_rng(6).integers(0, 256, 4096, dtype=np.uint8)
+    read_only = np.zeros(4096, dtype=np.uint8)
+    read_only.flags.writeable = False
+    for dest in (read_only, np.zeros(4095, dtype=np.uint8), np.zeros(8192, dtype=np.uint8)[::2],
+                 np.zeros(1024, dtype=np.uint32)):
+        with pytest.raises(ValueError, match="copy_rows_streamed needs"):
+            copy_rows_streamed(dest, source)

@@ -195,7 +195,7 @@ def test_large_gets_copy_off_the_loop_and_puts_wait_for_busy_blocks(tmp_path, mo
         (a, pa), (b, pb), (c, pc) = blocks(3, start=40)
         await store.put(a, pa)
         await store.put(b, pb)
-        monkeypatch.setattr(np, "copyto", slow_copyto)
+        monkeypatch.setattr("tiers.cpu.copy_streamed", slow_copyto)  # the tier's copy out
         dests = [memoryview(bytearray(h.payload_len)) for h in (a, b)]
         reads = asyncio.create_task(store.reads.get_many_into([(a.key, dests[0]), (b.key, dests[1])]))
         await asyncio.sleep(0.05)
@@ -206,7 +206,7 @@ def test_large_gets_copy_off_the_loop_and_puts_wait_for_busy_blocks(tmp_path, mo
         release.set()
         results = await reads
         await put
-        monkeypatch.setattr(np, "copyto", real_copyto)
+        monkeypatch.setattr("tiers.cpu.copy_streamed", real_copyto)
         assert [r.tier for r in results] == ["cpu", "cpu"]
         assert bytes(dests[0]) == bytes(pa) and bytes(dests[1]) == bytes(pb)
         assert store.lookup([c.key]).tiers == ("cpu",)

@@ -288,7 +288,7 @@ def test_regions_a_restarted_daemon_no_longer_holds_are_not_reused(daemon):
 @pytest.mark.parametrize("seed", range(6))
 def test_a_gather_copies_and_hashes_rows_as_the_payload_in_one_run(seed, path, monkeypatch):
     if path == "python":
-        monkeypatch.setattr("kvstore.scatter.fused_copy", lambda: None)
+        monkeypatch.setattr("kvstore.scatter.native_copies", lambda: None)
     rng = np.random.default_rng(seed)
     row_bytes = int(rng.integers(MIN_ROW_BYTES, 3000)) if seed % 2 else CHECKSUM_STEP // 3 + 5  # small, and > a step
     stride = row_bytes + int(rng.integers(0, 300))

@@ -166,7 +166,7 @@ def test_cpu_tier_frees_a_block_deleted_mid_read_only_after_the_read(monkeypatch
         release.wait(10)
         real_copyto(dst, src)
 
-    monkeypatch.setattr(np, "copyto", slow_copyto)
+    monkeypatch.setattr("tiers.cpu.copy_streamed", slow_copyto)  # the tier's copy out
     dest = memoryview(bytearray(a.payload_len))
     reader = threading.Thread(target=tier.read_payload_into, args=(a.key, dest))
     reader.start()
@@ -179,7 +179,7 @@ def test_cpu_tier_frees_a_block_deleted_mid_read_only_after_the_read(monkeypatch
     tier.check_integrity()  # a doomed extent is accounted for
     release.set()
     reader.join(10)
-    monkeypatch.setattr(np, "copyto", real_copyto)
+    monkeypatch.setattr("tiers.cpu.copy_streamed", real_copyto)
     assert bytes(dest) == bytes(pa) and tier.reads_in_flight == 0
     tier.put(c, pc)  # freed by the reader
     assert read(tier, c) == bytes(pc) and read(tier, b) == bytes(pb)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.block import CHECKSUM_STEP, BlockHeader, CorruptBlockError, copy_checksummed
-from kvstore.scatter import Gather, Scatter, Unfit
+from kvstore.scatter import Gather, Scatter, Unfit, copy_streamed
 from tiers.allocator import ExtentAllocator
 from tiers.base import ExtentIndex, Tier, TierError, TierFullError
 from tiers.memory import prefault
@@ -247,7 +247,7 @@ class CpuTier(ExtentIndex, Tier):
             if isinstance(dest, Scatter):
                 dest.fill(source)
             else:
-                np.copyto(np.frombuffer(dest, dtype=np.uint8, count=header.payload_len), source)
+                copy_streamed(np.frombuffer(dest, dtype=np.uint8, count=header.payload_len), source)
         finally:
             with self._lock:
                 left = self._reading.pop(offset) - 1
