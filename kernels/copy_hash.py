@@ -3,9 +3,10 @@ with streamed stores.
 
 `copy_rows_checksummed` copies rows (or one run) of bytes into a destination and returns the
 XXH3-64 of what it wrote, the block format's payload checksum (`kvstore.block.payload_checksum`),
-reading each source byte once and streaming the stores. It returns None where the C kernel does
-not apply (no compiler, no AVX2, a payload of 240 bytes or fewer, several rows of a length that is
-not a multiple of 64): the caller then copies and hashes the way it did before (`kvstore/block.py`,
+reading each source byte once (but the last block's, at most 1 KiB, hashed back from the
+destination) and streaming the stores into a 32-byte aligned destination. It returns None where the
+C kernel does not apply (no compiler, no AVX2, a payload of 240 bytes or fewer, several rows of a
+length that is not a multiple of 64, overlapping buffers): the caller then copies and hashes the way it did before (`kvstore/block.py`,
 `kvstore/scatter.py`), which is also the reference the tests hold the kernel to.
 """
 
@@ -42,14 +43,14 @@ def copy_rows_checksummed(dest: np.ndarray, rows: np.ndarray) -> int | None:
     None, with nothing written, where the kernel does not apply. ctypes releases the GIL for the
     call, so it runs beside the event loop when called from a worker thread."""
     library = native_library()
-    if library is None:
-        return None
+    if library is None or rows.size == 0 or np.may_share_memory(dest, rows):
+        return None  # nothing to copy, or overlapping buffers: the caller's path
     if rows.ndim == 1:
         rows = rows.reshape(1, -1)
-    count, row_bytes = rows.shape
-    if (rows.dtype != np.uint8 or dest.dtype != np.uint8 or dest.size != count * row_bytes
+    count, row_bytes = rows.shape if rows.ndim == 2 else (0, 0)
+    if (rows.ndim != 2 or rows.dtype != np.uint8 or dest.dtype != np.uint8 or dest.size != count * row_bytes
             or not dest.flags.c_contiguous or not dest.flags.writeable or (row_bytes > 1 and rows.strides[1] != 1)
-            or rows.strides[0] < 0):
+            or (count > 1 and rows.strides[0] < 0)):
         raise ValueError(f"copy_rows_checksummed needs uint8 rows with contiguous rows and a contiguous uint8 "
                          f"destination of their size; got rows {rows.dtype} {rows.shape} strides {rows.strides}, "
                          f"destination {dest.dtype} {dest.shape}")
@@ -62,14 +63,15 @@ def copy_rows_checksummed(dest: np.ndarray, rows: np.ndarray) -> int | None:
 def copy_rows_streamed(dest: np.ndarray, source: np.ndarray) -> bool:
     """Copy ``source`` into ``dest`` (uint8, both [R, row_bytes] with contiguous rows at any row
     stride, or [N]) with streamed stores; False, with nothing written, where the kernel does not
-    apply (no compiler, no AVX2). The GIL is released for the call."""
+    apply (no compiler, no AVX2, nothing to copy, overlapping buffers). The GIL is released for the
+    call."""
     library = native_library()
-    if library is None:
-        return False
+    if library is None or source.size == 0 or np.may_share_memory(dest, source):
+        return False  # nothing to copy, or overlapping buffers: the caller's path
     dest, source = (a.reshape(1, -1) if a.ndim == 1 else a for a in (dest, source))
     if (dest.dtype != np.uint8 or source.dtype != np.uint8 or dest.shape != source.shape or dest.ndim != 2
             or not dest.flags.writeable or any(a.shape[1] > 1 and a.strides[1] != 1 for a in (dest, source))
-            or min(dest.strides[0], source.strides[0]) < 0):
+            or (dest.shape[0] > 1 and min(dest.strides[0], source.strides[0]) < 0)):
         raise ValueError(f"copy_rows_streamed needs uint8 rows of one shape, each row contiguous, into writable "
                          f"memory; got {source.dtype} {source.shape} strides {source.strides} into {dest.dtype} "
                          f"{dest.shape} strides {dest.strides}")

@@ -11,7 +11,8 @@ name, so without this module:
 - in the project root (the tests) it gave kvstore's, and importing transformers 5 failed.
 
 So the name is kvstore's package, which also serves Hugging Face's: `claim` (run on import of
-`compression`, `blend` and `engine_adapter`, which use the kernels) registers kvstore's package
+`compression`, `blend` and `engine_adapter`, which use the kernels, and by `kvstore.block` before it
+loads `kernels.copy_hash`) registers kvstore's package
 under ``kernels`` whatever sys.path finds first; kvstore's package appends the other one's folder
 to its ``__path__`` (`extend_path`, so ``kernels._internals`` and the like import from there: the
 two share no submodule name) and hands out the other one's top-level names through its module

@@ -49,10 +49,11 @@ def test_one_run_is_copied_and_hashed_as_xxh3(length, dest_offset):
 
 @pytest.mark.parametrize("rows, row_bytes, stride", [(2, 192, 193), (5, 64, 64 * 3), (40, 128, 1000),
                                                      (16, 2048, 2048 * 7 + 64), (3, 4096, 4096), (33, 320, 960)])
-def test_rows_are_copied_into_one_run_and_hashed_as_it(rows, row_bytes, stride):
+@pytest.mark.parametrize("dest_offset", [0, 8])  # streamed and plain stores
+def test_rows_are_copied_into_one_run_and_hashed_as_it(rows, row_bytes, stride, dest_offset):
     rng = np.random.default_rng(rows * row_bytes)
     source = _rows(rng, rows, row_bytes, stride, offset=5)
-    dest = np.zeros(rows * row_bytes, dtype=np.uint8)
+    dest = np.zeros(rows * row_bytes + 64, dtype=np.uint8)[dest_offset:dest_offset + rows * row_bytes]
     one_run = np.ascontiguousarray(source).reshape(-1)
     assert _applies(dest, source) == xxhash.xxh3_64_intdigest(one_run.tobytes())
     assert np.array_equal(dest, one_run)
@@ -61,10 +62,15 @@ def test_rows_are_copied_into_one_run_and_hashed_as_it(rows, row_bytes, stride):
 def test_what_the_kernel_does_not_take_is_left_untouched():
     rng = np.random.default_rng(3)
     for source in (rng.integers(0, 256, 240, dtype=np.uint8),  # XXH3's short inputs
-                   _rows(rng, 4, 100, 128)):                    # rows that are not whole stripes
+                   _rows(rng, 4, 100, 128),                     # rows that are not whole stripes
+                   np.zeros((0, 64), dtype=np.uint8)):          # nothing to copy
         dest = np.full(source.size, 7, dtype=np.uint8)
         assert copy_rows_checksummed(dest, source) is None
         assert (dest == 7).all()
+    assert not copy_rows_streamed(np.zeros((0, 64), dtype=np.uint8), np.zeros((0, 64), dtype=np.uint8))
+    shared = rng.integers(0, 256, 4096, dtype=np.uint8)  # overlapping buffers: numpy's path, which handles them
+    assert copy_rows_checksummed(shared[64:], shared[:-64]) is None
+    assert not copy_rows_streamed(shared[64:], shared[:-64])
     one_row = _rows(rng, 1, 1000, 1000)  # one row of any length is one run
     assert _applies(np.zeros(1000, dtype=np.uint8), one_row) == xxhash.xxh3_64_intdigest(one_row.tobytes())
 

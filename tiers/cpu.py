@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.block import CHECKSUM_STEP, BlockHeader, CorruptBlockError, copy_checksummed
+from kvstore.block import CHECKSUM_STEP, BlockHeader, CorruptBlockError, copy_checksummed, native_copies
 from kvstore.scatter import Gather, Scatter, Unfit, copy_streamed
 from tiers.allocator import ExtentAllocator
 from tiers.base import ExtentIndex, Tier, TierError, TierFullError
@@ -131,6 +131,9 @@ class CpuTier(ExtentIndex, Tier):
             raise TierError(f"cannot allocate the {name} tier's {_gib(capacity_bytes)} arena ({reason}): lower "
                             f"cpu_capacity (--cpu-capacity)") from None
         self._allocator = ExtentAllocator(capacity_bytes)
+        native = native_copies()  # the copy kernels compiled now (once per machine), not in a Put on the loop
+        if native is not None:
+            native.native_library()
         self._blocks: dict[bytes, tuple[int, BlockHeader]] = {}  # key -> (offset, header)
         #: Guards the allocator and the two maps below against reads in worker threads.
         self._lock = threading.Lock()
