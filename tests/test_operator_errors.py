@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -20,7 +19,7 @@ import grpc
 import pytest
 
 from engine_adapter.client import KVStoreClient
-from tests.conftest import ROOT
+from tests.conftest import ROOT, exec_after
 from tests.test_daemon import LAYOUT, NS, make_blocks
 from tests.test_operator import SMALL, finish, kvstore, one_line_error, serve
 
@@ -234,15 +233,12 @@ def test_an_arena_that_cannot_be_allocated_names_cpu_capacity(short_tmp):
     if _meminfo("MemAvailable") < 4 * 2**30:
         pytest.skip("needs 4 GiB available, so that only the address-space limit refuses 3 GiB")
 
-    def limit_address_space() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
-
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli",
-                             *serve(listen=f"unix:{short_tmp / 'kv.sock'}", disk_path="", cpu_capacity="3GiB")],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=limit_address_space)
+    command = [sys.executable, "-m", "kvstore.cli",
+               *serve(listen=f"unix:{short_tmp / 'kv.sock'}", disk_path="", cpu_capacity="3GiB")]
+    proc = subprocess.Popen(exec_after("resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))", command),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     one_line_error(finish(proc), "kvstore: cannot allocate the cpu tier's 3.0 GiB arena (Cannot allocate memory",
                    "lower cpu_capacity (--cpu-capacity)")
 
@@ -333,9 +329,9 @@ def _cli(*args: object, env: dict[str, str] | None = None) -> subprocess.Popen:
     child_env.update(env or {})
     # SIGINT as a terminal leaves it: a runner started in the background (`cmd &`) ignores SIGINT,
     # and a child would inherit that and never see the Ctrl-C these tests send.
-    return subprocess.Popen([sys.executable, "-m", "kvstore.cli", *map(str, args)], env=child_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(exec_after("signal.signal(signal.SIGINT, signal.SIG_DFL)",
+                                       [sys.executable, "-m", "kvstore.cli", *args]),
+                            env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
 @pytest.mark.slow

@@ -11,6 +11,8 @@ import os
 import re
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -83,21 +85,12 @@ def test_events_are_confined_to_loopback_and_to_the_daemons_user_when_it_has_a_t
 
 
 def _connect_as_nobody(path) -> str:
-    child = os.fork()
-    if child == 0:  # pragma: no cover (the child)
-        code = 3
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(str(path))
-            code = 0
-        except PermissionError:
-            code = 1
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(child, 0)
-    return {0: "connected", 1: "refused"}.get(os.waitstatus_to_exitcode(status), "failed")
+    """Connect to the unix socket ``path`` as user nobody, from a fresh process (not a fork of this
+    one: see ``exec_after``)."""
+    probe = ("import os, socket, sys\ns = socket.socket(socket.AF_UNIX)\nos.setgid(65534)\nos.setuid(65534)\n"
+             "try:\n    s.connect(sys.argv[1])\nexcept PermissionError:\n    sys.exit(11)\nsys.exit(10)")
+    code = subprocess.run([sys.executable, "-c", probe, str(path)], timeout=30, check=False).returncode
+    return {10: "connected", 11: "refused"}.get(code, "failed")
 
 
 # -- replay: bounded, never ahead of live batches, never thinned ---------------------------------
