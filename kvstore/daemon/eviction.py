@@ -96,7 +96,8 @@ class Evictor:
         threads (unless not ``offload``), several at once, while the event loop serves others::
 
             per block   make room (the blocks reserved so far count), reserve an extent
-            then        fill every reserved extent in io.fill_lanes threads    (TierIO.fill_many)
+            then        fill every reserved extent in io.fill_lanes threads    (TierIO.fill_many;
+                        io.row_fill_lanes for a Put in rows)
             then        commit each in order: indexed, recorded, charged to ``owner``
 
         A block that finds no room beside the extents reserved so far (a tier or a quota smaller

@@ -14,6 +14,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 from kvstore.block import BlockHeader
+from kvstore.scatter import Gather
 from kvstore.transcode import transcode
 from tiers.base import Tier
 
@@ -44,6 +45,11 @@ class TierIO:
         #: Puts through the staging arena 1.18x faster, Puts in rows 1.04x, another client's gRPC
         #: Lookups during them p50 0.78x, p99 1.56x (both far below copying on the event loop).
         self.fill_lanes = max(1, min(READER_THREADS, cores // 2))
+        #: Worker threads a Put in rows copies in (`Gather`: out of the client's KV cache, which the
+        #: client leaves alone until the call ends, so it has no copy of its own to make
+        #: meanwhile): every core. With the copy in C (kernels/copy_hash.c, no GIL held), two lanes
+        #: against one on 2 cores: a 47 MB Put in rows 3.9-4.8 against 5.3-6.7 ms (docs/benchmarks.md).
+        self.row_fill_lanes = max(1, min(READER_THREADS, cores))
 
     async def run(self, tier: Tier, fn: Callable[..., T], *args, reader: bool = False) -> T:
         """Call a tier: directly for memory tiers, else in the tier's own pool, the reader pool
@@ -55,11 +61,13 @@ class TierIO:
 
     async def fill_many(self, tier: Tier, fills: list[tuple[int, BlockHeader, object]]) -> list[int | Exception | None]:
         """``tier.fill`` of extents reserved with ``tier.reserve`` (offset, header, payload), in at
-        most :attr:`fill_lanes` reader threads at once. Per fill, in order: its checksum, the exception
-        its copy raised, or None for one not copied after an earlier copy of its lane failed.
-        Returns or raises only once every copy has ended, even when cancelled (then it raises
-        CancelledError), since the caller frees or indexes the extents after."""
-        lanes = min(self.fill_lanes, len(fills))
+        most :attr:`fill_lanes` reader threads at once (:attr:`row_fill_lanes` when every payload is
+        a `Gather`, a Put in rows). Per fill, in order: its checksum, the exception its copy raised,
+        or None for one not copied after an earlier copy of its lane failed. Returns or raises only
+        once every copy has ended, even when cancelled (then it raises CancelledError), since the
+        caller frees or indexes the extents after."""
+        in_rows = all(isinstance(payload, Gather) for _, _, payload in fills)
+        lanes = min(self.row_fill_lanes if in_rows else self.fill_lanes, len(fills))
         loop = asyncio.get_running_loop()
         started, refused = [], None
         for lane in range(lanes):
