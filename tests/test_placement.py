@@ -302,6 +302,45 @@ def test_a_large_put_copies_in_threads_and_ends_as_one_block_at_a_time_would(tmp
     assert run(scenario(True)) == serial
 
 
+def test_a_put_in_rows_copies_in_every_lane_and_a_staged_put_in_half(tmp_path, monkeypatch):
+    """A Put whose payloads are all rows of a client's KV cache (`Gather`: the client only waits)
+    copies in `TierIO.row_fill_lanes` threads; one with a payload in the staging arena (its client
+    copies its next part meanwhile) in `fill_lanes`. Either way every block is stored, readable,
+    checksummed as sent."""
+    from kvstore.daemon import eviction, tier_io
+
+    monkeypatch.setattr(eviction, "OFFLOAD_BYTES", 0)
+    lanes: list[int] = []
+    real_lane = tier_io._fill_lane
+
+    def fill_lane(tier, fills):
+        lanes.append(len(fills))
+        return real_lane(tier, fills)
+
+    monkeypatch.setattr(tier_io, "_fill_lane", fill_lane)
+
+    async def scenario():
+        store = make_store(tmp_path, cpu_blocks=12)
+        store.io.fill_lanes, store.io.row_fill_lanes = 1, 3
+        store.start()
+        seen = []
+        for start, in_rows in ((300, (True,) * 6), (310, (True, False) * 3)):
+            call = blocks(6, start=start)
+            items = [(h, _in_rows(p, 3200, 4096 + 64 * i, seed=start + i) if rows else p, b"")
+                     for i, ((h, p), rows) in enumerate(zip(call, in_rows))]
+            lanes.clear()
+            stored = await store.put_many(items, owner="a")
+            assert [s.checksum for s in stored] == [h.checksum for h, _ in call]
+            for h, _ in call:
+                assert await get(store, h) is not None  # every byte compared
+            seen.append(sorted(lanes))
+        store.check_integrity()
+        await store.close()
+        return seen
+
+    assert run(scenario()) == [[2, 2, 2], [6]]
+
+
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_a_put_whose_copy_fails_stores_the_blocks_before_it_and_frees_the_rest(tmp_path, monkeypatch, lanes):
     """A copy that raises in a worker thread (injected: a real source cannot fail this way) fails

@@ -41,14 +41,15 @@ class TierIO:
         self.read_lanes = max(1, min(READER_THREADS, cores))
         #: Worker threads one large Put copies in: half the cores, the other half left to the
         #: clients (a client copies its next payload while the daemon stores the last) and to the
-        #: event loop. Measured on 2 cores (bench/ab_pairs.py, 4 pairs): one lane against two,
+        #: event loop. Measured on 2 cores with the copy then in Python (bench/ab_pairs.py, 4 pairs): one lane against two,
         #: Puts through the staging arena 1.18x faster, Puts in rows 1.04x, another client's gRPC
         #: Lookups during them p50 0.78x, p99 1.56x (both far below copying on the event loop).
         self.fill_lanes = max(1, min(READER_THREADS, cores // 2))
         #: Worker threads a Put in rows copies in (`Gather`: out of the client's KV cache, which the
         #: client leaves alone until the call ends, so it has no copy of its own to make
         #: meanwhile): every core. With the copy in C (kernels/copy_hash.c, no GIL held), two lanes
-        #: against one on 2 cores: a 47 MB Put in rows 3.9-4.8 against 5.3-6.7 ms (docs/benchmarks.md).
+        #: against one on 2 cores: a 47 MB Put in rows 3.9-4.8 against 5.3-6.7 ms, another client's gRPC
+        #: Lookups meanwhile p50 1.25x, p99 0.99x (docs/benchmarks.md, "A Put in rows copies in every core").
         self.row_fill_lanes = max(1, min(READER_THREADS, cores))
 
     async def run(self, tier: Tier, fn: Callable[..., T], *args, reader: bool = False) -> T:
