@@ -47,6 +47,7 @@ from blend.select import (CheckLayerView, StaleReadView, TokenSelector, attentio
                           row_blocks)
 from engine_adapter.kv_cache import KVCache
 from engine_adapter.model import LlamaModel
+from kernels.query_probs import query_probs
 
 
 def row_causal_mask(rows: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -156,7 +157,9 @@ def stale_query_attention(model: LlamaModel, kv: KVCache, layout: BlendLayout, t
     the last layer runs no attention output or MLP. ``cos_all``/``sin_all``: RoPE for 0..T-1.
     The attention probabilities are formed once (float32) and give both the mass and the rows'
     attention output (an SDPA call as well cost 2.3 ms a layer for 40 rows over 1,900 keys here),
-    a block of rows at a time (`row_blocks`: memory bounded for any query length)."""
+    a block of rows at a time (`row_blocks`: memory bounded for any query length); for bfloat16 on
+    a CPU with AVX512-BF16 by `kernels.query_probs` (the same float32 probabilities, the products
+    two at a time in C), else by `attention_probs`."""
     device = model.device
     total = layout.total
     on_host = torch.cat((layout.glue_positions, layout.query_positions)).sort().values  # layout positions: CPU
@@ -183,8 +186,13 @@ def stale_query_attention(model: LlamaModel, kv: KVCache, layout: BlendLayout, t
         layer_mass = torch.zeros(total, dtype=torch.float32, device=device)
         out = []
         for block, masked in zip(blocks, hidden):
-            probs = attention_probs(q[:, block], keys, rows[block], masked)  # [H, R', T]
-            layer_mass += (probs if only_query else probs[:, is_query[block]]).sum((0, 1))
+            native = query_probs(q[:, block], keys, rows[block], None if only_query else is_query[block])
+            if native is not None:  # bfloat16 on a CPU with AVX512-BF16: products, softmax and mass in C
+                probs, block_mass = native
+                layer_mass += block_mass
+            else:
+                probs = attention_probs(q[:, block], keys, rows[block], masked)  # [H, R', T]
+                layer_mass += (probs if only_query else probs[:, is_query[block]]).sum((0, 1))
             if not last:
                 grouped = probs.view(kv_heads, -1, total) @ values  # [KVH, G*R', D]
                 out.append(grouped.view(heads, -1, values.shape[-1]))  # [H, R', D]

@@ -13,7 +13,9 @@ Some kernels are native C rather than Triton, for CPU memory, where Triton does 
 `kernels.native`): `page_copy.c` (through `page_copy.py`, beside `page_copy_ref.py`) writes blocks
 into vLLM's CPU pages, `rope_native.c` (`rope_native.py`) re-rotates keys with the bits of
 `rope_ref.py`, `rans.c` (`rans.py`, beside `rans_ref.py`) is kvtc's entropy coder, and
-`copy_hash.c` (`copy_hash.py`) copies a Put's payload and computes its XXH3-64 in one pass.
+`copy_hash.c` (`copy_hash.py`) copies a Put's payload and computes its XXH3-64 in one pass, and
+`query_probs.c` (`query_probs.py`, beside `blend.select.attention_probs`) forms the blend's query
+pass's attention probabilities from bfloat16 with AVX512-BF16.
 """
 
 from __future__ import annotations

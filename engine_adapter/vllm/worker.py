@@ -181,8 +181,9 @@ class ConnectorWorker:
     def warm_up(self) -> None:
         """Pay the load path's one-time costs now, before the first request (outside its TTFT):
         the first Get through the arena (an empty one: the client's and the daemon's Get path,
-        the message classes) and the page writer's first call (into a one-page scratch cache, never
-        vLLM's pages). Each step's time goes to ``warm_up_ms`` and the start-up line; a step that
+        the message classes), the page writer's first call (into a one-page scratch cache, never
+        vLLM's pages) and, with blending on, the build of its query-pass kernel
+        (`kernels/query_probs.c`, compiled on a machine's first use). Each step's time goes to ``warm_up_ms`` and the start-up line; a step that
         fails is skipped (the first request meets the failure through the guard, as without it)."""
         client = self.cache.client()  # connected when the connector was built (unless that failed)
         if client is not None:
@@ -200,6 +201,12 @@ class ConnectorWorker:
                 self.warm_up_ms["page write"] = (time.perf_counter() - began) * 1e3
             except Exception as exc:  # noqa: BLE001
                 log.debug("KVStoreConnector: warm-up page write failed (%s)", exc)
+        if self.blender is not None and self.blender.dtype == torch.bfloat16 and self.blender.device.type == "cpu":
+            began = time.perf_counter()  # the blend's query-pass kernel, compiled once per machine
+            from kernels.query_probs import native_library
+
+            if native_library() is not None:
+                self.warm_up_ms["query-pass kernel"] = (time.perf_counter() - began) * 1e3
         log.info("KVStoreConnector worker: load path warmed before the first request (%s)",
                  ", ".join(f"{step} {ms:.1f} ms" for step, ms in self.warm_up_ms.items()))
 
