@@ -279,7 +279,7 @@ def test_a_fresh_process_warms_its_first_hit_path_before_the_first_request(scena
     (bench/vllm_ttft.py prints them)."""
     log = scenario["runs"]["fresh"]["log"]
     warmed = re.search(r"KVStoreConnector worker: load path warmed before the first request "
-                       r"\(Get [\d.]+ ms, page write [\d.]+ ms\)", log)
+                       r"\(Get [\d.]+ ms, page write [\d.]+ ms(, query-pass kernel [\d.]+ ms)?\)", log)
     looked = re.search(r"KVStoreConnector scheduler: lookups warmed before the first request "
                        r"\(lookup [\d.]+ ms, lease [\d.]+ ms\)", log)
     first_hit = re.search(r"KVStoreConnector scheduler: first hit: keys [\d.]+ ms, lookup [\d.]+ ms, lease [\d.]+ ms", log)
