@@ -7,8 +7,9 @@
  *     probs[m, j] = softmax over the keys j <= pos[m] of s[m, j], 0 for the keys after pos[m]
  *     mass[j]    += weight[m] * probs[m, j]                         (summed over g and m)
  *
- * which is blend.select.attention_probs's float32 arithmetic but for the order of the sums: a
- * bfloat16 product is exact in float32, so the products need no float32 copies of q and k, and two
+ * which is blend.select.attention_probs's within float32 rounding (the order of the sums, the scale
+ * applied after the product, the exp): a bfloat16 product is exact in float32, so the products need
+ * no float32 copies of q and k, and two
  * products go into each AVX512-BF16 dot-product instruction (vdpbf16ps) where a float32
  * multiply-add takes one. Keys are packed 16 to a register, a pair of dims per 32-bit lane; a
  * block of 4 rows x 64 keys is summed in 16 registers; each row's scores stay in a scratch row in
@@ -31,9 +32,12 @@ enum { HANDLED = 0, NOT_HANDLED = 1 };
 
 #define AVX512BF16 __attribute__((target("avx512f,avx512bf16")))
 
-/* e^x for x <= 0 (x - max), Cephes expf's reduction and polynomial; e^x underflows to 0 below -87. */
+/* e^x for x <= 0 (x - max), Cephes expf's reduction and polynomial; 0 below -87.3 (where float32's
+ * normal range ends), NaN for NaN. */
 AVX512BF16 static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+    const __m512 lowest = _mm512_set1_ps(-87.33654f);
+    const __mmask16 normal = _mm512_cmp_ps_mask(x, lowest, _CMP_NLT_UQ);  /* x >= lowest, or NaN */
+    x = _mm512_max_ps(lowest, x);  /* the second operand where either is NaN: NaN passes */
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -45,7 +49,7 @@ AVX512BF16 static inline __m512 exp_nonpositive(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
 }
 
 /* Keys [T, D] (rows ``stride`` elements apart) as packed[(block * pairs + p) * 16 + lane] = the
@@ -119,7 +123,16 @@ AVX512BF16 static void softmax_row(float *out, float *mass, const float *scores,
         _mm512_mask_storeu_ps(out + j, tail, e);
         sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(tail, e));
     }
-    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums));
+    const float total = _mm512_reduce_add_ps(sums);
+    if (total != total) {  /* a NaN score: the whole row NaN, masked keys too, as torch's softmax */
+        for (j = 0; j < n_keys; j++) {
+            out[j] = __builtin_nanf("");
+            if (weight != 0.0f)
+                mass[j] += out[j];
+        }
+        return;
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / total);
     const __m512 weighted = _mm512_set1_ps(weight);
     for (j = 0; j < visible; j += 16) {
         __mmask16 lanes = visible - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (visible - j)) - 1u);
@@ -171,12 +184,16 @@ AVX512BF16 static int query_probs_avx512(float *probs, float *mass, const uint16
     return HANDLED;
 }
 
+/* 1 where this CPU runs the kernel (AVX512F and AVX512-BF16), else 0. */
+int kvstore_query_probs_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+}
+
 int kvstore_query_probs(float *probs, float *mass, const uint16_t *q, const uint16_t *keys, const int64_t *positions,
                         const float *weights, uint64_t groups, uint64_t rows, uint64_t n_keys, uint64_t dim,
                         uint64_t q_group_stride, uint64_t k_group_stride, uint64_t k_row_stride, float scale) {
-    __builtin_cpu_init();
-    if (dim == 0 || dim % 2 != 0 || rows == 0 || n_keys == 0 || !__builtin_cpu_supports("avx512f") ||
-        !__builtin_cpu_supports("avx512bf16"))
+    if (dim == 0 || dim % 2 != 0 || rows == 0 || n_keys == 0 || !kvstore_query_probs_supported())
         return NOT_HANDLED;
     for (uint64_t m = 0; m < rows; m++)
         if (positions[m] < 0)  /* a row that sees no key (torch's softmax: NaN) */

@@ -90,7 +90,10 @@ def exec_after(setup: str, argv: list[str]) -> list[str]:
     handlers restart its poller in the child, and the child dies (SIGABRT, "epoll_wait error: Bad
     file descriptor", or SIGSEGV) when it closes its fds before exec: 19-75 in 1,000 such forks on
     the dev VM. Without those options Popen uses vfork, which runs no fork handlers."""
-    program = f"import os, resource, signal, sys\n{setup}\nos.execv(sys.argv[1], sys.argv[1:])"
+    program = ("import os, resource, signal, sys\n"
+               "for name in ('SIGPIPE', 'SIGXFSZ'):  # as Popen leaves them (Python ignores both)\n"
+               "    signal.signal(getattr(signal, name), signal.SIG_DFL)\n"
+               f"{setup}\nos.execv(sys.argv[1], sys.argv[1:])")
     return [sys.executable, "-c", program, *map(str, argv)]
 
 

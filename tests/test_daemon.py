@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import stat
 import urllib.request
@@ -90,7 +91,9 @@ def _client_worker(args):
 
 def test_eight_concurrent_clients_lose_and_mix_nothing(daemon_factory):
     d = daemon_factory(cpu_capacity="16MiB")
-    with ProcessPoolExecutor(8) as pool:
+    # spawned, not forked: a fork of this process, whose earlier tests left gRPC's threads running,
+    # may die in gRPC's fork handlers (tests/conftest.py: exec_after)
+    with ProcessPoolExecutor(8, mp_context=multiprocessing.get_context("spawn")) as pool:
         results = list(pool.map(_client_worker, [(d.address, i) for i in range(8)]))
     assert results == ["ok"] * 8
 

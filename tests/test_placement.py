@@ -302,6 +302,17 @@ def test_a_large_put_copies_in_threads_and_ends_as_one_block_at_a_time_would(tmp
     assert run(scenario(True)) == serial
 
 
+def test_a_puts_copies_leave_a_reader_thread_for_other_clients(monkeypatch):
+    """However many cores, one Put's copies take at most all but one of the reader threads, so
+    another client's read (a disk Get, a large CPU Get) never queues behind a whole large copy."""
+    from kvstore.daemon import tier_io
+
+    for cores in (1, 2, 3, 4, 6, 8, 64):
+        monkeypatch.setattr(tier_io.os, "cpu_count", lambda cores=cores: cores)
+        io = tier_io.TierIO([])
+        assert 1 <= io.fill_lanes <= io.row_fill_lanes == min(cores, tier_io.READER_THREADS - 1)
+
+
 def test_a_put_in_rows_copies_in_every_lane_and_a_staged_put_in_half(tmp_path, monkeypatch):
     """A Put whose payloads are all rows of a client's KV cache (`Gather`: the client only waits)
     copies in `TierIO.row_fill_lanes` threads; one with a payload in the staging arena (its client

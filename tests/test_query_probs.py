@@ -59,6 +59,19 @@ def test_query_probs_leaves_what_it_does_not_take_to_torch():
     assert query_probs(q, keys.transpose(1, 2).contiguous().transpose(1, 2), positions) is None  # dims not contiguous
     assert query_probs(q[:, :0], keys, positions[:0]) is None and query_probs(q, keys[:, :0], positions) is None
     assert query_probs(q, keys, positions - positions.max() - 1) is None  # sees no key
+    assert query_probs(q, keys, positions[:-1]) is None and query_probs(q, keys, positions, torch.ones(1)) is None
+    assert query_probs(q[0], keys, positions) is None  # not [H, R, D]
+
+
+def test_query_probs_passes_nan_on_as_torch_does():
+    """A NaN key (a corrupt activation) makes NaN the rows that see it, as torch's softmax does,
+    not finite probabilities that would hide it; rows that do not see it are unaffected."""
+    q, keys, positions, _ = _case(7)
+    keys = keys.clone()
+    keys[:, 0, 0] = float("nan")
+    probs, mass = _needs_kernel(query_probs(q, keys, positions))
+    reference = attention_probs(q, keys, positions)
+    assert torch.equal(probs.isnan(), reference.isnan()) and bool(probs.isnan().any()) and bool(mass.isnan().any())
     three_heads = torch.randn(3, 4, 8).bfloat16()
     assert query_probs(three_heads, torch.randn(2, 5, 8).bfloat16(), torch.arange(4)) is None  # 3 heads, 2 KV heads
 

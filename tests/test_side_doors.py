@@ -87,10 +87,12 @@ def test_events_are_confined_to_loopback_and_to_the_daemons_user_when_it_has_a_t
 def _connect_as_nobody(path) -> str:
     """Connect to the unix socket ``path`` as user nobody, from a fresh process (not a fork of this
     one: see ``exec_after``)."""
-    probe = ("import os, socket, sys\ns = socket.socket(socket.AF_UNIX)\nos.setgid(65534)\nos.setuid(65534)\n"
-             "try:\n    s.connect(sys.argv[1])\nexcept PermissionError:\n    sys.exit(11)\nsys.exit(10)")
-    code = subprocess.run([sys.executable, "-c", probe, str(path)], timeout=30, check=False).returncode
-    return {10: "connected", 11: "refused"}.get(code, "failed")
+    probe = ("import os, socket, sys\ns = socket.socket(socket.AF_UNIX)\nos.setgroups([])\nos.setgid(65534)\n"
+             "os.setuid(65534)\ntry:\n    s.connect(sys.argv[1])\nexcept PermissionError:\n    sys.exit(11)\nsys.exit(10)")
+    done = subprocess.run([sys.executable, "-c", probe, str(path)], timeout=30, check=False, capture_output=True,
+                          text=True)
+    code = done.returncode
+    return {10: "connected", 11: "refused"}.get(code, f"failed ({code}): {done.stderr.strip()[-300:]}")
 
 
 # -- replay: bounded, never ahead of live batches, never thinned ---------------------------------

@@ -23,6 +23,9 @@ T = TypeVar("T")
 #: Worker threads for blocking-tier reads (promotions, demotions and Gets) and the copies of
 #: large Gets and Puts of memory tiers.
 READER_THREADS = 4
+#: The most of them one Put's copies take: one is always left for other clients' reads, which
+#: would otherwise queue behind a large Put's whole copy.
+FILL_LANES_MAX = READER_THREADS - 1
 #: A Get or Put moving at least this many bytes copies memory-tier blocks in worker threads; a
 #: smaller one copies on the event loop, where a thread hop would cost more than the copy.
 OFFLOAD_BYTES = 1 << 20
@@ -39,18 +42,20 @@ class TierIO:
         #: Executor calls one batched Get splits its blocking reads into: one per core, since a
         #: disk read from the page cache is a CPU-bound copy and hash (more would only contend).
         self.read_lanes = max(1, min(READER_THREADS, cores))
-        #: Worker threads one large Put copies in: half the cores, the other half left to the
-        #: clients (a client copies its next payload while the daemon stores the last) and to the
-        #: event loop. Measured on 2 cores with the copy then in Python (bench/ab_pairs.py, 4 pairs): one lane against two,
-        #: Puts through the staging arena 1.18x faster, Puts in rows 1.04x, another client's gRPC
-        #: Lookups during them p50 0.78x, p99 1.56x (both far below copying on the event loop).
-        self.fill_lanes = max(1, min(READER_THREADS, cores // 2))
+        #: Worker threads one large Put copies in: half the cores (FILL_LANES_MAX at most), the
+        #: other half left to the clients (a client copies its next payload while the daemon stores
+        #: the last) and to the event loop. Measured on 2 cores with the copy then in Python
+        #: (bench/ab_pairs.py, 4 pairs): one lane against two, Puts through the staging arena 1.18x
+        #: faster, Puts in rows 1.04x, another client's gRPC Lookups during them p50 0.78x, p99
+        #: 1.56x (both far below copying on the event loop).
+        self.fill_lanes = max(1, min(FILL_LANES_MAX, cores // 2))
         #: Worker threads a Put in rows copies in (`Gather`: out of the client's KV cache, which the
         #: client leaves alone until the call ends, so it has no copy of its own to make
-        #: meanwhile): every core. With the copy in C (kernels/copy_hash.c, no GIL held), two lanes
-        #: against one on 2 cores: a 47 MB Put in rows 3.9-4.8 against 5.3-6.7 ms, another client's gRPC
-        #: Lookups meanwhile p50 1.25x, p99 0.99x (docs/benchmarks.md, "A Put in rows copies in every core").
-        self.row_fill_lanes = max(1, min(READER_THREADS, cores))
+        #: meanwhile): every core, FILL_LANES_MAX at most. With the copy in C (kernels/copy_hash.c,
+        #: no GIL held), two lanes against one on 2 cores: a 47 MB Put in rows 3.9-4.8 against
+        #: 5.3-6.7 ms, another client's gRPC Lookups meanwhile p50 1.25x, p99 0.99x
+        #: (docs/benchmarks.md, "A Put in rows copies in every core").
+        self.row_fill_lanes = max(1, min(FILL_LANES_MAX, cores))
 
     async def run(self, tier: Tier, fn: Callable[..., T], *args, reader: bool = False) -> T:
         """Call a tier: directly for memory tiers, else in the tier's own pool, the reader pool
