@@ -12,7 +12,7 @@ from kernels.query_probs import query_probs
 
 def _case(seed: int):
     g = torch.Generator().manual_seed(seed)
-    draw = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
+    draw = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
     kv_heads, group = draw(1, 4), draw(1, 4)
     dim = (2, 8, 14, 64, 66, 128)[draw(0, 6)]
     keys_n, rows = draw(1, 300), draw(1, 23)
@@ -87,7 +87,7 @@ def test_the_query_pass_on_the_kernel_selects_what_torch_selects(monkeypatch):
     model = tiny_model(seed=4).to(torch.bfloat16)
     prefix, chunks, query = tiny_prompt(seed=5, chunks=(40, 31, 52), query=9)
     layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query))
-    ids = torch.tensor(prefix + sum(chunks, []) + query)
+    ids = torch.tensor(prefix + [token for chunk in chunks for token in chunk] + query)
     cos, sin = model.rope(torch.arange(layout.total))
 
     def query_pass():
