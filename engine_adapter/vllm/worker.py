@@ -183,8 +183,9 @@ class ConnectorWorker:
         the first Get through the arena (an empty one: the client's and the daemon's Get path,
         the message classes), the page writer's first call (into a one-page scratch cache, never
         vLLM's pages) and, with blending on, the build of its query-pass kernel
-        (`kernels/query_probs.c`, compiled on a machine's first use). Each step's time goes to ``warm_up_ms`` and the start-up line; a step that
-        fails is skipped (the first request meets the failure through the guard, as without it)."""
+        (`kernels/query_probs.c`, compiled on a machine's first use). Each step's time goes to
+        ``warm_up_ms`` and the start-up line; a step that fails is skipped (the first request meets
+        the failure through the guard, as without it)."""
         client = self.cache.client()  # connected when the connector was built (unless that failed)
         if client is not None:
             began = time.perf_counter()
