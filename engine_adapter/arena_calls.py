@@ -174,7 +174,7 @@ def fetch_ahead(client: KVStoreClient, keys: Sequence[bytes], max_payload_bytes:
 
 
 def put_through_arena(client: KVStoreClient, metas: dict[int, pb.BlockMeta], views: list[memoryview],
-                      parents: list[bytes], durable: bool) -> int:
+                      parents: list[bytes], token_ids: list[Sequence[int]], durable: bool) -> int:
     """Put blocks ``metas`` (index -> meta) in Puts of about a quarter of them (each of at least
     PIPELINE_PART_BYTES): while the daemon checksums and stores one, this thread copies the next
     into the arena, so a Put costs about the slower of the two copies, not their sum::
@@ -198,7 +198,7 @@ def put_through_arena(client: KVStoreClient, metas: dict[int, pb.BlockMeta], vie
         for i, offset in zip(part, offsets):
             client._arena.buffer[offset : offset + sizes[i]] = views[i]
             items.append(pb.PutItem(meta=metas[i], slice=pb.ArenaSlice(
-                arena_id=client._arena_id, offset=offset, length=sizes[i]), parent=parents[i]))
+                arena_id=client._arena_id, offset=offset, length=sizes[i]), parent=parents[i], token_ids=token_ids[i]))
         calls.end_all()
         return client._call(client._stub.Put.future, pb.PutRequest(items=items, durable=durable))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -68,3 +68,13 @@ def payload_view(payload: Any) -> memoryview:
     if isinstance(payload, np.ndarray):
         return memoryview(np.ascontiguousarray(payload).reshape(-1).view(np.uint8))
     return memoryview(payload).cast("B")
+
+
+def block_token_ids(block: tuple) -> Sequence[int]:
+    """The token ids of a block to Put, ``(key, tokens, payload, parent, token_ids)``: its fifth
+    item, or none (a shorter tuple). A Put sends them so a daemon publishing KV events can name the
+    block's tokens to routers; any count other than the block's own is ignored there."""
+    ids = block[4] if len(block) > 4 else None
+    if ids is None:
+        return ()
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)  # a tensor's or array's as ints

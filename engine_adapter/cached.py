@@ -198,7 +198,8 @@ class CachedEngine:
         # Store the chunks computed here, behind the first token; decode only appends after the prompt.
         new_chunks = range(reused // n, len(keys)) if store else range(0)
         result.stored_chunks = len(new_chunks) if self.client is not None else 0
-        self.cache.store_async(keys, new_chunks, lambda c: block_to_store(kv, c * n, n), result.store_done)
+        self.cache.store_async(keys, new_chunks, lambda c: block_to_store(kv, c * n, n), result.store_done,
+                               token_ids=prompt_ids)
         result.tokens = decode_after(self.model, kv, first, max_new_tokens, self.tokenizer.eos_token_ids,
                                      temperature, top_p, generator)
         result.total_s = time.perf_counter() - start
@@ -223,7 +224,8 @@ class CachedEngine:
         with torch.inference_mode():
             for c in range(present, len(keys)):
                 self.model(torch.tensor(context_ids[c * n : (c + 1) * n], dtype=torch.long), kv, c * n, last_only=True)
-                self.client.put(self.namespace, [(keys[c], n, kv.export(c * n, (c + 1) * n), keys[c - 1] if c else b"")])
+                self.client.put(self.namespace, [(keys[c], n, kv.export(c * n, (c + 1) * n), keys[c - 1] if c else b"",
+                                                  context_ids[c * n : (c + 1) * n])])
                 if progress:
                     progress(1)
         return len(keys) - present, present

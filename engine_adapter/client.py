@@ -35,7 +35,7 @@ import grpc
 
 from engine_adapter import arena_calls
 from engine_adapter.arena_space import ArenaSpace, batches, slot_bytes
-from engine_adapter.blocks import FetchedBlock, LayerStream, fetched_block, payload_view
+from engine_adapter.blocks import FetchedBlock, LayerStream, block_token_ids, fetched_block, payload_view
 from engine_adapter.data_channel import DataChannelError, DataChannelPool, open_pool
 from engine_adapter.lookup_tally import REPORT_TIMEOUT_S, LookupTally
 from kvstore.arena import Arena, ArenaLease, arena_socket_path
@@ -258,8 +258,9 @@ class KVStoreClient:
     def put(self, namespace: Namespace, blocks: Sequence[tuple[bytes, int, Any]], codec: str = "raw",
             codec_params: dict[str, Any] | None = None, durable: bool = False) -> int:
         """Store ``(key, tokens, payload)`` blocks of one namespace, or ``(key, tokens, payload,
-        parent)`` with the key before it in its prefix chain (the daemon then evicts a chain's last
-        blocks before its first); returns how many were stored.
+        parent[, token_ids])`` with the key before it in its prefix chain (the daemon then evicts a
+        chain's last blocks before its first) and the block's token ids (which a daemon publishing
+        KV events names, so routers can match prompts to it); returns how many were stored.
 
         ``durable``: return only once a durable tier (fsynced disk, S3) holds them; otherwise a
         Put is acknowledged once the daemon's top tier holds them (see docs/guarantees.md).
@@ -268,6 +269,7 @@ class KVStoreClient:
         params = json.dumps(codec_params) if codec_params else ""
         views = [payload_view(block[2]) for block in blocks]
         parents = [(block[3] or b"") if len(block) > 3 else b"" for block in blocks]
+        token_ids = [block_token_ids(block) for block in blocks]
         stored = 0
         data = self._data_channel()
         for batch in batches([len(v) for v in views], self._planned_bytes()):
@@ -276,7 +278,7 @@ class KVStoreClient:
                                   codec=codec, codec_params_json=params, payload_len=len(views[i]))
                      for i in batch]
             if data is not None:  # payloads follow the message as they are
-                items = [pb.PutItem(meta=meta, parent=parents[i]) for meta, i in zip(metas, batch)]
+                items = [pb.PutItem(meta=meta, parent=parents[i], token_ids=token_ids[i]) for meta, i in zip(metas, batch)]
                 try:
                     stored += data.put(pb.PutRequest(items=items, durable=durable), [views[i] for i in batch])
                     continue
@@ -284,11 +286,12 @@ class KVStoreClient:
                     if exc.code() not in BUSY:
                         raise  # else the channel is full or stopping: this batch goes inline in gRPC
             if self._arena is None:
-                items = [pb.PutItem(meta=meta, inline=views[i].tobytes(), parent=parents[i])
+                items = [pb.PutItem(meta=meta, inline=views[i].tobytes(), parent=parents[i], token_ids=token_ids[i])
                          for meta, i in zip(metas, batch)]
                 stored += self._call(self._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
                 continue
-            stored += arena_calls.put_through_arena(self, dict(zip(batch, metas)), views, parents, durable)
+            stored += arena_calls.put_through_arena(self, dict(zip(batch, metas)), views, parents, token_ids,
+                                                    durable)
         return stored
 
     @contextlib.contextmanager

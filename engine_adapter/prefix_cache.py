@@ -330,8 +330,8 @@ class PrefixCache:
         self.ok()
 
     def put(self, blocks: Sequence[tuple], durable: bool = False) -> bool:
-        """Put ``blocks`` (``(key, tokens, payload)``, or with the key before it in its chain last:
-        `KVStoreClient.put`; a payload may be a `RowsInRegion`) now, in their order; False when the
+        """Put ``blocks`` (``(key, tokens, payload)``, or with the key before it in its chain and
+        the token ids after: `KVStoreClient.put`; a payload may be a `RowsInRegion`) now, in their order; False when the
         daemon is down or failed.
         ``durable``: return once a durable tier (fsynced disk, S3) holds them."""
         client = self.client() if blocks else None
@@ -357,12 +357,17 @@ class PrefixCache:
     # -- stores behind the request ------------------------------------------------------------
 
     def store_async(self, keys: list[bytes], chunks: range, chunk: Callable[[int], torch.Tensor | RowsInRegion],
-                    done: threading.Event) -> None:
+                    done: threading.Event, token_ids: Sequence[int] | None = None) -> None:
         """Put ``chunk(c)`` under ``keys[c]`` for each c in ``chunks`` from the store thread
-        (see `store_blocks_async`)."""
+        (see `store_blocks_async`); ``token_ids``, the prompt's, names each chunk's tokens."""
         n = self.namespace.chunk_tokens
-        self.store_blocks_async(len(chunks), lambda i: (keys[chunks[i]], n, chunk(chunks[i]),
-                                                        keys[chunks[i] - 1] if chunks[i] else b""), done)
+
+        def block(i: int) -> tuple:
+            c = chunks[i]
+            ids = token_ids[c * n : (c + 1) * n] if token_ids is not None else None
+            return keys[c], n, chunk(c), keys[c - 1] if c else b"", ids
+
+        self.store_blocks_async(len(chunks), block, done)
 
     def store_room(self) -> int:
         """How many more blocks the store thread takes now (``max_queued`` bounds it)."""

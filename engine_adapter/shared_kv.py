@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from engine_adapter.arena_space import batches
-from engine_adapter.blocks import FetchedBlock, fetched_block
+from engine_adapter.blocks import FetchedBlock, block_token_ids, fetched_block
 from engine_adapter.kv_cache import KVCache
 from kvstore.arena import ArenaLease, arena_socket_path
 from kvstore.keys import Namespace
@@ -247,7 +247,7 @@ def block_to_store(kv: KVCache, start: int, tokens: int) -> RowsInRegion | torch
 
 
 def put_rows(client: KVStoreClient, namespace: Namespace, blocks: Sequence[tuple], durable: bool = False) -> int:
-    """Put ``(key, tokens, RowsInRegion[, parent])`` raw blocks of ``namespace``: the daemon copies
+    """Put ``(key, tokens, RowsInRegion[, parent[, token_ids]])`` raw blocks of ``namespace``: the daemon copies
     each one's rows out of its region into its top tier (kvstore/scatter.py: `Gather`), with no copy
     here. Returns how many were stored. A call that fails retires its blocks' regions
     (`SharedRegion.retire`): no later cache is computed into memory the daemon may still read."""
@@ -261,6 +261,7 @@ def put_rows(client: KVStoreClient, namespace: Namespace, blocks: Sequence[tuple
             meta = pb.BlockMeta(key=key, namespace=namespace.id, tokens=tokens, layout=layout, codec="raw",
                                 payload_len=rows.nbytes)
             items.append(pb.PutItem(meta=meta, parent=(blocks[i][3] or b"") if len(blocks[i]) > 3 else b"",
+                                    token_ids=block_token_ids(blocks[i]),
                                     slice=pb.ArenaSlice(arena_id=rows.region.arena_id, offset=place.offset,
                                                         length=place.span),
                                     row_bytes=place.row_bytes, row_stride=place.row_stride))

@@ -17,13 +17,18 @@ padding to a multiple of 64 so the payload is aligned)::
       8    16  key
      24    16  namespace id
      40     2  num_layers        42  2  num_kv_heads     44  2  head_dim
-     46     1  dtype code        47  1  flags (reserved, 0)
+     46     1  dtype code        47  1  flags (bit 0: a parent follows the params, bit 1: token ids)
      48     4  tokens
      52    32  codec spec (ASCII, NUL padded), e.g. "raw" or "int4-g32+shuffle+zstd"
      84     4  params_len
      88     8  payload_len
      96     8  payload checksum  (xxh3-64)
-    104     8  header checksum   (xxh3-64 of bytes 0..104 and the params JSON)
+    104     8  header checksum   (xxh3-64 of bytes 0..104, the params JSON and the chain)
+
+The chain, after the params (a daemon that publishes KV events keeps it, docs/operations.md): with
+flag bit 0, the key before this block in its prefix chain (16 bytes); with bit 1, the block's token
+ids, ``tokens`` little-endian uint32s. Routers match prompts by their tokens, so
+KV events carry both; a block keeps them so that every tier, and a restart, can say them again.
 
 A block whose header or payload checksum fails is corrupt: readers raise
 :class:`CorruptBlockError`, and the store turns that into a counted miss and deletes the block.
@@ -51,6 +56,9 @@ _HEADER_CHECKSUM = struct.Struct("<Q")
 FIXED_BYTES = _FIXED.size + _HEADER_CHECKSUM.size  # 112
 MAX_PARAMS_BYTES = 4096
 CODEC_BYTES = 32
+#: Most token ids a header keeps (a longer block keeps its parent alone): 16 KiB.
+MAX_CHAIN_TOKENS = 4096
+FLAG_PARENT, FLAG_TOKENS = 1, 2
 
 DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3}
 DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
@@ -125,6 +133,16 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+#: The longest header: params and a chain of MAX_CHAIN_TOKENS, padded (what a tier reads to learn a
+#: block's header_len).
+MAX_HEADER_BYTES = _align(FIXED_BYTES + MAX_PARAMS_BYTES + KEY_BYTES + 4 * MAX_CHAIN_TOKENS)
+
+
+def pack_token_ids(token_ids) -> bytes:
+    """Token ids as a header keeps them (`BlockHeader.token_ids`): little-endian uint32 each."""
+    return np.asarray(token_ids, dtype="<u4").tobytes()
+
+
 @dataclass(frozen=True)
 class BlockHeader:
     key: bytes
@@ -135,6 +153,10 @@ class BlockHeader:
     checksum: int
     codec: str = "raw"
     codec_params: dict[str, Any] = field(default_factory=dict)
+    #: The key before this block in its prefix chain, or b"" (unknown, or the chain's first).
+    parent: bytes = b""
+    #: The block's token ids, packed little-endian uint32 (`pack_token_ids`), or b"" (not kept).
+    token_ids: bytes = b""
 
     def __post_init__(self) -> None:
         if len(self.key) != KEY_BYTES or len(self.namespace) != KEY_BYTES:
@@ -148,6 +170,20 @@ class BlockHeader:
                 f"raw payload of {self.tokens} tokens in layout {self.layout} must be "
                 f"{self.layout.block_bytes(self.tokens)} bytes, got {self.payload_len}"
             )
+        if self.parent and len(self.parent) != KEY_BYTES:
+            raise ValueError(f"parent must be {KEY_BYTES} bytes, got {len(self.parent)}")
+        if self.token_ids and (len(self.token_ids) != 4 * self.tokens or self.tokens > MAX_CHAIN_TOKENS):
+            raise ValueError(f"token_ids must hold the block's {self.tokens} tokens (at most {MAX_CHAIN_TOKENS}), "
+                             f"got {len(self.token_ids)} bytes")
+
+    @property
+    def chain(self) -> bytes:
+        """The chain's bytes after the params: the parent and the token ids, each where kept."""
+        return self.parent + self.token_ids
+
+    def token_id_list(self) -> list[int]:
+        """The block's token ids ([] when not kept)."""
+        return np.frombuffer(self.token_ids, dtype="<u4").tolist()
 
     @property
     def params_json(self) -> bytes:
@@ -157,7 +193,7 @@ class BlockHeader:
 
     @property
     def header_len(self) -> int:
-        return _align(FIXED_BYTES + len(self.params_json))
+        return _align(FIXED_BYTES + len(self.params_json) + len(self.chain))
 
     @property
     def block_len(self) -> int:
@@ -165,7 +201,7 @@ class BlockHeader:
         return self.header_len + self.payload_len
 
     def pack(self) -> bytes:
-        params = self.params_json
+        params, chain = self.params_json, self.chain
         if len(params) > MAX_PARAMS_BYTES:
             raise ValueError(f"codec params take {len(params)} bytes; at most {MAX_PARAMS_BYTES} fit a header")
         fixed = _FIXED.pack(
@@ -178,15 +214,15 @@ class BlockHeader:
             self.layout.num_kv_heads,
             self.layout.head_dim,
             DTYPE_CODES[self.layout.dtype],
-            0,
+            (FLAG_PARENT if self.parent else 0) | (FLAG_TOKENS if self.token_ids else 0),
             self.tokens,
             self.codec.encode().ljust(CODEC_BYTES, b"\x00"),
             len(params),
             self.payload_len,
             self.checksum,
         )
-        digest = xxhash.xxh3_64_intdigest(fixed + params)
-        out = fixed + _HEADER_CHECKSUM.pack(digest) + params
+        digest = xxhash.xxh3_64_intdigest(fixed + params + chain)
+        out = fixed + _HEADER_CHECKSUM.pack(digest) + params + chain
         return out.ljust(self.header_len, b"\x00")
 
     @classmethod
@@ -195,7 +231,7 @@ class BlockHeader:
         if len(buf) < FIXED_BYTES:
             raise CorruptBlockError(f"block of {len(buf)} bytes is shorter than a header")
         fields = _FIXED.unpack_from(buf, 0)
-        (magic, version, header_len, key, namespace, layers, heads, head_dim, dtype_code, _flags,
+        (magic, version, header_len, key, namespace, layers, heads, head_dim, dtype_code, flags,
          tokens, codec, params_len, payload_len, checksum) = fields
         if magic != MAGIC:
             raise CorruptBlockError(f"bad magic {magic!r}")
@@ -203,9 +239,17 @@ class BlockHeader:
             raise CorruptBlockError(f"unsupported block format version {version}")
         if params_len > MAX_PARAMS_BYTES or FIXED_BYTES + params_len > len(buf):
             raise CorruptBlockError(f"params length {params_len} out of range")
+        if flags & ~(FLAG_PARENT | FLAG_TOKENS):
+            raise CorruptBlockError(f"unknown header flags {flags:#x}")
         (stored_digest,) = _HEADER_CHECKSUM.unpack_from(buf, _FIXED.size)
         params = bytes(buf[FIXED_BYTES : FIXED_BYTES + params_len])
-        if xxhash.xxh3_64_intdigest(bytes(buf[: _FIXED.size]) + params) != stored_digest:
+        start = FIXED_BYTES + params_len
+        parent_len = KEY_BYTES if flags & FLAG_PARENT else 0
+        ids_len = 4 * tokens if flags & FLAG_TOKENS else 0
+        if ids_len > 4 * MAX_CHAIN_TOKENS or start + parent_len + ids_len > min(len(buf), header_len):
+            raise CorruptBlockError(f"chain of {parent_len + ids_len} bytes out of range")
+        chain = bytes(buf[start : start + parent_len + ids_len])
+        if xxhash.xxh3_64_intdigest(bytes(buf[: _FIXED.size]) + params + chain) != stored_digest:
             raise CorruptBlockError("header checksum mismatch")
         try:
             header = cls(
@@ -217,6 +261,8 @@ class BlockHeader:
                 checksum=checksum,
                 codec=codec.rstrip(b"\x00").decode("ascii"),
                 codec_params=json.loads(params) if params else {},
+                parent=chain[:parent_len],
+                token_ids=chain[parent_len:],
             )
         except (KeyError, ValueError, UnicodeDecodeError) as exc:
             raise CorruptBlockError(f"inconsistent header: {exc}") from exc

@@ -76,6 +76,8 @@ _FIELD_HELP = {
                      "('' disables; none with tenants; see events_public)",
     "events_replay": "ZMQ ROUTER address answering KV-event replay requests, tcp://LOOPBACK-IP:PORT or ipc:///path",
     "events_topic": "topic of every KV-event message, e.g. kv@POD@MODEL for llm-d",
+    "events_block_size": "tokens per published block, the router's block size (a divisor of the engine's chunk "
+                         "size, e.g. 16 for Dynamo or llm-d defaults); 0 publishes each block whole",
     "events_public": "allow KV events on a TCP host that is not loopback, or on TCP at all with an auth token "
                      "(they carry every stored key and no authentication; ipc:// sockets are 0600)",
     "metrics_public": "allow a metrics_listen host that is not loopback (whoever reaches it reads the totals)",

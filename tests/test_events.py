@@ -12,7 +12,9 @@ import zmq
 
 from engine_adapter.client import KVStoreClient
 from kvstore.daemon.config import load_config
-from kvstore.daemon.event_format import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvstore.block import BlockHeader, pack_token_ids
+from kvstore.daemon.event_format import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, block_hash, decode_batch,
+                                         sub_block_hashes)
 from kvstore.daemon.event_replay import replay
 from kvstore.daemon.events import EventPublisher
 from kvstore.keys import KVLayout, Namespace, prefix_keys
@@ -26,6 +28,16 @@ except ImportError:
 
 SMALL = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16")
 SMALL_NS = Namespace("tiny-model", SMALL, chunk_tokens=64)
+
+
+#: The tier an event names, from its medium and locality (events name no ``ownership``).
+TIER_OF = {("CPU", "LOCAL"): "cpu", ("STORAGE", "LOCAL"): "disk", ("STORAGE", "REMOTE"): "s3", ("GPU", "LOCAL"): "gpu"}
+
+
+def small_header(key: bytes, tokens: int = 64, parent: bytes = b"", token_ids=None) -> BlockHeader:
+    """A header of a SMALL block, as a tier would give the publisher."""
+    return BlockHeader(key=key, namespace=SMALL_NS.id, layout=SMALL, tokens=tokens, payload_len=SMALL.block_bytes(tokens),
+                       checksum=1, parent=parent, token_ids=pack_token_ids(token_ids) if token_ids is not None else b"")
 
 
 def endpoints() -> dict[str, str]:
@@ -56,39 +68,41 @@ class Subscriber:
         self.sock.close()
 
 
-def apply(state: dict[bytes, set[str]], events) -> None:
-    """Update {key: tiers holding it} with one batch's events, strictly: a removal of a key the
-    stream never stored there is a bug in the stream."""
+def apply(state: dict[int, set[str]], events) -> None:
+    """Update {block hash: tiers holding it} with one batch's events, strictly: a removal of a key
+    the stream never stored there is a bug in the stream."""
     for event in events:
         if isinstance(event, AllBlocksCleared):
             state.clear()
-        elif isinstance(event, BlockStored):
-            for key in event.block_hashes:
-                tier = event.ownership.removeprefix("kvstore/")
-                assert tier not in state.get(key, set()), f"{key.hex()} stored twice in {tier}"
+            continue
+        assert event.ownership is None  # Dynamo drops events that name one
+        tier = TIER_OF[event.medium, event.locality]
+        for key in event.block_hashes:
+            assert isinstance(key, int) and 0 <= key < 2**64
+            if isinstance(event, BlockStored):
+                assert tier not in state.get(key, set()), f"{key:x} stored twice in {tier}"
                 state.setdefault(key, set()).add(tier)
-        else:
-            for key in event.block_hashes:
-                tier = event.ownership.removeprefix("kvstore/")
-                assert tier in state.get(key, set()), f"{key.hex()} removed from {tier}, which lacks it"
+            else:
+                assert tier in state.get(key, set()), f"{key:x} removed from {tier}, which lacks it"
                 state[key].discard(tier)
                 if not state[key]:
                     del state[key]
 
 
-def store_state(client: KVStoreClient, keys: list[bytes]) -> dict[bytes, set[str]]:
-    """Which tiers hold each key, from the daemon's key index (mirrors each tier's LRU exactly)."""
+def store_state(client: KVStoreClient, keys: list[bytes]) -> dict[int, set[str]]:
+    """Which tiers hold each key (by its event hash), from the daemon's key index (mirrors each
+    tier's LRU exactly)."""
     index = client._index
     state = {}
     for key in keys:
         mask = index.mask(key)
         if mask:
-            state[key] = {name for i, name in enumerate(index.tier_names) if mask >> i & 1}
+            state[block_hash(key)] = {name for i, name in enumerate(index.tier_names) if mask >> i & 1}
     return state
 
 
-def replayed_state(endpoint: str) -> tuple[dict[bytes, set[str]], list[int]]:
-    state: dict[bytes, set[str]] = {}
+def replayed_state(endpoint: str) -> tuple[dict[int, set[str]], list[int]]:
+    state: dict[int, set[str]] = {}
     batches = replay(endpoint, 0)
     for _, batch in batches:
         apply(state, batch.events)
@@ -147,9 +161,9 @@ def test_replaying_every_event_gives_the_store_final_state(daemon_factory):
         kinds |= {type(e).__name__ for e in batch.events}
         for event in batch.events:
             if isinstance(event, (BlockStored, BlockRemoved)):
-                assert event.medium == {"kvstore/cpu": "CPU", "kvstore/disk": "STORAGE"}[event.ownership]
-                assert event.locality == "LOCAL" and all(len(h) == 16 for h in event.block_hashes)
-            if isinstance(event, BlockStored):
+                assert event.medium in ("CPU", "STORAGE") and event.locality == "LOCAL" and event.ownership is None
+                assert all(isinstance(h, int) and 0 <= h < 2**64 for h in event.block_hashes)
+            if isinstance(event, BlockStored):  # these Puts named neither parents nor tokens
                 assert event.block_size == 64 and event.token_ids == [] and event.parent_block_hash is None
         if VllmBatch is not None:  # vLLM's own classes read it, and write the same bytes back
             theirs = msgspec.msgpack.Decoder(VllmBatch).decode(payload)
@@ -196,7 +210,7 @@ def test_a_restarted_daemon_first_clears_then_publishes_what_it_found_on_disk(da
     d.start()
     with KVStoreClient(d.address) as client:
         state, expected, seqs = wait_for_state(client, keys, ends["events_replay"])
-    assert state == expected == {k: {"disk"} for k in keys} and seqs[0] == 0
+    assert state == expected == {block_hash(k): {"disk"} for k in keys} and seqs[0] == 0
 
 
 def put_small(client: KVStoreClient, keys: list[bytes], payload: np.ndarray) -> float:
@@ -237,7 +251,7 @@ def test_a_full_queue_drops_and_counts_without_blocking():
                                replay_endpoint=f"tcp://127.0.0.1:{free_port()}", queue_depth=5)
     started = time.perf_counter()
     for i in range(10):  # the thread is not started: nothing drains the queue
-        publisher.stored(bytes([i]) * 16, 0, 256)
+        publisher.stored(bytes([i]) * 16, 0, small_header(bytes([i]) * 16))
     assert time.perf_counter() - started < 0.1
     assert publisher.dropped == 6  # AllBlocksCleared and four stores fill the 5 places
     publisher.start()
@@ -247,7 +261,7 @@ def test_a_full_queue_drops_and_counts_without_blocking():
             time.sleep(0.01)
         [(seq, batch)] = replay(publisher.replay_endpoint, 0)
         assert seq == 0 and [type(e).__name__ for e in batch.events] == ["AllBlocksCleared"] + ["BlockStored"] * 4
-        assert [e.block_hashes for e in batch.events[1:]] == [[bytes([i]) * 16] for i in range(4)]
+        assert [e.block_hashes for e in batch.events[1:]] == [[block_hash(bytes([i]) * 16)] for i in range(4)]
         assert replay(publisher.replay_endpoint, 1) == []
     finally:
         publisher.close()
@@ -256,7 +270,7 @@ def test_a_full_queue_drops_and_counts_without_blocking():
 def test_replay_answers_a_raw_router_request_as_vllm_does():
     publisher = EventPublisher(f"tcp://127.0.0.1:{free_port()}", [("cpu", False), ("s3", True)],
                                replay_endpoint=f"tcp://127.0.0.1:{free_port()}", topic="kv@pod@model")
-    publisher.stored(b"k" * 16, 1, 64)
+    publisher.stored(b"k" * 16, 1, small_header(b"k" * 16))
     publisher.start()
     try:
         time.sleep(0.2)
@@ -267,7 +281,7 @@ def test_replay_answers_a_raw_router_request_as_vllm_does():
         empty, topic, seq, payload = sock.recv_multipart()
         assert (empty, topic, seq) == (b"", b"kv@pod@model", (0).to_bytes(8, "big"))
         stored = decode_batch(payload).events[1]
-        assert (stored.medium, stored.ownership, stored.locality) == ("STORAGE", "kvstore/s3", "REMOTE")
+        assert (stored.medium, stored.ownership, stored.locality) == ("STORAGE", None, "REMOTE")
         assert sock.poll(5000) and sock.recv_multipart() == [b"", b"", END_SEQ, b""]
         sock.close()
     finally:

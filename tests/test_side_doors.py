@@ -23,12 +23,12 @@ import zmq
 from engine_adapter.client import KVStoreClient
 from kvstore.daemon import event_replay as events  # the replay's bounds: events.REPLAY_BURST, ...
 from kvstore.daemon.config import load_config
-from kvstore.daemon.event_format import END_SEQ, decode_batch
+from kvstore.daemon.event_format import END_SEQ, block_hash, decode_batch
 from kvstore.daemon.event_replay import replay
 from kvstore.daemon.events import EventPublisher
 from tests.conftest import free_port
 from tests.test_daemon import NS, make_blocks
-from tests.test_events import Subscriber
+from tests.test_events import Subscriber, small_header
 from tests.test_operator import finish, kvstore, one_line_error, serve
 
 TOKEN = "side-doors-token-0123456789abcdef"
@@ -75,7 +75,7 @@ def test_events_are_confined_to_loopback_and_to_the_daemons_user_when_it_has_a_t
     seen = [key for _, payload in live.drain(quiet_s=1.0) for event in decode_batch(payload).events
             for key in getattr(event, "block_hashes", [])]
     live.close()
-    assert keys[0] in seen
+    assert block_hash(keys[0]) in seen
     if os.geteuid() == 0:  # another local user is refused by the kernel
         for path in (pub_path, replay_path):
             assert _connect_as_nobody(path) == "refused", path
@@ -108,7 +108,8 @@ def filled_publisher(groups: int, events_per_group: int = 1, **settings) -> Even
         time.sleep(0.001)
     for group in range(groups):
         for i in range(events_per_group):
-            publisher.stored((group * events_per_group + i).to_bytes(16, "big"), 0, 64)
+            key = (group * events_per_group + i).to_bytes(16, "big")
+            publisher.stored(key, 0, small_header(key))
         queued += events_per_group
         deadline = time.monotonic() + 5
         while publisher.published < queued:  # one batch per group: the next waits for this one
@@ -134,12 +135,12 @@ def test_a_flood_of_replay_requests_never_holds_up_live_events():
                 attacker.send_multipart((b"", (0).to_bytes(8, "big")))
         time.sleep(0.3)  # the flood has reached the publisher
         new_key = b"\xfe" * 16
-        publisher.stored(new_key, 0, 64)
+        publisher.stored(new_key, 0, small_header(new_key))
         started = time.monotonic()
         arrived = None
         while arrived is None and time.monotonic() - started < 10 and live.sock.poll(10_000):
             _, _, payload = live.sock.recv_multipart()
-            if any(new_key in getattr(e, "block_hashes", []) for e in decode_batch(payload).events):
+            if any(block_hash(new_key) in getattr(e, "block_hashes", []) for e in decode_batch(payload).events):
                 arrived = time.monotonic() - started
         live.close()
         assert arrived is not None and arrived < 1.5, f"the new block's event took {arrived} s"
@@ -211,7 +212,8 @@ def test_events_the_full_queue_dropped_leave_a_seq_gap_live_and_in_replay():
         live = Subscriber(publisher.endpoint)
         gate.clear()
         for i in range(20):
-            publisher.stored(i.to_bytes(16, "big"), 0, 64)
+            key = i.to_bytes(16, "big")
+            publisher.stored(key, 0, small_header(key))
         assert publisher.dropped == 15
         gate.set()
         for published in (6, 7):  # AllBlocksCleared and 5 events, then one stored after the drops
@@ -219,7 +221,7 @@ def test_events_the_full_queue_dropped_leave_a_seq_gap_live_and_in_replay():
             while publisher.published < published and time.monotonic() < deadline:
                 time.sleep(0.01)
             if published == 6:
-                publisher.stored(b"\xff" * 16, 0, 64)
+                publisher.stored(b"\xff" * 16, 0, small_header(b"\xff" * 16))
         received = [seq for seq, _ in live.drain()]
         live.close()
         replayed = [seq for seq, _ in replay(publisher.replay_endpoint, 0)]

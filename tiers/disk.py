@@ -29,7 +29,7 @@ from typing import Iterator
 
 import xxhash
 
-from kvstore.block import FIXED_BYTES, MAX_PARAMS_BYTES, BlockHeader, CorruptBlockError, payload_checksum
+from kvstore.block import MAX_HEADER_BYTES, BlockHeader, CorruptBlockError, payload_checksum
 from tiers.base import HeaderIndex, Tier, TierError, TierFullError, TierUnavailableError
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class DiskTier(HeaderIndex, Tier):
                 continue
             try:
                 with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW)) as f:
-                    head = f.read(FIXED_BYTES + MAX_PARAMS_BYTES)
+                    head = f.read(MAX_HEADER_BYTES)
                     size = os.fstat(f.fileno()).st_size
                 header = BlockHeader.unpack(head)
                 if header.block_len != size or path.name != header.key.hex() + SUFFIX:

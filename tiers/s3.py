@@ -43,7 +43,7 @@ import threading
 
 import xxhash
 
-from kvstore.block import FIXED_BYTES, MAX_PARAMS_BYTES, BlockHeader, CorruptBlockError
+from kvstore.block import FIXED_BYTES, MAX_HEADER_BYTES, BlockHeader, CorruptBlockError
 from kvstore.keys import KEY_BYTES
 from tiers.base import HeaderIndex, Tier, TierError, TierFullError
 from tiers.breaker import CircuitBreaker  # noqa: F401  (callers import it from here, as S3Config)
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 SUFFIX = ".kvb"
 #: Bytes of an object's start read to learn its header (headers are 128 bytes unless a codec has
 #: long params; a longer header costs a second ranged GET).
-HEADER_PROBE_BYTES = 512
+HEADER_PROBE_BYTES = 2048
 
 
 class S3Tier(HeaderIndex, Tier):
@@ -176,7 +176,7 @@ class S3Tier(HeaderIndex, Tier):
         if len(head) < FIXED_BYTES:
             raise CorruptBlockError(f"object of {len(head)} bytes is shorter than a header")
         header_len = int.from_bytes(head[6:8], "little")
-        if header_len > FIXED_BYTES + MAX_PARAMS_BYTES + 64:
+        if header_len > MAX_HEADER_BYTES:
             raise CorruptBlockError(f"header of {header_len} bytes is longer than any header")
         if header_len > len(head):
             head, metadata = self._get_range(key, 0, header_len)

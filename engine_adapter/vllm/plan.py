@@ -53,6 +53,7 @@ class ChunkSave:
     span: PagedSpan
     event: object = None
     parent: bytes = b""  # the key before it in the prompt's chain (b"": the first)
+    token_ids: list[int] | None = None  # its tokens, for the daemon's KV events (None: not known)
 
 
 @dataclass
@@ -168,10 +169,12 @@ class Planner:
         return [load.key for load in loads]
 
     def plan_step(self, scheduled: Sequence[tuple[str, int, int]], page_ids_of: Callable[[str], Sequence[int]],
-                  event_of: Callable[[str, int, int], object] | None = None) -> StepPlan:
+                  event_of: Callable[[str, int, int], object] | None = None,
+                  tokens_of: Callable[[str, int, int], list[int] | None] | None = None) -> StepPlan:
         """This step's plan from ``(request id, computed tokens before it, scheduled tokens)`` per
         request; ``page_ids_of(request id)`` is asked only for requests with pieces to save, and
-        ``event_of(request id, start, end)`` (if given) for each piece saved."""
+        ``event_of(request id, start, end)`` and ``tokens_of(request id, start, end)`` (if given)
+        for each piece saved."""
         plan = StepPlan(loads=self._loads)
         self._loads = {}
         for request_id, before, scheduled_tokens in scheduled:
@@ -189,7 +192,8 @@ class Planner:
                 lo, hi = self._bounds(state, i)
                 event = event_of(request_id, lo, hi) if event_of is not None else None
                 plan.saves.append(ChunkSave(state.keys[i], PagedSpan.of(page_ids, self.page_tokens, lo, hi), event,
-                                            state.keys[i - 1] if i else b""))
+                                            state.keys[i - 1] if i else b"",
+                                            tokens_of(request_id, lo, hi) if tokens_of is not None else None))
             state.saved_chunks = last
         return plan
 

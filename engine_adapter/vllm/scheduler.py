@@ -81,7 +81,7 @@ def stored_event(request: "Request", piece_start: int, piece_end: int, page_toke
     return BlockStored(block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:last]],
                        parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
                        token_ids=list(request.prompt_token_ids[piece_start:piece_end]), block_size=page_tokens,
-                       lora_id=None, medium=medium, lora_name=None, ownership=f"kvstore/{tier}")
+                       lora_id=None, medium=medium, lora_name=None)
 
 
 class ConnectorScheduler:
@@ -237,8 +237,12 @@ class ConnectorScheduler:
             request = self._requests.get(request_id)
             return stored_event(request, start, end, self.page_tokens, self.settings.event_tier) if request else None
 
+        def tokens_of(request_id: str, start: int, end: int) -> list[int] | None:
+            request = self._requests.get(request_id)
+            return list(request.all_token_ids[start:end]) if request is not None else None
+
         plan = self.planner.plan_step([(rid, before, counts.get(rid, 0)) for rid, before in scheduled], page_ids_of,
-                                      event_of if self._events_on else None)
+                                      event_of if self._events_on else None, tokens_of)
         plan.blends, self._blend_loads = self._blend_loads, []
         return KVStoreConnectorMetadata(plan)
 

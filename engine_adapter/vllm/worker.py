@@ -354,20 +354,23 @@ class ConnectorWorker:
             self.dropped_chunks += len(saves)
             return
         if self.save_mode != "async":  # stored before this step ends (and its request returns)
-            copies = [(save.key, *self.paged.copy_pages(save.span), save.event, save.parent) for save in saves]
+            copies = [(save.key, *self.paged.copy_pages(save.span), save.event, save.parent, save.token_ids)
+                      for save in saves]
             self._saved(copies, len(copies) if self.cache.put(self._blocks(copies), self.save_mode == "durable") else 0)
             return
         room = self.cache.store_room()
         self.dropped_chunks += max(0, len(saves) - room)
         # a plain copy of the pages (vLLM may reuse them after this step); the store thread permutes
-        copies = [(save.key, *self.paged.copy_pages(save.span), save.event, save.parent) for save in saves[:room]]
+        copies = [(save.key, *self.paged.copy_pages(save.span), save.event, save.parent, save.token_ids)
+                  for save in saves[:room]]
         self.cache.store_blocks_async(len(copies), lambda i: self._blocks(copies[i : i + 1])[0],
                                       stored=lambda n: self._saved(copies, n))
 
     def _blocks(self, copies: list) -> list:
-        """Copied pages ``(key, pages, span, event, parent)`` as blocks ``(key, tokens, payload, parent)``."""
-        return [(key, span.tokens, self.paged.block_of_pages(pages, span), parent)
-                for key, pages, span, _, parent in copies]
+        """Copied pages ``(key, pages, span, event, parent, token_ids)`` as blocks ``(key, tokens,
+        payload, parent, token_ids)``."""
+        return [(key, span.tokens, self.paged.block_of_pages(pages, span), parent, token_ids)
+                for key, pages, span, _, parent, token_ids in copies]
 
     def _saved(self, copies: list, stored: int) -> None:
         """The daemon took the first ``stored`` of ``copies``: counted, their events reported."""

@@ -131,9 +131,13 @@ class DaemonConfig:
     events_replay: str = ""
     #: Topic of every published message (llm-d's indexer reads e.g. ``kv@POD@MODEL``).
     events_topic: str = ""
+    #: Tokens per published block, the router's block size (Dynamo's ``--block-size``, llm-d's
+    #: ``blockSize``): each stored block is published as its whole runs of this many tokens, with
+    #: ids derived from its key and chained; 0: each block whole, as stored.
+    events_block_size: int = 0
     #: Allow events on TCP that others can read: a host that is not loopback, or TCP at all on a
     #: daemon with an auth_token (every local user reaches loopback; ``ipc://`` sockets are 0600).
-    #: Events carry every stored key and no authentication.
+    #: Events carry every stored key and its tokens (the prompt's text), and no authentication.
     events_public: bool = False
     #: When set, every call must carry ``authorization: Bearer TOKEN`` (16 characters or more).
     auth_token: str = field(default="", repr=False)
@@ -217,6 +221,9 @@ class DaemonConfig:
             value = getattr(self, name)
             if value and not re.fullmatch(r"tcp://(\[[0-9a-fA-F:.]+\]|[^:/\[\]]+):\d{1,5}|ipc:///.+", value):
                 raise ValueError(f"{name} must be 'tcp://HOST:PORT', 'ipc:///path' or empty, got {value!r}")
+        if not 0 <= self.events_block_size <= 4096:
+            raise ValueError(f"events_block_size must be 0 (each block whole) or 1 to 4096 tokens, "
+                             f"got {self.events_block_size}")
         if self.events_replay and not self.events_listen:
             raise ValueError("events_replay needs events_listen (replay serves the batches published there)")
         if self.events_listen and self.events_listen == self.events_replay:

@@ -12,25 +12,30 @@ defines it:
     payload   msgpack of KVEventBatch(ts, events, data_parallel_rank): an array; each event a map
               tagged "type": BlockStored | BlockRemoved | AllBlocksCleared
 
-What kvstore puts in them:
+What kvstore puts in them (read as published by Dynamo's KV indexer and llm-d's, docs/operations.md):
 
-- ``block_hashes``: the block's 16-byte key as ``bytes`` (vLLM's default hash type is bytes too;
-  a consumer wanting ints takes ``int.from_bytes(key, "big")``). These are kvstore keys
-  (``kvstore.keys.prefix_keys``: chained blake2b over 256-token chunks in a namespace), not vLLM's
-  block hashes: a router matches them by computing kvstore keys of its requests.
-- ``BlockStored``: one event per block; ``block_size`` = the block's token count (from its header),
-  ``parent_block_hash`` None and ``token_ids`` empty: the daemon stores neither (a key already
-  names its whole prefix), ``lora_id``/``lora_name`` None (a LoRA is part of the namespace).
-- ``medium``: GPU, CPU or STORAGE (disk and S3); ``ownership`` names kvstore's tier
-  ("kvstore/disk", "kvstore/s3"), as vLLM's offloading tiers name themselves, so a consumer keeping
-  (medium, ownership) residencies tells disk from S3; ``locality`` is LOCAL, or REMOTE for a tier
-  other hosts share (S3).
-- ``BlockRemoved``: the keys that left one tier (runs of removals from one tier are one event).
+- ``block_hashes``: unsigned 64-bit integers, as vLLM sends them: a kvstore key's last 8 bytes,
+  big-endian (vLLM's rule for byte hashes). These are kvstore keys (``kvstore.keys.prefix_keys``:
+  chained blake2b over 256-token chunks in a namespace), not vLLM's block hashes: routers match by
+  ``token_ids``, computing their own hashes of a request's tokens, and chain by these ids.
+- ``BlockStored``: one event per stored block, with ``parent_block_hash`` (the key before it in its
+  chain, as its Put named it; None for a chain's first) and ``token_ids`` (the block's tokens, kept
+  in its header: ``kvstore.block``); blocks Put without them are published without them, which
+  routers skip. With ``events_block_size`` N, a block is published as its whole runs of N tokens
+  (``block_size`` N; `sub_block_hashes`: the last run's id is the block's own, so a child's
+  parent id names it); otherwise whole, ``block_size`` = its token count. ``lora_id``/``lora_name``
+  None (a LoRA is part of the namespace); no ``ownership`` (Dynamo drops events that name one).
+- ``medium``: GPU, CPU or STORAGE (disk and S3); ``locality`` is LOCAL, or REMOTE for a tier other
+  hosts share (S3).
+- ``BlockRemoved``: the ids of the blocks that left one tier (runs of removals from one tier are one
+  event).
 - ``AllBlocksCleared``: once, first, when the daemon starts: whatever a consumer knew of an earlier
   run is void; the blocks the daemon found on disk (and in S3) follow as BlockStored.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import msgspec
 
@@ -88,5 +93,15 @@ def tier_medium(tier_name: str) -> str:
     return _MEDIUMS.get(tier_name, MEDIUM_STORAGE)
 
 
-def tier_ownership(tier_name: str) -> str:
-    return f"kvstore/{tier_name}"
+def block_hash(key: bytes) -> int:
+    """A kvstore key as an event's block hash: its last 8 bytes, big-endian (vLLM's rule)."""
+    return int.from_bytes(key[-8:], "big")
+
+
+def sub_block_hashes(key: bytes, runs: int) -> list[int]:
+    """The ids of a block's ``runs`` sub-blocks, in order: each but the last derived from the key
+    and its index, the last the block's own `block_hash`, so that the next block's parent id, the
+    hash of its parent key, names the run just before it."""
+    derived = [int.from_bytes(hashlib.blake2b(key + i.to_bytes(4, "big"), digest_size=8).digest(), "big")
+               for i in range(runs - 1)]
+    return [*derived, block_hash(key)] if runs > 0 else []

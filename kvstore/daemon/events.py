@@ -30,8 +30,9 @@ from typing import Any, Sequence
 import msgspec
 import zmq
 
-from kvstore.daemon.event_format import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, tier_medium,
-                                         tier_ownership)
+from kvstore.block import BlockHeader
+from kvstore.daemon.event_format import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash,
+                                         sub_block_hashes, tier_medium)
 from kvstore.daemon.event_replay import REPLAY_BATCHES, SOCKET_OPTIONS, ReplayServer
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ SEND_HWM = 1_000
 
 _STORED, _REMOVED, _CLEARED, _LOST = 0, 1, 2, 3
 #: Put in the queue where the full queue dropped events: the batches around it get a seq gap.
-_LOST_MARK = (_LOST, 0, b"", 0)
+_LOST_MARK = (_LOST, 0, b"", None)
 
 
 class EventPublisher:
@@ -63,16 +64,20 @@ class EventPublisher:
 
     def __init__(self, endpoint: str, tiers: Sequence[tuple[str, bool]], replay_endpoint: str = "",
                  topic: str = "", queue_depth: int = EVENT_QUEUE_DEPTH, replay_batches: int = REPLAY_BATCHES,
-                 metrics=None) -> None:
-        """``tiers``: (name, shared) of each tier level, top first."""
+                 block_size: int = 0, metrics=None) -> None:
+        """``tiers``: (name, shared) of each tier level, top first. ``block_size``: tokens per
+        published block (each stored block as its whole runs of that many), or 0: blocks whole."""
+        self.block_size = block_size
+        #: With block_size: each published key's sub-block count and how many tiers hold it, so a
+        #: removal names the same ids (bounded by the blocks the tiers hold; the loop's alone).
+        self._runs: dict[bytes, list[int]] = {}
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self._topic = topic.encode()
         self._queue_depth = queue_depth
         self._metrics = metrics
-        self._levels = [(tier_medium(name), tier_ownership(name), "REMOTE" if shared else "LOCAL")
-                        for name, shared in tiers]
-        self._pending: deque[tuple[int, int, bytes, int]] = deque()
-        self._pending.append((_CLEARED, 0, b"", 0))  # consumers drop what an earlier run published
+        self._levels = [(tier_medium(name), "REMOTE" if shared else "LOCAL") for name, shared in tiers]
+        self._pending: deque[tuple[int, int, bytes, BlockHeader | int | None]] = deque()
+        self._pending.append((_CLEARED, 0, b"", None))  # consumers drop what an earlier run published
         #: The published batches kept for replay (it numbers them) and the replies it serves.
         self._replay = ReplayServer(self._topic, replay_batches, metrics)
         self.published = self.dropped = 0
@@ -89,13 +94,24 @@ class EventPublisher:
 
     # -- the store's side (event loop) ----------------------------------------------------------
 
-    def stored(self, key: bytes, level: int, tokens: int) -> None:
-        self._queue((_STORED, level, key, tokens))
+    def stored(self, key: bytes, level: int, header: BlockHeader | None) -> None:
+        """Tier ``level`` now holds ``key``, whose header (None: unreadable) says its tokens,
+        parent and token ids."""
+        if self.block_size and header is not None:
+            runs = self._runs.setdefault(key, [header.tokens // self.block_size, 0])
+            runs[1] += 1
+        self._queue((_STORED, level, key, header))
 
     def removed(self, key: bytes, level: int) -> None:
-        self._queue((_REMOVED, level, key, 0))
+        runs = 1
+        if self.block_size and (held := self._runs.get(key)) is not None:
+            runs = held[0]
+            held[1] -= 1
+            if held[1] <= 0:
+                del self._runs[key]
+        self._queue((_REMOVED, level, key, runs))
 
-    def _queue(self, event: tuple[int, int, bytes, int]) -> None:
+    def _queue(self, event: tuple[int, int, bytes, BlockHeader | int | None]) -> None:
         if len(self._pending) >= self._queue_depth:
             self.dropped += 1
             if self._metrics is not None:
@@ -211,12 +227,12 @@ class EventPublisher:
         """One batch of at most BATCH_EVENTS queued events; a run of removals from one tier is one
         BlockRemoved. Where the full queue dropped events, the batch ends and a seq goes unused."""
         events: list[Any] = []
-        removed: list[bytes] = []
+        removed: list[int] = []
         removed_level = -1
         taken = 0
         lost = False
         while self._pending and taken < BATCH_EVENTS:
-            kind, level, key, tokens = self._pending.popleft()
+            kind, level, key, detail = self._pending.popleft()
             if kind == _LOST:
                 lost = True
                 break
@@ -225,12 +241,10 @@ class EventPublisher:
                 events.append(self._removed_event(removed, removed_level))
                 removed = []
             if kind == _STORED:
-                medium, ownership, locality = self._levels[level]
-                events.append(BlockStored(block_hashes=[key], parent_block_hash=None, token_ids=[],
-                                          block_size=tokens, lora_id=None, medium=medium, lora_name=None,
-                                          locality=locality, ownership=ownership))
+                if detail is not None and (event := self._stored_event(key, level, detail)) is not None:
+                    events.append(event)
             elif kind == _REMOVED:
-                removed.append(key)
+                removed.extend(self._ids(key, detail))
                 removed_level = level
             else:
                 events.append(AllBlocksCleared())
@@ -247,9 +261,26 @@ class EventPublisher:
         if lost:  # a seq no batch carries: subscribers see the gap, live and in replay
             self._replay.keep(None)
 
-    def _removed_event(self, keys: list[bytes], level: int) -> BlockRemoved:
-        medium, ownership, locality = self._levels[level]
-        return BlockRemoved(block_hashes=keys, medium=medium, locality=locality, ownership=ownership)
+    def _ids(self, key: bytes, runs: int) -> list[int]:
+        return sub_block_hashes(key, runs) if self.block_size else [block_hash(key)]
+
+    def _stored_event(self, key: bytes, level: int, header: BlockHeader) -> BlockStored | None:
+        """``header``'s block as one BlockStored: whole, or its whole runs of ``block_size`` tokens
+        (None when it has none)."""
+        medium, locality = self._levels[level]
+        size = self.block_size or header.tokens
+        runs = header.tokens // size
+        if runs == 0:
+            return None
+        token_ids = header.token_id_list()[: runs * size]
+        return BlockStored(block_hashes=self._ids(key, runs),
+                           parent_block_hash=block_hash(header.parent) if header.parent else None,
+                           token_ids=token_ids, block_size=size, lora_id=None, medium=medium, lora_name=None,
+                           locality=locality)
+
+    def _removed_event(self, ids: list[int], level: int) -> BlockRemoved:
+        medium, locality = self._levels[level]
+        return BlockRemoved(block_hashes=ids, medium=medium, locality=locality)
 
     @property
     def replays(self) -> dict[str, int]:

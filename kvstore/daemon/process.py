@@ -81,7 +81,8 @@ class Daemon:
                                     config.max_arena_total_bytes, len(self.tenants.tenants))
         #: Put and Get for both transports: the gRPC handlers and the data channel.
         self.transfers = Transfers(self.store, self.tenants, self.arenas, config.max_message_bytes,
-                                   autocal=self.autocal, max_inline_bytes=config.max_inline_bytes)
+                                   autocal=self.autocal, max_inline_bytes=config.max_inline_bytes,
+                                   keep_chain=self.events is not None)
         self.service = KVStoreService(self.transfers)
         self.server: grpc.aio.Server | None = None
         #: Shared memory is offered on unix sockets only (kvstore/arena.py).
@@ -144,7 +145,7 @@ class Daemon:
                         "(created 0600) to keep them to this user, or set events_public", self.config.events_listen)
         return EventPublisher(self.config.events_listen, [(t.name, t.shared) for t in tiers],
                               replay_endpoint=self.config.events_replay, topic=self.config.events_topic,
-                              metrics=self.metrics)
+                              block_size=self.config.events_block_size, metrics=self.metrics)
 
     async def start(self) -> str:
         self._loop = asyncio.get_running_loop()

@@ -303,7 +303,7 @@ class Residency:
             self._index.add(key, level)
         if self._events is not None:
             tier = self.tiers[level]
-            self._events.stored(key, level, tier.header(key).tokens if key in tier else 0)
+            self._events.stored(key, level, tier.header(key) if key in tier else None)
 
     def _removed(self, level: int, key: bytes) -> None:
         if self._index is not None:

@@ -16,6 +16,7 @@ store is confined to it); the data channel's threads reach them through ``run_co
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections import defaultdict
@@ -23,7 +24,7 @@ from typing import Callable
 
 import grpc
 
-from kvstore.block import BlockHeader
+from kvstore.block import MAX_CHAIN_TOKENS, BlockHeader, pack_token_ids
 from kvstore.daemon.arena_registry import ArenaRegistry
 from kvstore.daemon.auth import ANONYMOUS, Tenant, TenantDirectory
 from kvstore.daemon.budget import BudgetExhausted, ByteBudget
@@ -94,6 +95,13 @@ def stored_keys(tenant: Tenant, keys, what: str = "keys") -> list[bytes]:
     return [tenant.stored_key(k) for k in keys]
 
 
+def with_chain(header: BlockHeader, parent: bytes, token_ids) -> BlockHeader:
+    """``header`` keeping the block's parent and its token ids (only a list of exactly ``tokens``
+    ids, at most MAX_CHAIN_TOKENS; any other is dropped, not refused: the ids serve routers only)."""
+    ids = pack_token_ids(token_ids) if len(token_ids) == header.tokens <= MAX_CHAIN_TOKENS else b""
+    return dataclasses.replace(header, parent=parent, token_ids=ids) if parent or ids else header
+
+
 def header_from_meta(meta: pb.BlockMeta, payload_len: int, tenant: Tenant, stored_key: bytes) -> BlockHeader:
     """Validate a client's BlockMeta (ValueError with the reason) and build the header stored:
     under ``stored_key`` and the tenant's namespace, its checksum still 0 (the store computes it)."""
@@ -154,8 +162,12 @@ class Transfers:
 
     def __init__(self, store: BlockStore, tenants: TenantDirectory | None = None,
                  arenas: ArenaRegistry | None = None, max_message_bytes: int = 256 * 2**20,
-                 autocal=None, max_inline_bytes: int = 0) -> None:
+                 autocal=None, max_inline_bytes: int = 0, keep_chain: bool = False) -> None:
         self.store = store
+        #: Keep each Put's parent and token ids in the block's header, for the KV events routers
+        #: read (kvstore/daemon/events.py): on only where events are published, since token ids
+        #: are the prompt's text in every tier, disk and S3 included.
+        self.keep_chain = keep_chain
         #: kvtc@auto's calibrator (kvstore/daemon/autocal.py), told which tenant Puts each namespace
         self.autocal = autocal
         self.tenants = tenants or TenantDirectory([ANONYMOUS], required=False)
@@ -272,6 +284,8 @@ class Transfers:
                 header = header_from_meta(item.meta, len(payload), tenant, keys[i])
             except ValueError as exc:
                 raise ValueError(f"items[{i}]: {exc}") from None
+            if self.keep_chain:
+                header = with_chain(header, parent, item.token_ids)
             self.store.check_namespace(header)
             if header.codec != "raw" and header.layout.block_bytes(header.tokens) > self.max_message_bytes:
                 # a coded block decodes to its layout's size wherever the daemon re-encodes it

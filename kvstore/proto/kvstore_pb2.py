@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvstore.proto\x12\nkvstore.v1\"S\n\x06Layout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\x9e\x01\n\tBlockMeta\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\x12\"\n\x06layout\x18\x03 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x19\n\x11\x63odec_params_json\x18\x06 \x01(\t\x12\x13\n\x0bpayload_len\x18\x07 \x01(\x04\">\n\nArenaSlice\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x1e\n\rCountResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\"/\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"-\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\"\xa8\x01\n\x07PutItem\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.BlockMeta\x12\x10\n\x06inline\x18\x02 \x01(\x0cH\x00\x12\'\n\x05slice\x18\x03 \x01(\x0b\x32\x16.kvstore.v1.ArenaSliceH\x00\x12\x0e\n\x06parent\x18\x04 \x01(\x0c\x12\x11\n\trow_bytes\x18\x05 \x01(\x04\x12\x12\n\nrow_stride\x18\x06 \x01(\x04\x42\x06\n\x04\x64\x61ta\"A\n\nPutRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.kvstore.v1.PutItem\x12\x0f\n\x07\x64urable\x18\x02 \x01(\x08\"\x1d\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\"c\n\x07GetItem\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12$\n\x04\x64\x65st\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.ArenaSlice\x12\x11\n\trow_bytes\x18\x03 \x01(\x04\x12\x12\n\nrow_stride\x18\x04 \x01(\x04\"[\n\nGetRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.kvstore.v1.GetItem\x12\x15\n\rallow_missing\x18\x02 \x01(\x08\x12\x12\n\ngpu_direct\x18\x03 \x01(\x08\"\x81\x01\n\tGetResult\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12#\n\x04meta\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.BlockMeta\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x0e\n\x06inline\x18\x04 \x01(\x0c\x12\x12\n\ngpu_offset\x18\x05 \x01(\x04\x12\x0e\n\x06on_gpu\x18\x06 \x01(\x08\"C\n\nLayerReady\x12\r\n\x05layer\x18\x01 \x01(\x05\x12&\n\x07results\x18\x02 \x03(\x0b\x32\x15.kvstore.v1.GetResult\"\x16\n\x14\x45xportGpuPoolRequest\"E\n\x15\x45xportGpuPoolResponse\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\"5\n\x0bGetResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.GetResult\"\x1d\n\x0c\x43learRequest\x12\r\n\x05tiers\x18\x01 \x03(\t\"\x0e\n\x0cStatsRequest\"\xd9\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x15\n\rpromotions_in\x18\x07 \x01(\x04\x12\x14\n\x0c\x64\x65motions_in\x18\x08 \x01(\x04\x12\x0f\n\x07\x63orrupt\x18\t \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\n \x01(\x04\x12\x11\n\tbytes_out\x18\x0b \x01(\x04\"\x95\x02\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x0e\n\x06misses\x18\x02 \x01(\x04\x12\x0e\n\x06pinned\x18\x03 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\x04\x12\x15\n\rqueue_dropped\x18\x05 \x01(\x04\x12\x0e\n\x06\x61renas\x18\x06 \x01(\x04\x12\x14\n\x0cwrite_errors\x18\x07 \x01(\x04\x12\x11\n\trequested\x18\x08 \x01(\x04\x12\x18\n\x10\x65vents_published\x18\t \x01(\x04\x12\x16\n\x0e\x65vents_dropped\x18\n \x01(\x04\x12\x11\n\tdata_port\x18\x0b \x01(\r\x12\x14\n\x0cinline_bytes\x18\x0c \x01(\x04\"2\n\x14RegisterArenaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"=\n\x15RegisterArenaResponse\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x04\x12\x12\n\nindex_name\x18\x02 \x01(\t\"*\n\x16UnregisterArenaRequest\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x04\x32\xa8\x07\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12>\n\x08Prefetch\x12\x17.kvstore.v1.KeysRequest\x1a\x19.kvstore.v1.CountResponse\x12\x36\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse\x12\x36\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse\x12=\n\tGetLayers\x12\x16.kvstore.v1.GetRequest\x1a\x16.kvstore.v1.LayerReady0\x01\x12T\n\rExportGpuPool\x12 .kvstore.v1.ExportGpuPoolRequest\x1a!.kvstore.v1.ExportGpuPoolResponse\x12=\n\x07Release\x12\x17.kvstore.v1.KeysRequest\x1a\x19.kvstore.v1.CountResponse\x12<\n\x06\x44\x65lete\x12\x17.kvstore.v1.KeysRequest\x1a\x19.kvstore.v1.CountResponse\x12\x39\n\x03Pin\x12\x17.kvstore.v1.KeysRequest\x1a\x19.kvstore.v1.CountResponse\x12;\n\x05Unpin\x12\x17.kvstore.v1.KeysRequest\x1a\x19.kvstore.v1.CountResponse\x12<\n\x05\x43lear\x12\x18.kvstore.v1.ClearRequest\x1a\x19.kvstore.v1.CountResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12T\n\rRegisterArena\x12 .kvstore.v1.RegisterArenaRequest\x1a!.kvstore.v1.RegisterArenaResponse\x12P\n\x0fUnregisterArena\x12\".kvstore.v1.UnregisterArenaRequest\x1a\x19.kvstore.v1.CountResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvstore.proto\x12\nkvstore.v1\"S\n\x06Layout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\x9e\x01\n\tBlockMeta\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\x12\"\n\x06layout\x18\x03 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0e\n\x06tokens\x18\x04 \x01(\r\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x19\n\x11\x63odec_params_json\x18\x06 \x01(\t\x12\x13\n\x0bpayload_len\x18\x07 \x01(\x04\">\n\nArenaSlice\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\x1e\n\rCountResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\"/\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"-\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x03(\t\"\xbb\x01\n\x07PutItem\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.kvstore.v1.BlockMeta\x12\x10\n\x06inline\x18\x02 \x01(\x0cH\x00\x12\'\n\x05slice\x18\x03 \x01(\x0b\x32\x16.kvstore.v1.ArenaSliceH\x00\x12\x0e\n\x06parent\x18\x04 \x01(\x0c\x12\x11\n\trow_bytes\x18\x05 \x01(\x04\x12\x12\n\nrow_stride\x18\x06 \x01(\x04\x12\x11\n\ttoken_ids\x18\x07 \x03(\rB\x06\n\x04\x64\x61ta\"A\n\nPutRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.kvstore.v1.PutItem\x12\x0f\n\x07\x64urable\x18\x02 \x01(\x08\"\x1d\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\"c\n\x07GetItem\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12$\n\x04\x64\x65st\x18\x02 \x01(\x0b\x32\x16.kvstore.v1.ArenaSlice\x12\x11\n\trow_bytes\x18\x03 \x01(\x04\x12\x12\n\nrow_stride\x18\x04 \x01(\x04\"[\n\nGetRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.kvstore.v1.GetItem\x12\x15\n\rallow_missing\x18\x02 \x01(\x08\x12\x12\n\ngpu_direct\x18\x03 \x01(\x08\"\x81\x01\n\tGetResult\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12#\n\x04meta\x18\x02 \x01(\x0b\x32\x15.kvstore.v1.BlockMeta\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x0e\n\x06inline\x18\x04 \x01(\x0c\x12\x12\n\ngpu_offset\x18\x05 \x01(\x04\x12\x0e\n\x06on_gpu\x18\x06 \x01(\x08\"C\n\nLayerReady\x12\r\n\x05layer\x18\x01 \x01(\x05\x12&\n\x07results\x18\x02 \x03(\x0b\x32\x15.kvstore.v1.GetResult\"\x16\n\x14\x45xportGpuPoolRequest\"E\n\x15\x45xportGpuPoolResponse\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\"5\n\x0bGetResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.GetResult\"\x1d\n\x0c\x43learRequest\x12\r\n\x05tiers\x18\x01 \x03(\t\"\x0e\n\x0cStatsRequest\"\xd9\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\x15\n\rpromotions_in\x18\x07 \x01(\x04\x12\x14\n\x0c\x64\x65motions_in\x18\x08 \x01(\x04\x12\x0f\n\x07\x63orrupt\x18\t \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\n \x01(\x04\x12\x11\n\tbytes_out\x18\x0b \x01(\x04\"\x95\x02\n\rStatsResponse\x12$\n\x05tiers\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x0e\n\x06misses\x18\x02 \x01(\x04\x12\x0e\n\x06pinned\x18\x03 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\x04\x12\x15\n\rqueue_dropped\x18\x05 \x01(\x04\x12\x0e\n\x06\x61renas\x18\x06 \x01(\x04\x12\x14\n\x0cwrite_errors\x18\x07 \x01(\x04\x12\x11\n\trequested\x18\x08 \x01(\x04\x12\x18\n\x10\x65vents_published\x18\t \x01(\x04\x12\x16\n\x0e\x65vents_dropped\x18\n \x01(\x04\x12\x11\n\tdata_port\x18\x0b \x01(\r\x12\x14\n\x0cinline_bytes\x18\x0c \x01(\x04\"2\n\x14RegisterArenaRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"=\n\x15RegisterArenaResponse\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x04\x12\x12\n\nindex_name\x18\x02 \x01(\t\"*\n\x16UnregisterArenaRequest\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\x04\x32\xa8\x07\n\x07KVStore\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12>\n\x08Prefetch\x12\x17.kvstore.v1.KeysRequest\x1a\x19.kvstore.v1.CountResponse\x12\x36\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse\x12\x36\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse\x12=\n\tGetLayers\x12\x16.kvstore.v1.GetRequest\x1a\x16.kvstore.v1.LayerReady0\x01\x12T\n\rExportGpuPool\x12 .kvstore.v1.ExportGpuPoolRequest\x1a!.kvstore.v1.ExportGpuPoolResponse\x12=\n\x07Release\x12\x17.kvstore.v1.KeysRequest\x1a\x19.kvstore.v1.CountResponse\x12<\n\x06\x44\x65lete\x12\x17.kvstore.v1.KeysRequest\x1a\x19.kvstore.v1.CountResponse\x12\x39\n\x03Pin\x12\x17.kvstore.v1.KeysRequest\x1a\x19.kvstore.v1.CountResponse\x12;\n\x05Unpin\x12\x17.kvstore.v1.KeysRequest\x1a\x19.kvstore.v1.CountResponse\x12<\n\x05\x43lear\x12\x18.kvstore.v1.ClearRequest\x1a\x19.kvstore.v1.CountResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12T\n\rRegisterArena\x12 .kvstore.v1.RegisterArenaRequest\x1a!.kvstore.v1.RegisterArenaResponse\x12P\n\x0fUnregisterArena\x12\".kvstore.v1.UnregisterArenaRequest\x1a\x19.kvstore.v1.CountResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,39 +46,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPRESPONSE']._serialized_start=449
   _globals['_LOOKUPRESPONSE']._serialized_end=494
   _globals['_PUTITEM']._serialized_start=497
-  _globals['_PUTITEM']._serialized_end=665
-  _globals['_PUTREQUEST']._serialized_start=667
-  _globals['_PUTREQUEST']._serialized_end=732
-  _globals['_PUTRESPONSE']._serialized_start=734
-  _globals['_PUTRESPONSE']._serialized_end=763
-  _globals['_GETITEM']._serialized_start=765
-  _globals['_GETITEM']._serialized_end=864
-  _globals['_GETREQUEST']._serialized_start=866
-  _globals['_GETREQUEST']._serialized_end=957
-  _globals['_GETRESULT']._serialized_start=960
-  _globals['_GETRESULT']._serialized_end=1089
-  _globals['_LAYERREADY']._serialized_start=1091
-  _globals['_LAYERREADY']._serialized_end=1158
-  _globals['_EXPORTGPUPOOLREQUEST']._serialized_start=1160
-  _globals['_EXPORTGPUPOOLREQUEST']._serialized_end=1182
-  _globals['_EXPORTGPUPOOLRESPONSE']._serialized_start=1184
-  _globals['_EXPORTGPUPOOLRESPONSE']._serialized_end=1253
-  _globals['_GETRESPONSE']._serialized_start=1255
-  _globals['_GETRESPONSE']._serialized_end=1308
-  _globals['_CLEARREQUEST']._serialized_start=1310
-  _globals['_CLEARREQUEST']._serialized_end=1339
-  _globals['_STATSREQUEST']._serialized_start=1341
-  _globals['_STATSREQUEST']._serialized_end=1355
-  _globals['_TIERSTATS']._serialized_start=1358
-  _globals['_TIERSTATS']._serialized_end=1575
-  _globals['_STATSRESPONSE']._serialized_start=1578
-  _globals['_STATSRESPONSE']._serialized_end=1855
-  _globals['_REGISTERARENAREQUEST']._serialized_start=1857
-  _globals['_REGISTERARENAREQUEST']._serialized_end=1907
-  _globals['_REGISTERARENARESPONSE']._serialized_start=1909
-  _globals['_REGISTERARENARESPONSE']._serialized_end=1970
-  _globals['_UNREGISTERARENAREQUEST']._serialized_start=1972
-  _globals['_UNREGISTERARENAREQUEST']._serialized_end=2014
-  _globals['_KVSTORE']._serialized_start=2017
-  _globals['_KVSTORE']._serialized_end=2953
+  _globals['_PUTITEM']._serialized_end=684
+  _globals['_PUTREQUEST']._serialized_start=686
+  _globals['_PUTREQUEST']._serialized_end=751
+  _globals['_PUTRESPONSE']._serialized_start=753
+  _globals['_PUTRESPONSE']._serialized_end=782
+  _globals['_GETITEM']._serialized_start=784
+  _globals['_GETITEM']._serialized_end=883
+  _globals['_GETREQUEST']._serialized_start=885
+  _globals['_GETREQUEST']._serialized_end=976
+  _globals['_GETRESULT']._serialized_start=979
+  _globals['_GETRESULT']._serialized_end=1108
+  _globals['_LAYERREADY']._serialized_start=1110
+  _globals['_LAYERREADY']._serialized_end=1177
+  _globals['_EXPORTGPUPOOLREQUEST']._serialized_start=1179
+  _globals['_EXPORTGPUPOOLREQUEST']._serialized_end=1201
+  _globals['_EXPORTGPUPOOLRESPONSE']._serialized_start=1203
+  _globals['_EXPORTGPUPOOLRESPONSE']._serialized_end=1272
+  _globals['_GETRESPONSE']._serialized_start=1274
+  _globals['_GETRESPONSE']._serialized_end=1327
+  _globals['_CLEARREQUEST']._serialized_start=1329
+  _globals['_CLEARREQUEST']._serialized_end=1358
+  _globals['_STATSREQUEST']._serialized_start=1360
+  _globals['_STATSREQUEST']._serialized_end=1374
+  _globals['_TIERSTATS']._serialized_start=1377
+  _globals['_TIERSTATS']._serialized_end=1594
+  _globals['_STATSRESPONSE']._serialized_start=1597
+  _globals['_STATSRESPONSE']._serialized_end=1874
+  _globals['_REGISTERARENAREQUEST']._serialized_start=1876
+  _globals['_REGISTERARENAREQUEST']._serialized_end=1926
+  _globals['_REGISTERARENARESPONSE']._serialized_start=1928
+  _globals['_REGISTERARENARESPONSE']._serialized_end=1989
+  _globals['_UNREGISTERARENAREQUEST']._serialized_start=1991
+  _globals['_UNREGISTERARENAREQUEST']._serialized_end=2033
+  _globals['_KVSTORE']._serialized_start=2036
+  _globals['_KVSTORE']._serialized_end=2972
 # @@protoc_insertion_point(module_scope)

@@ -75,20 +75,22 @@ class LookupResponse(_message.Message):
     def __init__(self, hits: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutItem(_message.Message):
-    __slots__ = ("meta", "inline", "slice", "parent", "row_bytes", "row_stride")
+    __slots__ = ("meta", "inline", "slice", "parent", "row_bytes", "row_stride", "token_ids")
     META_FIELD_NUMBER: _ClassVar[int]
     INLINE_FIELD_NUMBER: _ClassVar[int]
     SLICE_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROW_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     meta: BlockMeta
     inline: bytes
     slice: ArenaSlice
     parent: bytes
     row_bytes: int
     row_stride: int
-    def __init__(self, meta: _Optional[_Union[BlockMeta, _Mapping]] = ..., inline: _Optional[bytes] = ..., slice: _Optional[_Union[ArenaSlice, _Mapping]] = ..., parent: _Optional[bytes] = ..., row_bytes: _Optional[int] = ..., row_stride: _Optional[int] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, meta: _Optional[_Union[BlockMeta, _Mapping]] = ..., inline: _Optional[bytes] = ..., slice: _Optional[_Union[ArenaSlice, _Mapping]] = ..., parent: _Optional[bytes] = ..., row_bytes: _Optional[int] = ..., row_stride: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("items", "durable")
