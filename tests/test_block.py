@@ -1,8 +1,10 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
-from kvstore.block import (CHECKSUM_STEP, FIXED_BYTES, BlockHeader, CorruptBlockError, copy_checksummed,
-                          parse_block, payload_checksum)
+from kvstore.block import (CHECKSUM_STEP, FIXED_BYTES, MAX_HEADER_BYTES, BlockHeader, CorruptBlockError,
+                           copy_checksummed, pack_token_ids, parse_block, payload_checksum)
 from kvstore.keys import KVLayout
 
 LAYOUT = KVLayout(4, 3, 64, "float16")
@@ -65,3 +67,42 @@ def test_copy_checksummed_copies_and_hashes_as_the_one_shot_checksum(size, step,
     assert bytes(dest) == payload.tobytes()
     with pytest.raises(ValueError):
         copy_checksummed(memoryview(bytearray(size + 1)), payload.tobytes())
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 37, 256])
+@pytest.mark.parametrize("parts", ["parent", "token_ids", "both"])
+def test_a_chain_in_the_header_round_trips_and_every_byte_of_it_is_checked(tokens, parts):
+    """The parent and token ids a daemon keeps for KV events (``kvstore.block``: flag bits 0 and 1)
+    come back as stored, whatever the token count and padding; a flipped byte in them, or a flag
+    naming a chain that is not there, is a corrupt block."""
+    header, payload = _block(tokens)
+    rng = np.random.default_rng(tokens + 7)
+    ids = rng.integers(0, 2**32, size=tokens, dtype=np.uint64).tolist()
+    chained = dataclasses.replace(header, parent=rng.bytes(16) if parts != "token_ids" else b"",
+                                  token_ids=pack_token_ids(ids) if parts != "parent" else b"")
+    packed = chained.pack()
+    assert len(packed) == chained.header_len <= MAX_HEADER_BYTES and chained.header_len % 64 == 0
+    parsed, view = parse_block(packed + payload)
+    assert parsed == chained and bytes(view) == payload
+    assert parsed.token_id_list() == (ids if parts != "parent" else [])
+    start = FIXED_BYTES + len(chained.params_json)
+    for offset in range(start, start + len(chained.chain), max(1, len(chained.chain) // 13)):
+        damaged = bytearray(packed)
+        damaged[offset] ^= 0x10
+        with pytest.raises(CorruptBlockError):
+            parse_block(bytes(damaged) + payload)
+    damaged = bytearray(header.pack())
+    damaged[47] = 0x03  # both flags on a header without a chain: its checksum no longer holds
+    with pytest.raises(CorruptBlockError):
+        parse_block(bytes(damaged) + payload)
+    damaged[47] = 0x80  # a flag this format does not know
+    with pytest.raises(CorruptBlockError, match="flags"):
+        parse_block(bytes(damaged) + payload)
+
+
+def test_token_ids_must_be_the_blocks_own():
+    header, _ = _block(37)
+    with pytest.raises(ValueError, match="token_ids"):
+        dataclasses.replace(header, token_ids=pack_token_ids(range(36)))
+    with pytest.raises(ValueError, match="parent"):
+        dataclasses.replace(header, parent=b"short")

@@ -26,8 +26,10 @@ import pytest
 import zmq
 
 from engine_adapter.client import KVStoreClient
+from kvstore.block import BlockHeader, pack_token_ids
 from kvstore.daemon.event_format import decode_batch
 from kvstore.daemon.event_replay import replay
+from kvstore.daemon.events import EventPublisher
 from kvstore.keys import Namespace, prefix_keys
 from tests.conftest import free_port
 from tests.test_daemon import BLOCK, LAYOUT
@@ -100,9 +102,11 @@ class DynamoIndexer:
 
     def register(self, worker: int, events: dict[str, str]) -> None:
         """Subscribe to a daemon's stream as worker ``worker``, with its replay socket."""
-        self._call("POST", "/register", {"instance_id": worker, "endpoint": events["events_listen"],
-                                         "replay_endpoint": events["events_replay"], "model_name": "default",
-                                         "block_size": self.block_size})
+        body = {"instance_id": worker, "endpoint": events["events_listen"], "model_name": "default",
+                "block_size": self.block_size}
+        if events.get("events_replay"):
+            body["replay_endpoint"] = events["events_replay"]
+        self._call("POST", "/register", body)
 
     def matched(self, tokens: list[int]) -> dict[int, int]:
         """Leading tokens of ``tokens`` each worker holds, by Dynamo's own reckoning."""
@@ -336,3 +340,74 @@ def _cbor_head(major: int, n: int) -> bytes:
         if n < 1 << (8 * size):
             return bytes([major << 5 | extra]) + n.to_bytes(size, "big")
     raise ValueError(n)
+
+
+@needs_dynamo
+def test_a_router_joining_after_the_kept_batches_learns_from_the_snapshot(dynamo):
+    """The batches that announced a document have left the replay buffer (3 kept here): a router
+    joining now asks from seq 0 and gets a snapshot of what is held, then the kept batches."""
+    events = event_endpoints()
+    publisher = EventPublisher(events["events_listen"], [("cpu", False)], replay_endpoint=events["events_replay"],
+                               replay_batches=3, block_size=16)
+    publisher.start()
+    try:
+        doc = document(6, seed=51)
+        keys = prefix_keys(NS, doc)
+        for i, key in enumerate(keys):  # a batch each: seqs 1..6, of which 4..6 are kept
+            publisher.stored(key, 0, chunk_header(key, doc, i, keys))
+            wait_published(publisher, 2 + i)
+        publisher.removed(keys[-1], 0)  # the last chunk leaves: the snapshot must not have it
+        wait_published(publisher, 8)
+        indexer = dynamo(16)
+        indexer.register(1, events)
+        time.sleep(1.0)
+        later = document(1, seed=52)
+        (key,) = prefix_keys(NS, later)
+        publisher.stored(key, 0, chunk_header(key, later, 0, [key]))  # seq 8: it asks for 0..7
+        got = indexer.wait_for(doc, lambda m: m.get(1) == 5 * CHUNK)
+        assert got == {1: 5 * CHUNK}, got
+        assert indexer.wait_for(later, lambda m: m.get(1) == CHUNK) == {1: CHUNK}
+    finally:
+        publisher.close()
+
+
+def chunk_header(key: bytes, tokens: list[int], i: int, keys: list[bytes]) -> BlockHeader:
+    """The header a tier keeps for chunk ``i`` of ``tokens``, with its parent and token ids."""
+    return BlockHeader(key=key, namespace=NS.id, layout=LAYOUT, tokens=CHUNK, payload_len=LAYOUT.block_bytes(CHUNK),
+                       checksum=1, parent=keys[i - 1] if i else b"",
+                       token_ids=pack_token_ids(tokens[i * CHUNK : (i + 1) * CHUNK]))
+
+
+def wait_published(publisher: EventPublisher, events: int) -> None:
+    deadline = time.monotonic() + 5
+    while publisher.published < events:
+        assert time.monotonic() < deadline, "the publisher stopped publishing"
+        time.sleep(0.01)
+
+
+@needs_dynamo
+def test_a_restarted_daemon_announces_what_it_found_on_disk_with_tokens_and_parents(daemon_factory, dynamo):
+    """The header keeps each block's parent and tokens, so the blocks a restarted daemon finds on
+    disk are announced as routers need them, and a hit promoted back to the CPU tier too."""
+    events = event_endpoints()
+    d = daemon_factory(events_block_size=16, disk_fsync="true", **events)
+    doc = document(4, seed=61)
+    with KVStoreClient(d.address) as client:
+        keys = put_document(client, doc, durable=True)
+    assert d.stop() == 0
+    d.start()
+    indexer = dynamo(16)
+    indexer.register(1, events)
+    with KVStoreClient(d.address) as client:
+        got = indexer.wait_for(doc, lambda m: m.get(1) == len(doc))
+        assert got == {1: len(doc)}, got
+        client.get(keys, LAYOUT.block_bytes(CHUNK))  # disk hits, promoted to the CPU tier
+        deadline = time.monotonic() + 10
+        while client.lookup(keys).tiers != ("cpu",) * len(keys) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.lookup(keys).tiers == ("cpu",) * len(keys)
+    stored = [e for _, b in replay(events["events_replay"], 0) for e in b.events
+              if type(e).__name__ == "BlockStored" and e.medium == "CPU"]
+    assert sorted(t for e in stored for t in e.token_ids) == sorted(doc)
+    assert sum(e.parent_block_hash is None for e in stored) == 1
+    assert not indexer.decode_errors()

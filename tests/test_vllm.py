@@ -44,6 +44,7 @@ from engine_adapter.prompts import document_prompt  # noqa: E402
 from engine_adapter.vllm.hf_folder import write_hf_folder  # noqa: E402
 from kvstore.keys import prefix_keys  # noqa: E402
 from tests.conftest import ROOT, DaemonProcess, MotoServer  # noqa: E402
+from tests.test_routers import DynamoIndexer, needs_dynamo  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from vllm_rag import kl  # noqa: E402
@@ -356,17 +357,24 @@ def test_hit_lost_before_the_load_is_recomputed_and_counted(scenario, prompts):
     assert "kvstore daemon at" in fault["log"] and "computes the rest" in fault["log"]
 
 
-def test_kvstore_blocks_show_in_vllms_kv_events(scenario, prompts):
-    """A router fed by vLLM's KV events sees kvstore's tier: each piece the connector stored is a
-    BlockStored in vLLM's own page hashes (the same hashes vLLM's own events use), medium CPU,
-    owned by kvstore's tier, with its tokens."""
+def kvstore_events(scenario) -> tuple[list, list]:
+    """The connector's BlockStored events in vLLM's stream (medium CPU: the daemon's tier) and
+    vLLM's own (its prefix cache's pages)."""
     from vllm.distributed.kv_events import BlockStored
 
     stored = [e for e in scenario["events"] if isinstance(e, BlockStored)]
-    ours = [e for e in stored if (e.ownership or "").startswith("kvstore/")]
-    own_hashes = {h for e in stored if e not in ours for h in e.block_hashes}
+    ours = [e for e in stored if e.medium == "CPU"]
+    return ours, [e for e in stored if e.medium != "CPU"]
+
+
+def test_kvstore_blocks_show_in_vllms_kv_events(scenario, prompts):
+    """A router fed by vLLM's KV events sees kvstore's tier: each piece the connector stored is a
+    BlockStored in vLLM's own page hashes (the same hashes vLLM's own events use), medium CPU,
+    no ownership (Dynamo drops events that name one), with its tokens."""
+    ours, theirs = kvstore_events(scenario)
+    own_hashes = {h for e in theirs for h in e.block_hashes}
     assert ours and own_hashes
-    assert all(e.medium == "CPU" and e.ownership == "kvstore/cpu" and e.block_size == PAGE for e in ours)
+    assert all(e.ownership is None and e.block_size == PAGE for e in ours)
     assert all(h in own_hashes for e in ours for h in e.block_hashes)  # the pages vLLM itself announced
     a = prompts["A"]
     pieces_of_a = [e for e in ours if e.token_ids == a[: len(e.token_ids)] and e.parent_block_hash is None]
@@ -374,6 +382,33 @@ def test_kvstore_blocks_show_in_vllms_kv_events(scenario, prompts):
     tokens_of_a = sorted(len(e.token_ids) for e in ours if any(e.token_ids == a[i : i + len(e.token_ids)]
                                                                  for i in range(0, page_hit(a), PAGE)))
     assert sum(tokens_of_a) >= page_hit(a)
+
+
+@needs_dynamo
+def test_dynamos_indexer_scores_kvstore_blocks_in_vllms_stream(scenario, prompts, short_tmp):
+    """The connector's events alone (vLLM's own left out), as vLLM published them, fed to Dynamo's
+    indexer: it matches prompt A's stored pages to this engine."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    ours, _ = kvstore_events(scenario)
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    indexer = DynamoIndexer(PAGE, short_tmp / "dynamo.log")
+    try:
+        indexer.register(1, {"events_listen": f"tcp://127.0.0.1:{port}"})
+        time.sleep(1.0)  # the indexer's subscription reaches the PUB socket
+        payload = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=ours, data_parallel_rank=0))
+        pub.send_multipart((b"", (0).to_bytes(8, "big"), payload))
+        a = prompts["A"]
+        got = indexer.wait_for(a, lambda m: m.get(1, 0) >= page_hit(a))
+        assert got.get(1, 0) >= page_hit(a), (got, page_hit(a), indexer.log.read_text()[-2000:])
+        assert not indexer.decode_errors()
+    finally:
+        indexer.close()
+        pub.close()
 
 
 def test_daemon_down_leaves_vllm_serving(scenario):

@@ -6,6 +6,13 @@ seq 0 rebuilds exactly which tier holds which key. ``ReplayServer`` keeps the la
 ``REPLAY_BATCHES`` batches (at most ``REPLAY_BYTES``) and answers on the publisher's thread
 (``kvstore/daemon/events.py``), which owns the socket; ``replay`` is a consumer's side.
 
+A request from a seq older than the oldest batch kept (a router joining a daemon that has run for
+a while) is answered with a snapshot first: what the tiers hold now, as ``AllBlocksCleared`` and a
+``BlockStored`` per block with parents before children (the publisher's `snapshot`), in the seqs
+just before the oldest batch kept, then the kept batches. Applied in order they give the state
+the stream describes now: every block whose residency changed since is settled by its last event
+in the kept batches, every other one by the snapshot.
+
 Nothing is lost without a trace:
 
 - Events the full queue dropped cost a seq number that no batch carries, between the batches
@@ -114,11 +121,13 @@ class _RepeatedWarning:
 class _Reply:
     """A replay in progress to one peer: the next seq to send and how many batches went out."""
 
-    __slots__ = ("peer", "next_seq", "sent", "waiting_since", "asked_again")
+    __slots__ = ("peer", "next_seq", "sent", "waiting_since", "asked_again", "snapshot")
 
     def __init__(self, peer: bytes, start: int) -> None:
         self.peer = peer
         self.next_seq = start
+        #: (seq, payload) of the snapshot batches still to send, oldest first.
+        self.snapshot: deque[tuple[int, bytes]] = deque()
         self.sent = 0
         #: When the peer's queue was first found full (monotonic), None while it takes messages.
         self.waiting_since: float | None = None
@@ -135,8 +144,12 @@ class ReplayServer:
     (requests by outcome: served, refused, malformed; replies abandoned).
     """
 
-    def __init__(self, topic: bytes, replay_batches: int = REPLAY_BATCHES, metrics=None) -> None:
+    def __init__(self, topic: bytes, replay_batches: int = REPLAY_BATCHES, metrics=None,
+                 snapshot: Callable[[int], list[bytes]] | None = None) -> None:
+        """``snapshot(batches)``: the payloads of at most that many batches saying what the tiers
+        hold now (None: replies hold kept batches only)."""
         self._topic = topic
+        self._snapshot = snapshot
         self._metrics = metrics
         self.sock: zmq.Socket | None = None
         #: The seq the next batch gets.
@@ -245,9 +258,15 @@ class ReplayServer:
                 frames = (reply.peer, b"", b"", END_SEQ, b"")
             else:
                 first = self._buffer[0][0]
-                if reply.next_seq < first:  # fell out of the buffer meanwhile: the seqs show the jump
+                if reply.next_seq < first:  # before the oldest batch kept: a snapshot stands for them
+                    if not reply.snapshot and self._snapshot is not None:
+                        payloads = self._snapshot(min(first - reply.next_seq, REPLY_BATCHES // 2))
+                        reply.snapshot.extend(zip(range(first - len(payloads), first), payloads))
                     reply.next_seq = first
-                seq, payload = self._buffer[reply.next_seq - first]
+                if reply.snapshot:
+                    seq, payload = reply.snapshot[0]
+                else:
+                    seq, payload = self._buffer[reply.next_seq - first]
                 if payload is None:  # a seq lost to the full queue: nothing to send
                     reply.next_seq += 1
                     continue
@@ -275,8 +294,12 @@ class ReplayServer:
                 if reply.asked_again is None:
                     return False
                 reply.next_seq, reply.sent, reply.asked_again = reply.asked_again, 0, None
+                reply.snapshot.clear()
                 continue
-            reply.next_seq += 1
+            if reply.snapshot:
+                reply.snapshot.popleft()
+            else:
+                reply.next_seq += 1
             reply.sent += 1
         return True
 

@@ -41,10 +41,25 @@ log = logging.getLogger(__name__)
 EVENT_QUEUE_DEPTH = 100_000
 #: Most events one batch carries.
 BATCH_EVENTS = 1024
+#: Seconds without a batch after which the publisher sends an empty one: a router that subscribed
+#: meanwhile sees the next seq, finds it missed the ones before, and asks for them (Dynamo's
+#: indexer does), instead of learning nothing until the daemon's next change.
+HEARTBEAT_S = 2.0
+#: Bytes of encoded BlockStored events the publisher keeps for replay's snapshot (one per block and
+#: tier held, about 1 KiB with 256 token ids); past them it keeps none, and says so once.
+SNAPSHOT_BYTES = 256 * 2**20
 #: Batches ZMQ queues per subscriber before dropping them for that subscriber (who sees the seq gap
 #: and replays): with batches of at most BATCH_EVENTS events, a stalled subscriber costs the daemon
 #: at most about 1,000 x 60 KiB.
 SEND_HWM = 1_000
+
+class _RawBatch(msgspec.Struct, array_like=True, gc=False):
+    """A KVEventBatch of events encoded already (the snapshot's)."""
+
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
 
 _STORED, _REMOVED, _CLEARED, _LOST = 0, 1, 2, 3
 #: Put in the queue where the full queue dropped events: the batches around it get a seq gap.
@@ -78,8 +93,12 @@ class EventPublisher:
         self._levels = [(tier_medium(name), "REMOTE" if shared else "LOCAL") for name, shared in tiers]
         self._pending: deque[tuple[int, int, bytes, BlockHeader | int | None]] = deque()
         self._pending.append((_CLEARED, 0, b"", None))  # consumers drop what an earlier run published
+        #: What the tiers hold as the stream told it: (level, block id) -> (parent id, the encoded
+        #: BlockStored), for replay's snapshot; None past SNAPSHOT_BYTES. The thread's alone.
+        self._held: dict[tuple[int, int], tuple[int | None, bytes]] | None = {}
+        self._held_bytes = 0
         #: The published batches kept for replay (it numbers them) and the replies it serves.
-        self._replay = ReplayServer(self._topic, replay_batches, metrics)
+        self._replay = ReplayServer(self._topic, replay_batches, metrics, snapshot=self.snapshot)
         self.published = self.dropped = 0
         self._encoder = msgspec.msgpack.Encoder()
         # The thread sleeps in poll() on the replay socket and this pipe; the loop writes one byte
@@ -88,6 +107,7 @@ class EventPublisher:
         os.set_blocking(self._wake_w, False)
         self._signalled = False
         self._closing = False
+        self._last_sent = time.monotonic()
         self._context: zmq.Context | None = None
         self._pub: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
@@ -200,7 +220,9 @@ class EventPublisher:
         if self._replay.sock is not None:
             poller.register(self._replay.sock, zmq.POLLIN)
         while True:
-            ready = dict(poller.poll(self._replay.poll_timeout_ms()))
+            timeout = self._replay.poll_timeout_ms()
+            heartbeat_ms = max(0, int((self._last_sent + HEARTBEAT_S - time.monotonic()) * 1000)) + 1
+            ready = dict(poller.poll(heartbeat_ms if timeout is None else min(timeout, heartbeat_ms)))
             if self._wake_r in ready:
                 # Empty the pipe, then clear the flag, then drain: an event queued before the clear
                 # is drained below, one queued after it writes a byte that wakes the next poll.
@@ -209,6 +231,8 @@ class EventPublisher:
                 self._signalled = False
             try:
                 self._publish_queued()
+                if time.monotonic() - self._last_sent >= HEARTBEAT_S:
+                    self._send([])
                 if self._replay.sock is not None:
                     if self._replay.sock in ready:
                         self._replay.take_requests()
@@ -243,23 +267,72 @@ class EventPublisher:
             if kind == _STORED:
                 if detail is not None and (event := self._stored_event(key, level, detail)) is not None:
                     events.append(event)
+                    self._hold(level, event)
             elif kind == _REMOVED:
-                removed.extend(self._ids(key, detail))
+                ids = self._ids(key, detail)
+                removed.extend(ids)
                 removed_level = level
+                if self._held is not None and (gone := self._held.pop((level, ids[-1]), None)) is not None:
+                    self._held_bytes -= len(gone[1])
             else:
                 events.append(AllBlocksCleared())
+                if self._held is not None:
+                    self._held.clear()
+                    self._held_bytes = 0
         if removed:
             events.append(self._removed_event(removed, removed_level))
         if events:
-            payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
-            # Kept for replay before it is sent: a failed send is a gap a replay fills.
-            seq = self._replay.keep(payload)
+            self._send(events)
             self.published += taken
             if self._metrics is not None:
                 self._metrics.events_published.inc(taken)
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         if lost:  # a seq no batch carries: subscribers see the gap, live and in replay
             self._replay.keep(None)
+
+    def _send(self, events: list[Any]) -> None:
+        """Publish one batch (an empty one: the heartbeat), kept for replay before it is sent: a
+        failed send is a gap a replay fills."""
+        payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
+        seq = self._replay.keep(payload)
+        self._last_sent = time.monotonic()
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+
+    def _hold(self, level: int, event: BlockStored) -> None:
+        """Keep ``event`` for the snapshot (its last id is the block's own, `sub_block_hashes`)."""
+        if self._held is None:
+            return
+        raw = self._encoder.encode(event)
+        old = self._held.get((level, event.block_hashes[-1]))
+        self._held[level, event.block_hashes[-1]] = (event.parent_block_hash, raw)
+        self._held_bytes += len(raw) - (len(old[1]) if old is not None else 0)
+        if self._held_bytes > SNAPSHOT_BYTES:
+            log.warning("KV-event replay keeps no snapshot past %d MiB of events: a router joining late learns "
+                        "only the batches kept", SNAPSHOT_BYTES >> 20)
+            self._held, self._held_bytes = None, 0
+
+    def snapshot(self, batches: int) -> list[bytes]:
+        """What the tiers hold now, as the payloads of at most ``batches`` batches: AllBlocksCleared,
+        then every held block's BlockStored, a block's parent (in its tier) before it, since routers
+        drop a block whose parent they do not know. [] when none is kept."""
+        if self._held is None or batches < 1:
+            return []
+        ordered: list[bytes] = []
+        done: set[tuple[int, int]] = set()
+        for level, block in self._held:
+            chain = []
+            entry = (level, block)
+            while entry in self._held and entry not in done:  # up to the first ancestor already out
+                done.add(entry)
+                chain.append(entry)
+                parent = self._held[entry][0]
+                entry = (level, parent) if parent is not None else None
+            ordered.extend(self._held[e][1] for e in reversed(chain))
+        per = max(BATCH_EVENTS, -(-(len(ordered) + 1) // batches))
+        cleared = self._encoder.encode(AllBlocksCleared())
+        events = [cleared, *ordered]
+        return [self._encoder.encode(_RawBatch(ts=time.time(), events=[msgspec.Raw(e) for e in events[i : i + per]],
+                                               data_parallel_rank=0))
+                for i in range(0, len(events), per)]
 
     def _ids(self, key: bytes, runs: int) -> list[int]:
         return sub_block_hashes(key, runs) if self.block_size else [block_hash(key)]

@@ -133,6 +133,28 @@ class TierLRU:
             raise RuntimeError("owners of keys and keys of owners disagree")
 
 
+def parents_first(tier: Tier) -> list[bytes]:
+    """The keys a tier holds (found at start: its own order), each after the parent its header
+    names where the tier holds that too: routers drop a block whose parent they have not seen."""
+    keys = list(tier.keys())
+    parent_of = {}
+    for key in keys:
+        try:
+            parent_of[key] = tier.header(key).parent
+        except (KeyError, ValueError):  # gone, or unreadable: its reads will say so
+            parent_of[key] = b""
+    ordered: list[bytes] = []
+    done: set[bytes] = set()
+    for key in keys:
+        chain = []
+        while key in parent_of and key not in done:  # up to the first ancestor already out
+            done.add(key)
+            chain.append(key)
+            key = parent_of[key]
+        ordered.extend(reversed(chain))
+    return ordered
+
+
 class Residency:
     """The LRU of every tier (level 0 = top), mirrored into the key index and the event stream."""
 
@@ -150,7 +172,7 @@ class Residency:
         #: keys read since they were stored (lower-tier admission ``reused``), while some tier holds them
         self._reused: set[bytes] = set()
         for level, tier in enumerate(tiers):
-            for key in tier.keys():
+            for key in parents_first(tier):
                 self._added(level, key, oldest=False)
 
     def __getitem__(self, level: int) -> TierLRU:
