@@ -411,3 +411,54 @@ def test_a_restarted_daemon_announces_what_it_found_on_disk_with_tokens_and_pare
     assert sorted(t for e in stored for t in e.token_ids) == sorted(doc)
     assert sum(e.parent_block_hash is None for e in stored) == 1
     assert not indexer.decode_errors()
+
+
+@needs_dynamo
+@pytest.mark.slow
+def test_as_an_operator_runs_it_kvstore_ingest_then_clear(daemon_factory, short_tmp):
+    """The commands of docs/operations.md: Dynamo's indexer started with ``--workers``, a daemon
+    publishing 16-token blocks, ``kvstore ingest`` of a document (SmolLM2, its 256-token chunks),
+    a query with the document's tokens, then ``kvstore clear``."""
+    from importlib import resources
+
+    from engine_adapter.loader import find_smollm2_gguf, load_gguf
+    from engine_adapter.prompts import document_prompt
+    from tests.test_operator import finish, kvstore
+
+    sample = json.loads(resources.files("engine_adapter").joinpath("data/musique_sample.json").read_text())
+    text = sample["document"][:6000]
+    path = short_tmp / "doc.txt"
+    path.write_text(text)
+    events = event_endpoints()
+    d = daemon_factory(events_block_size=16, **events)
+    port = free_port()
+    log = (short_tmp / "dynamo-cli.log").open("wb")
+    indexer = subprocess.Popen([str(DYNAMO_PYTHON), "-m", "dynamo.indexer", "--port", str(port), "--block-size", "16",
+                                "--workers", f"1={events['events_listen']}"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        query = DynamoIndexer.__new__(DynamoIndexer)  # its queries, on the indexer started above
+        query.port, query.proc, query.log = port, indexer, short_tmp / "dynamo-cli.log"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                query._call("GET", "/workers")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline and indexer.poll() is None, query.log.read_text()[-2000:]
+                time.sleep(0.2)
+        time.sleep(1.0)  # its subscription reaches the daemon
+        code, out, err = finish(kvstore("ingest", path, "--address", d.address), timeout=600)
+        assert code == 0, err
+        _, tokenizer = load_gguf(find_smollm2_gguf())
+        context, _ = document_prompt(tokenizer, text, "")
+        stored = len(context) // 256 * 256
+        got = query.wait_for(context, lambda m: m.get(1, 0) >= stored)
+        assert got.get(1, 0) >= 0.9 * len(context) and got == {1: stored}, (got, len(context))
+        code, out, err = finish(kvstore("clear", "--address", d.address))
+        assert code == 0, err
+        got = query.wait_for(context, lambda m: not m.get(1, 0))
+        assert not got.get(1, 0), got
+    finally:
+        indexer.terminate()
+        indexer.wait(10)
+        log.close()
