@@ -46,8 +46,9 @@ BATCH_EVENTS = 1024
 #: indexer does), instead of learning nothing until the daemon's next change.
 HEARTBEAT_S = 2.0
 #: Bytes of encoded BlockStored events the publisher keeps for replay's snapshot (one per block and
-#: tier held, about 1 KiB with 256 token ids); past them it keeps none, and says so once.
-SNAPSHOT_BYTES = 256 * 2**20
+#: tier held, about 1 KiB with 256 token ids); past them it keeps none, and says so once. Replies
+#: in progress at once share one snapshot while nothing changes, and hold at most MAX_REPLIES.
+SNAPSHOT_BYTES = 128 * 2**20
 #: Batches ZMQ queues per subscriber before dropping them for that subscriber (who sees the seq gap
 #: and replays): with batches of at most BATCH_EVENTS events, a stalled subscriber costs the daemon
 #: at most about 1,000 x 60 KiB.
@@ -97,6 +98,10 @@ class EventPublisher:
         #: BlockStored), for replay's snapshot; None past SNAPSHOT_BYTES. The thread's alone.
         self._held: dict[tuple[int, int], tuple[int | None, bytes]] | None = {}
         self._held_bytes = 0
+        #: (changes to _held so far, batches asked, the payloads): the last snapshot, shared by
+        #: replies asked for while nothing changed.
+        self._held_changes = 0
+        self._last_snapshot: tuple[int, int, list[bytes]] | None = None
         #: The published batches kept for replay (it numbers them) and the replies it serves.
         self._replay = ReplayServer(self._topic, replay_batches, metrics, snapshot=self.snapshot)
         self.published = self.dropped = 0
@@ -274,11 +279,13 @@ class EventPublisher:
                 removed_level = level
                 if self._held is not None and (gone := self._held.pop((level, ids[-1]), None)) is not None:
                     self._held_bytes -= len(gone[1])
+                    self._held_changes += 1
             else:
                 events.append(AllBlocksCleared())
                 if self._held is not None:
                     self._held.clear()
                     self._held_bytes = 0
+                    self._held_changes += 1
         if removed:
             events.append(self._removed_event(removed, removed_level))
         if events:
@@ -302,6 +309,7 @@ class EventPublisher:
         if self._held is None:
             return
         raw = self._encoder.encode(event)
+        self._held_changes += 1
         old = self._held.get((level, event.block_hashes[-1]))
         self._held[level, event.block_hashes[-1]] = (event.parent_block_hash, raw)
         self._held_bytes += len(raw) - (len(old[1]) if old is not None else 0)
@@ -316,6 +324,8 @@ class EventPublisher:
         drop a block whose parent they do not know. [] when none is kept."""
         if self._held is None or batches < 1:
             return []
+        if self._last_snapshot is not None and self._last_snapshot[:2] == (self._held_changes, batches):
+            return self._last_snapshot[2]
         ordered: list[bytes] = []
         done: set[tuple[int, int]] = set()
         for level, block in self._held:
@@ -330,9 +340,11 @@ class EventPublisher:
         per = max(BATCH_EVENTS, -(-(len(ordered) + 1) // batches))
         cleared = self._encoder.encode(AllBlocksCleared())
         events = [cleared, *ordered]
-        return [self._encoder.encode(_RawBatch(ts=time.time(), events=[msgspec.Raw(e) for e in events[i : i + per]],
-                                               data_parallel_rank=0))
-                for i in range(0, len(events), per)]
+        payloads = [self._encoder.encode(_RawBatch(ts=time.time(), events=[msgspec.Raw(e) for e in events[i : i + per]],
+                                                   data_parallel_rank=0))
+                    for i in range(0, len(events), per)]
+        self._last_snapshot = (self._held_changes, batches, payloads)
+        return payloads
 
     def _ids(self, key: bytes, runs: int) -> list[int]:
         return sub_block_hashes(key, runs) if self.block_size else [block_hash(key)]
