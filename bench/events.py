@@ -68,11 +68,13 @@ class Drain(threading.Thread):
         self.sock.close()
 
 
-def put_run(client: KVStoreClient, keys: list[bytes], payload: np.ndarray) -> float:
-    """Puts per second, one block per call."""
+def put_run(client: KVStoreClient, chain: tuple[list[bytes], list[int]], payload: np.ndarray) -> float:
+    """Puts per second, one block per call, each with its parent and token ids as the engines send
+    them (the daemon with events keeps both in the block's header and publishes them)."""
+    keys, tokens = chain
     started = time.perf_counter()
-    for key in keys:
-        client.put(NAMESPACE, [(key, CHUNK, payload)])
+    for i, key in enumerate(keys):
+        client.put(NAMESPACE, [(key, CHUNK, payload, keys[i - 1] if i else b"", tokens[i * CHUNK : (i + 1) * CHUNK])])
     return len(keys) / (time.perf_counter() - started)
 
 
@@ -93,11 +95,12 @@ def main() -> int:
             DaemonProcess.in_folder(folder / "events", events_listen=events_at, events_replay=replay_at,
                                     **common) as on, \
             KVStoreClient(off.address) as off_client, KVStoreClient(on.address) as on_client:
-        def fresh_keys() -> list[bytes]:
-            return prefix_keys(NAMESPACE, rng.integers(0, 49152, size=args.puts * CHUNK))
+        def fresh_keys(puts: int = args.puts) -> tuple[list[bytes], list[int]]:
+            tokens = rng.integers(0, 49152, size=puts * CHUNK).tolist()
+            return prefix_keys(NAMESPACE, tokens), tokens
 
-        put_run(off_client, fresh_keys()[:200], payload)  # warm up both
-        put_run(on_client, fresh_keys()[:200], payload)
+        put_run(off_client, fresh_keys(200), payload)  # warm up both
+        put_run(on_client, fresh_keys(200), payload)
         for repeat in range(args.repeats):
             baseline = put_run(off_client, fresh_keys(), payload)
             alone = put_run(on_client, fresh_keys(), payload)
