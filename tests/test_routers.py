@@ -74,13 +74,15 @@ def event_endpoints() -> dict[str, str]:
 class DynamoIndexer:
     """Dynamo's standalone KV indexer in a process of its own, as an operator runs it."""
 
-    def __init__(self, block_size: int, log: Path) -> None:
+    def __init__(self, block_size: int, log: Path, workers: str = "") -> None:
+        """``workers``: its ``--workers`` (``ID=ENDPOINT,...``), as an operator starts it."""
         self.port = free_port()
         self.block_size = block_size
         self._log = log.open("wb")
         self.log = log
         self.proc = subprocess.Popen([str(DYNAMO_PYTHON), "-m", "dynamo.indexer", "--port", str(self.port),
-                                      "--block-size", str(block_size), "--threads", "1"],
+                                      "--block-size", str(block_size), "--threads", "1",
+                                      *(["--workers", workers] if workers else [])],
                                      stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while True:
@@ -431,21 +433,8 @@ def test_as_an_operator_runs_it_kvstore_ingest_then_clear(daemon_factory, short_
     path.write_text(text)
     events = event_endpoints()
     d = daemon_factory(events_block_size=16, **events)
-    port = free_port()
-    log = (short_tmp / "dynamo-cli.log").open("wb")
-    indexer = subprocess.Popen([str(DYNAMO_PYTHON), "-m", "dynamo.indexer", "--port", str(port), "--block-size", "16",
-                                "--workers", f"1={events['events_listen']}"], stdout=log, stderr=subprocess.STDOUT)
+    query = DynamoIndexer(16, short_tmp / "dynamo-cli.log", workers=f"1={events['events_listen']}")
     try:
-        query = DynamoIndexer.__new__(DynamoIndexer)  # its queries, on the indexer started above
-        query.port, query.proc, query.log = port, indexer, short_tmp / "dynamo-cli.log"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                query._call("GET", "/workers")
-                break
-            except (urllib.error.URLError, ConnectionError):
-                assert time.monotonic() < deadline and indexer.poll() is None, query.log.read_text()[-2000:]
-                time.sleep(0.2)
         time.sleep(1.0)  # its subscription reaches the daemon
         code, out, err = finish(kvstore("ingest", path, "--address", d.address), timeout=600)
         assert code == 0, err
@@ -459,6 +448,4 @@ def test_as_an_operator_runs_it_kvstore_ingest_then_clear(daemon_factory, short_
         got = query.wait_for(context, lambda m: not m.get(1, 0))
         assert not got.get(1, 0), got
     finally:
-        indexer.terminate()
-        indexer.wait(10)
-        log.close()
+        query.close()
