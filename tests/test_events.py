@@ -356,3 +356,33 @@ def test_a_replay_from_before_the_kept_batches_starts_with_a_snapshot_of_what_is
             assert event.token_ids == tokens[c * 64 : (c + 1) * 64]
     finally:
         publisher.close()
+
+
+def test_sub_blocks_chain_and_a_block_shorter_than_one_is_neither_stored_nor_removed():
+    """With events_block_size 16: a 64-token block is 4 published blocks of 16 tokens whose ids
+    chain (the last is the block's own id, the next block's parent); a 10-token block is not
+    announced, and its removal announces nothing either (nor stops the publisher)."""
+    publisher = EventPublisher(f"tcp://127.0.0.1:{free_port()}", [("cpu", False)],
+                               replay_endpoint=f"tcp://127.0.0.1:{free_port()}", block_size=16)
+    publisher.start()
+    try:
+        tokens = np.random.default_rng(9).integers(0, 50000, size=128).tolist()
+        keys = prefix_keys(SMALL_NS, tokens)
+        short = b"s" * 16
+        publisher.stored(keys[0], 0, small_header(keys[0], token_ids=tokens[:64]))
+        publisher.stored(keys[1], 0, small_header(keys[1], parent=keys[0], token_ids=tokens[64:]))
+        publisher.stored(short, 0, small_header(short, tokens=10, token_ids=tokens[:10]))
+        publisher.removed(short, 0)
+        publisher.removed(keys[1], 0)
+        deadline = time.monotonic() + 5
+        while publisher.published < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        events = [e for _, batch in replay(publisher.replay_endpoint, 0) for e in batch.events]
+        first, second, removed = events[1:]
+        assert first.block_hashes == sub_block_hashes(keys[0], 4) and first.block_hashes[-1] == block_hash(keys[0])
+        assert first.parent_block_hash is None and first.token_ids == tokens[:64] and first.block_size == 16
+        assert second.parent_block_hash == block_hash(keys[0]) and second.token_ids == tokens[64:]
+        assert len(set(first.block_hashes + second.block_hashes)) == 8
+        assert isinstance(removed, BlockRemoved) and removed.block_hashes == second.block_hashes
+    finally:
+        publisher.close()

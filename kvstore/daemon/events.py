@@ -243,7 +243,7 @@ class EventPublisher:
                         self._replay.take_requests()
                     self._replay.step_replies(self._publish_queued)  # live batches first
                 self._replay.flush_warnings()
-            except zmq.ZMQError:  # never let the thread die: the store would queue into the void
+            except Exception:  # noqa: BLE001 - never let the thread die: the store would queue into the void
                 log.exception("publishing KV events failed")
             if self._closing:
                 return
@@ -275,6 +275,8 @@ class EventPublisher:
                     self._hold(level, event)
             elif kind == _REMOVED:
                 ids = self._ids(key, detail)
+                if not ids:  # shorter than one published block: it was never announced
+                    continue
                 removed.extend(ids)
                 removed_level = level
                 if self._held is not None and (gone := self._held.pop((level, ids[-1]), None)) is not None:
