@@ -197,7 +197,7 @@ class HFCachedGenerator:
         chunks = blocks_from_cache(cache, new_chunks.start * n, new_chunks.stop * n).cpu() if new_chunks else None
         self.cache.store_async(keys, new_chunks, lambda c: chunks[:, :, :, (c - new_chunks.start) * n:
                                                                  (c - new_chunks.start + 1) * n].contiguous(),
-                               result.store_done)
+                               result.store_done, token_ids=prompt_ids)
         position = len(prompt_ids)
         while token not in self.eos_token_ids and len(result.tokens) < max_new_tokens:
             token = int(self._forward([token], cache, position).argmax())
