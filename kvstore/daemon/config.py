@@ -339,8 +339,13 @@ class DaemonConfig:
 
 def _coerce(name: str, value: Any) -> Any:
     kind = {f.name: f.type for f in dataclasses.fields(DaemonConfig)}[name]
-    if kind == "int":
+    if kind == "int" and name.endswith(("_capacity", "_bytes", "_part_size")):
         return parse_size(value)
+    if kind == "int":  # a count (tokens, items, connections): no units
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a whole number, got {value!r}") from None
     if kind == "bool":
         return parse_bool(value)
     if kind == "float":
