@@ -38,6 +38,7 @@ from kvstore.daemon.tier_setup import build_tiers, check_settings
 from kvstore.instance_lock import InstanceLock
 from kvstore.shm_index import KeyIndexWriter, remove_stale_files
 from kvstore.user_input import format_size
+from kvstore.wire import data_socket_path
 from tiers.base import Tier
 from tiers.disk import DiskTier
 
@@ -193,15 +194,17 @@ class Daemon:
         an address that cannot be bound fails the start."""
         config = self.config
         tls = server_tls(config.tls_cert, config.tls_key) if config.tls_cert else None
+        unix_path = data_socket_path(config.socket_path) if config.socket_path is not None else None
         self.data_channel = DataChannel(config.data_listen, self.transfers, self._loop, tls,
                                         max_connections=config.data_max_connections,
-                                        max_message_bytes=config.max_message_bytes)
+                                        max_message_bytes=config.max_message_bytes, unix_path=unix_path)
         try:
             self.service.data_port = self.data_channel.start()
         except OSError as exc:
             self.data_channel = None
             reason = "address in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc)).lower()
             raise OSError(f"cannot listen on data_listen {config.data_listen}: {reason}") from None
+        self.service.data_host = self.data_channel.host
 
     def _start_metrics(self) -> None:
         """/metrics, /healthz and /readyz on metrics_listen (kvstore/daemon/probes.py), and the heartbeat
@@ -234,8 +237,9 @@ class Daemon:
                  f"metrics and probes: {metrics}; KV events: {events}; summary: {summary}"]
         if self.data_channel is not None:
             host = config.data_listen.rpartition(":")[0]
-            lines.append(f"data channel on {host}:{self.data_channel.port}, TLS {'on' if tls else 'off'}, at most "
-                         f"{config.data_max_connections} connections")
+            unix = f" and {self.data_channel.unix_path}" if self.data_channel.unix_path is not None else ""
+            lines.append(f"data channel on {host}:{self.data_channel.port}{unix}, TLS "
+                         f"{'on' if config.tls_cert else 'off'}, at most {config.data_max_connections} connections")
         if self.arena_socket is not None:
             lines.append(f"shared-memory arenas on {arena_socket_path(config.socket_path)}, shared key index "
                          f"{'on' if self.store.key_index is not None else 'off'}")

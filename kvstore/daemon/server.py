@@ -77,6 +77,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.store = transfers.store
         #: The data channel's TCP port, told to clients in Stats (kvstore/daemon/data_channel.py); 0: none.
         self.data_port = 0
+        self.data_host = ""  # advertised with the port (data_channel.advertised_host)
         #: Lines about refused holds: one per tenant a minute (a client renewing leases in a loop).
         self._refusals = LogLimit()
 
@@ -228,7 +229,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                 arenas=len(self.transfers.arenas), write_errors=self.store.write_errors,
                                 requested=m.total(m.requested), events_published=m.value(m.events_published),
                                 events_dropped=m.value(m.events_dropped), data_port=self.data_port,
-                                inline_bytes=self.transfers.inline.in_flight)
+                                data_host=self.data_host, inline_bytes=self.transfers.inline.in_flight)
 
     def _tenant_stats(self, tenant: Tenant) -> pb.StatsResponse:
         """A named tenant's own traffic; nothing that moves with other tenants' use."""
@@ -237,7 +238,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                               bytes_in=usage.bytes_in[t.name], bytes_out=usage.bytes_out[t.name])
                  for t in self.store.tiers]
         return pb.StatsResponse(tiers=tiers, misses=usage.misses, requested=usage.requested,
-                                arenas=self.transfers.arenas.count(tenant.name), data_port=self.data_port)
+                                arenas=self.transfers.arenas.count(tenant.name), data_port=self.data_port,
+                                data_host=self.data_host)
 
     @_rpc
     async def RegisterArena(self, request: pb.RegisterArenaRequest, context) -> pb.RegisterArenaResponse:
