@@ -77,7 +77,8 @@ class Daemon:
                                 codecs=codecs, key_index=self._key_index(tiers), events=self.events,
                                 quotas={t.name: t.quota_bytes for t in self.tenants.tenants if t.name and t.quota_bytes},
                                 hold_share=config.hold_share, eviction=config.eviction, admission=config.admission,
-                                tenants=sum(1 for t in self.tenants.tenants if t.name))
+                                tenants=sum(1 for t in self.tenants.tenants if t.name),
+                                max_namespaces=config.max_namespaces)
         self.arenas = ArenaRegistry(config.max_arena_bytes, config.max_arenas_per_client,
                                     config.max_arena_total_bytes, len(self.tenants.tenants))
         #: Put and Get for both transports: the gRPC handlers and the data channel.

@@ -1,0 +1,109 @@
+"""Tables a caller can grow are bounded and charged to it (issue 56): the namespace-to-layout
+table, health Watch streams without a token, and the probes' connections. Real daemons as
+subprocesses, the attacker's side as raw clients."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+from engine_adapter.client import KVStoreClient
+from kvstore.block import BlockHeader
+from kvstore.daemon.namespaces import NamespaceLayouts
+from kvstore.keys import KVLayout
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.wire import layout_message
+from tests.conftest import free_port
+
+TOKEN_A, TOKEN_B = "token-of-tenant-a-0123456789", "token-of-tenant-b-0123456789"
+TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")  # 32 bytes a token
+OTHER = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16")
+
+
+def _tenants(folder):
+    path = folder / "tenants.toml"
+    path.write_text(f'[[tenant]]\nname = "a"\ntoken = "{TOKEN_A}"\n\n[[tenant]]\nname = "b"\ntoken = "{TOKEN_B}"\n')
+    path.chmod(0o600)
+    return path
+
+
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert found, name
+    return float(found.group(1))
+
+
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(field)
+
+
+def header(namespace: int, layout: KVLayout = TINY) -> BlockHeader:
+    return BlockHeader(key=namespace.to_bytes(16, "big"), namespace=namespace.to_bytes(16, "big"), layout=layout,
+                       tokens=1, codec="raw", payload_len=layout.block_bytes(1), checksum=0)
+
+
+def put_under_namespaces(client: KVStoreClient, first: int, count: int, layout: KVLayout = TINY, batch: int = 2048):
+    """One 1-token block under each of ``count`` namespaces, ``batch`` namespaces a Put; the keys."""
+    rng = np.random.default_rng(first)
+    keys = []
+    for start in range(first, first + count, batch):
+        items = []
+        for n in range(start, min(first + count, start + batch)):
+            key = rng.bytes(16)
+            keys.append(key)
+            meta = pb.BlockMeta(key=key, namespace=n.to_bytes(16, "big"), layout=layout_message(layout), tokens=1,
+                                codec="raw", payload_len=layout.block_bytes(1))
+            items.append(pb.PutItem(meta=meta, inline=b"\x01" * layout.block_bytes(1)))
+        assert client._call(client._stub.Put, pb.PutRequest(items=items)).stored == len(items)
+    return keys
+
+
+def test_namespace_layouts_forget_the_least_recently_put_within_each_owners_share():
+    table = NamespaceLayouts(limit=8)  # a named owner: 2 at most
+    for n in range(3):
+        table.note(header(n), "a")
+    assert table.owned("a") == 2 and table.forgotten == 1
+    table.check(header(0, OTHER))  # forgotten: no longer bound
+    with pytest.raises(ValueError, match="does not match namespace"):
+        table.check(header(1, OTHER))
+    table.note(header(1), "a")  # refreshed: 2 goes next
+    table.note(header(3), "a")
+    with pytest.raises(ValueError):
+        table.check(header(1, OTHER))
+    table.check(header(2, OTHER))
+    for n in range(100, 110):  # the anonymous owner may take the whole table, least recent first
+        table.note(header(n))
+        table.check_integrity()
+    assert len(table) == 8 and table.owned("a") == 0 and table.owned("") == 8
+
+
+def test_a_tenant_putting_under_endless_namespaces_churns_only_its_own_share(daemon_factory, short_tmp):
+    """guarantees: namespaces are bounded — tenant a Puts one-token blocks under 6 x 2,000 fresh
+    namespaces and deletes them: the daemon remembers at most max_namespaces (a's quarter of them),
+    b's namespace stays bound to its layout, and the daemon's RSS stops growing with the count (on
+    ee82bf6 every namespace was remembered forever: 87 MiB for 409,600)."""
+    port = free_port()
+    d = daemon_factory(tenants_file=str(_tenants(short_tmp)), max_namespaces=1000, metrics_listen=f"127.0.0.1:{port}",
+                       listen=f"127.0.0.1:{free_port()}", disk_path="")
+    with KVStoreClient(d.address, token=TOKEN_B) as b:
+        put_under_namespaces(b, first=1 << 40, count=1)
+        with KVStoreClient(d.address, token=TOKEN_A) as a:
+            for round_ in range(6):
+                keys = put_under_namespaces(a, first=round_ * 2000, count=2000)
+                assert a.delete(keys) == len(keys)
+                if round_ == 1:
+                    settled = rss_bytes(d.proc.pid)
+            grown = rss_bytes(d.proc.pid) - settled
+        assert metric(port, "kvstore_namespaces") <= 251  # a's quarter, and b's one
+        with pytest.raises(grpc.RpcError) as refused:  # b's binding survived a's churn
+            put_under_namespaces(b, first=1 << 40, count=1, layout=OTHER)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert grown < 16 * 2**20, grown
