@@ -16,7 +16,7 @@ import signal
 from typing import Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from compression.calibration_store import CALIBRATION_DIR_ENV
 from kvstore.arena import arena_socket_path
@@ -28,7 +28,8 @@ from kvstore.daemon.autocal_bounds import MAX_CALIBRATION_BYTES
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.data_channel import DataChannel, server_tls
 from kvstore.daemon.events import EventPublisher
-from kvstore.daemon.grpc_listener import bind, claim_socket, grpc_server, refuse_busy_port, server_credentials
+from kvstore.daemon.grpc_listener import (BoundedHealth, bind, claim_socket, grpc_server, refuse_busy_port,
+                                          server_credentials)
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.placement import BlockStore
 from kvstore.daemon.probes import ProbeServer
@@ -154,7 +155,7 @@ class Daemon:
             self.events.start()  # first: a taken events address fails the start before anything listens
         self.server = grpc_server(self.config.max_message_bytes, self.tenants)
         add_to_server(self.service, self.server)
-        health_servicer = health.aio.HealthServicer()
+        health_servicer = BoundedHealth()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
         address = self.config.listen
         socket_path = self.config.socket_path
