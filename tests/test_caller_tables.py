@@ -4,8 +4,13 @@ subprocesses, the attacker's side as raw clients."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import re
+import threading
+import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -15,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine_adapter.client import KVStoreClient
 from kvstore.block import BlockHeader
 from kvstore.daemon.namespaces import NamespaceLayouts
-from kvstore.keys import KVLayout
+from kvstore.keys import KVLayout, Namespace, prefix_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import layout_message
 from tests.conftest import free_port
@@ -147,3 +152,120 @@ def test_health_watch_streams_are_bounded_per_connection_and_before_authenticati
         call.cancel()
     for channel in channels + mine:
         channel.close()
+
+
+def test_inline_gets_are_charged_for_every_copy_their_reply_holds(daemon_factory):
+    """guarantees: budgets count real bytes — six concurrent inline Gets of 32 MiB under a 96 MiB
+    budget: a gRPC reply makes three copies of its payloads (the tiers' read buffers, the
+    serialized reply, gRPC's copy of it), so each is charged three times and they run one at a
+    time; the daemon's peak RSS grows by under the budget plus 16 MiB (on ee82bf6 each was charged
+    once and three ran at once)."""
+    layout = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, dtype="float16")  # 4 MiB a 128-token block
+    namespace = Namespace("copies", layout, chunk_tokens=128)
+    d = daemon_factory(cpu_capacity="160MiB", disk_path="", max_inline_bytes="96MiB")
+    rng = np.random.default_rng(5)
+    keys = prefix_keys(namespace, rng.integers(0, 30000, size=8 * 128))
+    payload = rng.integers(1, 255, layout.block_bytes(128), dtype=np.uint8)
+    with KVStoreClient(d.address) as writer:  # through shared memory: no inline buffers left behind
+        assert writer.shared_memory
+        assert writer.put(namespace, [(k, 128, payload) for k in keys]) == len(keys)
+    readers = [KVStoreClient(d.address, shared_memory=False) for _ in range(6)]
+    try:
+        assert readers[0].get(keys[:1], layout.block_bytes(128))[0] == payload.tobytes()
+        Path(f"/proc/{d.proc.pid}/clear_refs").write_text("5")  # peak RSS := RSS now
+        idle = rss_bytes(d.proc.pid)
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda c: len(c.get(keys, layout.block_bytes(128))), readers))
+        grown = rss_bytes(d.proc.pid, "VmHWM") - idle
+    finally:
+        for reader in readers:
+            reader.close()
+    assert got == [len(keys)] * 6
+    print(f"six 32 MiB inline Gets under a 96 MiB budget: peak RSS +{grown >> 20} MiB")
+    assert grown < (96 + 16) * 2**20, f"peak RSS grew by {grown >> 20} MiB"
+
+
+def test_a_byte_budget_keeps_each_named_owners_share_while_others_wait():
+    """A named owner's one call may be as large as the budget, but what it holds beyond its share
+    (a quarter) crowds out no other owner's call within its share; its own next call waits without
+    holding up others; a refusal names no figure of the daemon's."""
+    from kvstore.daemon.budget import BudgetExhausted, ByteBudget
+
+    async def scenario():
+        budget = ByteBudget(100, "test replies", shared=True)
+        await budget.acquire(100, 1, "a")  # a's one call: all of it
+        await asyncio.wait_for(budget.acquire(10, 5, "b"), 1)  # b within its share goes through
+        with pytest.raises(BudgetExhausted) as refused:
+            await budget.acquire(10, 0.05, "a")  # a past its share waits, then is refused
+        assert not re.search(r"\b(100|110|25)\b", str(refused.value)), refused.value
+        waiting = asyncio.create_task(budget.acquire(5, 5, "a"))
+        await asyncio.sleep(0.01)
+        await asyncio.wait_for(budget.acquire(10, 5, "c"), 1)  # a's waiting call holds up nobody
+        assert not waiting.done()
+        budget.release(100, "a")
+        await asyncio.wait_for(waiting, 1)
+        assert budget.in_flight == 25 and budget.held("a") == 5
+        for owner, n in (("a", 5), ("b", 10), ("c", 10)):
+            budget.release(n, owner)
+        assert budget.in_flight == 0 and budget._excess == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_tenant_trickling_a_put_as_large_as_the_budget_starves_no_other_tenant(daemon_factory, short_tmp):
+    """guarantees: fair budgets — tenant a sends a 200 MiB data-channel Put, more than the whole
+    96 MiB inline budget (it runs alone, 26 s at the 8 MB/s floor), a few bytes a second; tenant b's
+    1 MiB Gets, on the data channel and inline in gRPC, go through meanwhile (on ee82bf6 they
+    waited 10 s and were refused RESOURCE_EXHAUSTED)."""
+    from kvstore.wire import GET, GET_REPLY, PUT, READY, frame, parse_error
+    from tests.test_data_channel import LAYOUT, NS, hello, read_frame
+
+    d = daemon_factory(tenants_file=str(_tenants(short_tmp)), listen=f"127.0.0.1:{free_port()}",
+                       data_listen="127.0.0.1:0", max_message_bytes="200MiB", max_inline_bytes="96MiB",
+                       cpu_capacity="64MiB", disk_path="")
+    rng = np.random.default_rng(9)
+    tokens = 64
+    block = LAYOUT.block_bytes(tokens)
+    keys = prefix_keys(NS, rng.integers(0, 49152, size=(2**20 // block) * tokens))  # 1 MiB a Get
+    stored = [(k, tokens, rng.integers(1, 256, LAYOUT.block_bytes(tokens), dtype=np.uint8)) for k in keys]
+    with KVStoreClient(d.address, token=TOKEN_B, shared_memory=False) as b:
+        assert b.put(NS, stored) == len(stored)
+        port = b.stats()["data_port"]
+    big = [pb.PutItem(meta=pb.BlockMeta(key=k, namespace=NS.id, layout=layout_message(LAYOUT), tokens=tokens,
+                                        codec="raw", payload_len=LAYOUT.block_bytes(tokens)))
+           for k in prefix_keys(NS, rng.integers(0, 49152, size=(200 * 2**20 // block) * tokens))]  # 200 MiB
+    trickler = hello(port, TOKEN_A)
+    assert read_frame(trickler) == (READY, b"")
+    trickler.sendall(frame(PUT, pb.PutRequest(items=big).SerializeToString()) + b"\x01" * 4096)
+    stop = threading.Event()
+
+    def trickle():  # a byte every half second: each read within its timeout, the transfer within its deadline
+        while not stop.wait(0.5):
+            try:
+                trickler.sendall(b"\x01")
+            except OSError:
+                return
+
+    trickling = threading.Thread(target=trickle, daemon=True)
+    trickling.start()
+    time.sleep(1.0)  # the daemon reads the head and takes the budget (a tenant's Stats do not show it)
+    reader = hello(port, TOKEN_B)
+    try:
+        assert read_frame(reader) == (READY, b"")
+        for _ in range(4):  # on the data channel: a reply, not RESOURCE_EXHAUSTED after 10 s
+            reader.sendall(frame(GET, pb.GetRequest(items=[pb.GetItem(key=k) for k in keys]).SerializeToString()))
+            kind, body = read_frame(reader)
+            assert kind == GET_REPLY, parse_error(body)
+            assert all(r.found for r in pb.GetResponse.FromString(body).results)
+            reader.settimeout(10)
+            left = len(keys) * block
+            while left:
+                left -= len(reader.recv(left))
+        with KVStoreClient(d.address, token=TOKEN_B, shared_memory=False) as b:  # and inline in gRPC
+            reply = b._call(b._stub.Get, pb.GetRequest(items=[pb.GetItem(key=k) for k in keys]))
+            assert [r.inline for r in reply.results] == [p.tobytes() for _, _, p in stored]
+    finally:
+        stop.set()
+        trickling.join()
+        reader.close()
+        trickler.close()

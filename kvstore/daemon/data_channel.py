@@ -167,7 +167,7 @@ class DataChannel:
         self._listeners: list[tuple[socket.socket, ssl.SSLContext | None]] = []
         self._acceptors: list[threading.Thread] = []
         self._closed = threading.Event()
-        self.admission = DataAdmission(max_connections, transfers.inline.total, self._closed)
+        self.admission = DataAdmission(max_connections, self._closed)
         self._logs = LogLimit()
         self._buffers = _Buffers(transfers.inline.total)
         #: Connections ended by an error frame (those turned away at the cap: ``admission.refused``).
@@ -351,10 +351,10 @@ class DataChannel:
             self.transfers.store.publish_availability()
             self.transfers.store.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
 
-    def _release(self, nbytes: int) -> None:
+    def _release(self, nbytes: int, tenant) -> None:
         if nbytes:
             try:
-                self._loop.call_soon_threadsafe(self.transfers.inline.release, nbytes)
+                self._loop.call_soon_threadsafe(self.transfers.inline.release, nbytes, tenant.name)
             except RuntimeError:  # the loop is closed: the daemon is gone, and its budget with it
                 pass
 
@@ -375,36 +375,32 @@ class DataChannel:
         if total > self.max_message_bytes:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this Put would carry {total} payload bytes; at most "
                           f"{self.max_message_bytes} (max_message_bytes): send fewer blocks per call", close=True)
-        self.admission.hold(tenant, total)  # refused before any payload byte is read: the stream is out of step
-        try:
-            if total:
-                try:
-                    self._call("DataPut", self.transfers.inline.acquire(total, INLINE_WAIT_S))
-                except Refused as exc:
-                    exc.close = True
-                    raise
-            kept, reusable = None, True
+        if total:
             try:
-                kept = self._buffers.take(total)
-                buffer = memoryview(kept)[:total]
-                recv_into_exactly(sock, buffer, self._deadline(total))
-                payloads, at = [], 0
-                for n in lengths:
-                    payloads.append(buffer[at : at + n])
-                    at += n
-                # the store copies each payload into its top tier and keeps no view of it (reused after)
-                stored = self._call("DataPut", self.transfers.put_blocks(tenant, request, payloads),
-                                    abandoned=lambda _: None)
-            except _Abandoned:
-                reusable = False  # the store may still read it
+                self._call("DataPut", self.transfers.inline.acquire(total, INLINE_WAIT_S, tenant.name))
+            except Refused as exc:
+                exc.close = True
                 raise
-            finally:
-                buffer = payloads = None  # no view of the buffer outlives the request
-                if kept is not None and reusable:
-                    self._buffers.give(kept)
-                self._release(total)
+        kept, reusable = None, True
+        try:
+            kept = self._buffers.take(total)
+            buffer = memoryview(kept)[:total]
+            recv_into_exactly(sock, buffer, self._deadline(total))
+            payloads, at = [], 0
+            for n in lengths:
+                payloads.append(buffer[at : at + n])
+                at += n
+            # the store copies each payload into its top tier and keeps no view of it (reused after)
+            stored = self._call("DataPut", self.transfers.put_blocks(tenant, request, payloads),
+                                abandoned=lambda _: None)
+        except _Abandoned:
+            reusable = False  # the store may still read it
+            raise
         finally:
-            self.admission.unhold(tenant, total)
+            buffer = payloads = None  # no view of the buffer outlives the request
+            if kept is not None and reusable:
+                self._buffers.give(kept)
+            self._release(total, tenant)
         sock.sendall(frame(PUT_REPLY, pb.PutResponse(stored=stored).SerializeToString()))
 
     def _get(self, sock, tenant, body: bytes) -> None:
@@ -422,9 +418,8 @@ class DataChannel:
             return taken[-1]
 
         def abandoned(result) -> None:  # on the loop: the reply's bytes, which nobody will send
-            self.transfers.inline.release(result[1])
+            self.transfers.inline.release(result[1], tenant.name)
 
-        self.admission.hold(tenant, 0)  # waits while the tenant holds its share
         try:
             replies, inline = self._call("DataGet", self.transfers.get_blocks(tenant, request, allocate), abandoned)
         except _Abandoned:
@@ -433,9 +428,6 @@ class DataChannel:
             for kept in taken:
                 self._buffers.give(kept)
             raise
-        finally:
-            self.admission.unhold(tenant, 0)
-        self.admission.hold_sent(tenant, inline)
         try:
             reply = pb.GetResponse(results=[result for result, _ in replies]).SerializeToString()
             deadline = self._deadline(inline)  # the whole reply: a reader that stalls holds no budget long
@@ -446,5 +438,4 @@ class DataChannel:
             replies = None
             for kept in taken:
                 self._buffers.give(kept)
-            self._release(inline)
-            self.admission.unhold(tenant, inline)
+            self._release(inline, tenant)

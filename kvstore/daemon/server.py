@@ -25,7 +25,7 @@ from kvstore.daemon.arena_registry import ArenaNotFound
 from kvstore.daemon.auth import Tenant
 from kvstore.daemon.log_limit import LogLimit
 from kvstore.daemon.placement import STREAM_HOLD_S
-from kvstore.daemon.transfers import BadRequest, Transfers, get_result, status_of, stored_keys
+from kvstore.daemon.transfers import GRPC_GET_COPIES, BadRequest, Transfers, get_result, status_of, stored_keys
 from kvstore.limits import MAX_LAYER_COPIES, MAX_LEASE_MS
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -123,12 +123,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Get(self, request: pb.GetRequest, context) -> pb.GetResponse | bytes:
-        replies, inline = await self.transfers.get_blocks(self._tenant(context), request)
+        tenant = self._tenant(context)
+        replies, inline = await self.transfers.get_blocks(tenant, request, copies=GRPC_GET_COPIES)
         if inline:
             # Replies' buffers in flight are bounded across calls; they are freed once gRPC sent them.
-            context.add_done_callback(lambda _: self.transfers.inline.release(inline))
+            context.add_done_callback(lambda _: self.transfers.inline.release(inline, tenant.name))
         if any(payload is not None for _, payload in replies):
-            return encode_get_response(replies)
+            reply = encode_get_response(replies)
+            replies.clear()  # the read buffers are free before gRPC copies the reply
+            return reply
         return pb.GetResponse(results=[r for r, _ in replies])
 
     async def GetLayers(self, request: pb.GetRequest, context) -> None:
