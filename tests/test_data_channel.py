@@ -460,3 +460,24 @@ def test_a_unix_data_socket_served_by_another_user_is_refused_before_the_token(d
     assert stat.S_IMODE(os.stat(endpoint.unix_path).st_mode) == 0o600
     with pytest.raises(ImpostorError, match="not by the daemon's user"):
         DataEndpoint(unix_path=endpoint.unix_path, owner_uid=os.getuid() + 1).dial(None, timeout=5)
+
+
+def test_one_byte_of_a_frame_head_holds_a_connection_seconds_not_minutes(daemon_factory):
+    """The rest of a frame's head comes within READ_TIMEOUT_S (10 s) of its first byte, or the
+    daemon closes the connection (on ee82bf6 one byte held it for the 300 s idle timeout)."""
+    d = serve(daemon_factory)
+    sock = hello(data_port(d))
+    sock.sendall(bytes([GET]))  # one byte of a five-byte head, then nothing
+    sock.settimeout(60)
+    assert closed(sock)
+    sock.close()
+
+
+def test_the_start_log_says_tls_where_the_data_channel_has_it(daemon_factory, short_tmp):
+    """gRPC on the unix socket, the data channel on TCP with the certificate: the start log says
+    the channel's TLS is on, and names its unix socket (on ee82bf6 it said "TLS off")."""
+    cert, key = _self_signed(short_tmp)
+    d = daemon_factory("d0", data_listen="127.0.0.1:0", tls_cert=str(cert), tls_key=str(key), auth_token=TOKEN,
+                       log_level="INFO")
+    line = next(line for line in d.log.read_text().splitlines() if "data channel on" in line)
+    assert "TLS on" in line and f"{d.socket}.data" in line, line

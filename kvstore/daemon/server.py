@@ -206,10 +206,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Clear(self, request: pb.ClearRequest, context) -> pb.CountResponse:
-        if self._tenant(context, operator=True).name:
+        tenant = self._tenant(context, operator=True)
+        if tenant.name:
             raise BadRequest(grpc.StatusCode.PERMISSION_DENIED,
                              "Clear would drop every tenant's blocks; a tenant deletes its own with Delete "
                              "(the operator clears with the daemon's admin token)")
+        if self.transfers.tenants.operator is not None and not tenant.operator:
+            # beside an admin token the shared auth_token is a client's, not the operator's
+            raise BadRequest(grpc.StatusCode.PERMISSION_DENIED,
+                             "this daemon has an admin token: only it may Clear (clients' tokens Delete their keys)")
         return pb.CountResponse(count=await self.store.clear(list(request.tiers)))
 
     @_rpc
