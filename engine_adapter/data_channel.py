@@ -196,10 +196,10 @@ class DataChannelPool:
     one. ``locate`` asks the daemon over gRPC where its channel is (None: it offers none now)."""
 
     def __init__(self, locate: Callable[[], DataEndpoint | None], token: str | None, tls: ClientTLS | None,
-                 timeout: float, max_message_bytes: int, max_idle: int = 4) -> None:
+                 timeout: float, max_message_bytes: int, max_idle: int = 4, endpoint: DataEndpoint | None = None) -> None:
         self._locate, self._token, self._tls = locate, token, tls
         self._timeout, self._max_message_bytes, self._max_idle = timeout, max_message_bytes, max_idle
-        self._endpoint: DataEndpoint | None = None  # as last advertised; None: ask again
+        self._endpoint = endpoint  # as last advertised; None: ask again
         self._idle: list[DataConnection] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -300,7 +300,6 @@ class DataChannelPool:
 def open_pool(endpoint: DataEndpoint, locate: Callable[[], DataEndpoint | None], token: str | None,
               tls: ClientTLS | None, timeout: float, max_message_bytes: int) -> DataChannelPool:
     """A pool whose first connection to ``endpoint`` is open (and idle): the endpoint, TLS and token work."""
-    pool = DataChannelPool(locate, token, tls, timeout, max_message_bytes)
-    pool._endpoint = endpoint
+    pool = DataChannelPool(locate, token, tls, timeout, max_message_bytes, endpoint=endpoint)
     pool.give_back(pool.take())
     return pool

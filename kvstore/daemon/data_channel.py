@@ -20,13 +20,14 @@ After an error the connection stays open when the stream is still in step (a ref
 whose payloads were read), and is closed otherwise (bad framing, a refused token, a Put refused
 before its payloads).
 
-Bounds, against a peer with or without a token: its connection slots and its tenant's shares of
-slots and bytes (kvstore/daemon/data_admission.py); a request's head within ``IDLE_TIMEOUT_S``; each
-read within ``READ_TIMEOUT_S`` and a request's payloads, or a reply's sending, at ``MIN_RATE`` at
-least; a message at most MAX_REQUEST_BYTES; a Put's payloads at most max_message_bytes, and every
-payload byte held in the daemon's ``ByteBudget`` until stored or sent.
+Bounds, against a peer with or without a token: its connection slots and its tenant's share of
+them (kvstore/daemon/data_admission.py) and of the byte budget (kvstore/daemon/budget.py); a
+request's first byte within ``IDLE_TIMEOUT_S`` and the rest of its head within ``READ_TIMEOUT_S``;
+each read within ``READ_TIMEOUT_S`` and a request's payloads, or a reply's sending, at ``MIN_RATE``
+at least; a message at most MAX_REQUEST_BYTES; a Put's payloads at most max_message_bytes, and
+every payload byte held in the daemon's ``ByteBudget`` until stored or sent.
 
-Where a client dials it (docs/guarantees.md, "The data channel's identity"): a TCP client the host
+Where a client dials it (docs/guarantees.md, "Isolation and access"): a TCP client the host
 the daemon advertises (``advertised_host``, in Stats beside the port), with TLS checked against the
 daemon's certificate where it has one; a client on the daemon's unix socket the unix socket beside
 it (``SOCKET.data``, 0600, made under the gRPC socket's lock), whose peer it checks is the socket's
