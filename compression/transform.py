@@ -141,6 +141,11 @@ class TransformCodec(Codec):
         """``start``: the block's first position if the caller knows it (else estimated, RoPE-aware only)."""
         check_block(block)
         cal = self.calibration
+        if (block.shape[0], block.shape[2], block.shape[4]) != (cal.num_layers, cal.num_kv_heads, cal.head_dim):
+            # said here, before any tensor op would fail on it in its own words
+            raise ValueError(f"shape {tuple(block.shape)} does not match calibration {cal.id[:12]} "
+                             f"[{cal.num_layers}, 2, {cal.num_kv_heads}, T, {cal.head_dim}]: a block of another "
+                             f"layout cannot be coded with it")
         start, n_raw, rows = self._frame(block, start)  # rows [B, T', C]
         sections, parts = [], []
         if n_raw:

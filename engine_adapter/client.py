@@ -36,11 +36,11 @@ import grpc
 from engine_adapter import arena_calls
 from engine_adapter.arena_space import ArenaSpace, batches, slot_bytes
 from engine_adapter.blocks import FetchedBlock, LayerStream, block_token_ids, fetched_block, payload_view
-from engine_adapter.data_channel import DataChannelError, DataChannelPool, open_pool
+from engine_adapter.data_channel import DataChannelError, DataChannelPool, DataEndpoint, open_pool
 from engine_adapter.lookup_tally import REPORT_TIMEOUT_S, LookupTally
 from kvstore.arena import Arena, ArenaLease, arena_socket_path
 from kvstore.host import default_listen
-from kvstore.connect import (PYTHON_OPTIONS, OptionNames, client_tls, data_channel_address, explain, is_unix,
+from kvstore.connect import (PYTHON_OPTIONS, OptionNames, client_tls, explain, is_unix,
                              open_channel, plaintext_token_refusal, resolve_token)
 from kvstore.keys import KEY_BYTES, LookupResult, Namespace
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS
@@ -141,22 +141,34 @@ class KVStoreClient:
                 self._data = self._open_data_channel() or False
         return self._data or None
 
-    def _open_data_channel(self) -> DataChannelPool | None:
-        try:
-            port = self._call(self._stub.Stats, pb.StatsRequest()).data_port
-        except grpc.RpcError:
-            return None  # the calls that follow meet the same problem and say it
-        if not port:
-            return None
-        address = data_channel_address(self.address, port)
-        refusal = plaintext_token_refusal(address, self.tls, self._token, self._insecure)
-        try:
+    def _locate_data_channel(self) -> DataEndpoint | None:
+        """Where the daemon says its data channel is (asked over gRPC, the channel whose peer is
+        authenticated); None when it offers none. ValueError when the token must not go there."""
+        reply = self._call(self._stub.Stats, pb.StatsRequest())
+        endpoint = DataEndpoint.advertised(self.address, reply.data_port, reply.data_host)
+        if endpoint is not None and not endpoint.unix_path:
+            refusal = plaintext_token_refusal(str(endpoint), self.tls, self._token, self._insecure)
             if refusal:
                 raise ValueError(refusal)
-            return open_pool(address, self._token, self.tls, self.timeout, self._max_message_bytes)
+        return endpoint
+
+    def _open_data_channel(self) -> DataChannelPool | None:
+        try:
+            endpoint = self._locate_data_channel()
+        except grpc.RpcError:
+            return None  # the calls that follow meet the same problem and say it
+        except (OSError, ValueError) as exc:
+            log.warning("the data channel of %s cannot be used (%s); block bytes travel inline in gRPC",
+                        self.address, exc)
+            return None
+        if endpoint is None:
+            return None
+        try:
+            return open_pool(endpoint, self._locate_data_channel, self._token, self.tls, self.timeout,
+                             self._max_message_bytes)
         except (OSError, ValueError, grpc.RpcError) as exc:
-            log.warning("the data channel of %s at %s cannot be used (%s); block bytes travel inline in gRPC",
-                        self.address, address, exc)
+            log.warning("the data channel of %s cannot be used (%s); block bytes travel inline in gRPC",
+                        self.address, exc)
             return None
 
     @property

@@ -1,8 +1,9 @@
 """The client's side of the daemon's data channel (kvstore/daemon/data_channel.py): Put and Get payloads as
-raw bytes on TCP, for clients without shared memory. `KVStoreClient` uses it when the daemon offers
-one (its port in Stats) and falls back to inline gRPC otherwise.
+raw bytes on TCP, or on the unix socket beside the daemon's, for clients without shared memory.
+`KVStoreClient` uses it when the daemon offers one (its port in Stats) and falls back to inline gRPC
+otherwise.
 
-    pool = DataChannelPool("kv1.internal:7071", token, tls, timeout=60, max_message_bytes=256 << 20)
+    pool = DataChannelPool(locate, token, tls, timeout=60, max_message_bytes=256 << 20)
     stored = pool.put(put_request, payload_views)      # items carry meta.payload_len, no data
     conn = pool.take()
     response, payloads = conn.get(get_request)         # payloads: views into conn's buffer
@@ -11,19 +12,30 @@ one (its port in Stats) and falls back to inline gRPC otherwise.
 
 A connection carries one request at a time; the pool keeps one per thread that uses it at once.
 A connection that met any error is closed, never reused (its stream may be out of step).
+
+Identity: the token goes only to the daemon the client reached over gRPC. ``locate`` asks that
+daemon (Stats, over the gRPC channel already authenticated by its socket or TLS) where its channel
+is: `DataEndpoint.advertised` turns the answer into the unix socket beside the daemon's (its peer
+checked to run as the socket's owner, SO_PEERCRED) or the TCP host and port the daemon names (TLS
+checked against the name gRPC checks). The pool asks again whenever a connection it kept fails or a
+dial fails, so a daemon restarted on another port is found there, never the old port's new owner.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import struct
 import threading
+from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
-from kvstore.connect import ClientTLS, _host_port
+from kvstore.connect import ClientTLS, _host_port, is_unix
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import (ERROR, GET, GET_REPLY, HELLO, PUT, PUT_REPLY, READY, frame, parse_error,
-                          recv_frame_head, recv_into_exactly)
+from kvstore.wire import (ERROR, GET, GET_REPLY, HELLO, PUT, PUT_REPLY, READY, data_socket_path, frame,
+                          parse_error, recv_frame_head, recv_into_exactly)
 
 _STATUS = {status.value[0]: status for status in grpc.StatusCode}
 #: Socket buffers, as the daemon's (kvstore/daemon/data_channel.py).
@@ -44,23 +56,78 @@ class DataChannelError(grpc.RpcError):
         return self._details
 
 
-class DataConnection:
-    """One authenticated connection (HELLO answered READY when built)."""
+class ImpostorError(ConnectionError):
+    """The endpoint dialled is not the daemon the client reached over gRPC: nothing was sent to it."""
 
-    def __init__(self, address: str, token: str | None, tls: ClientTLS | None, timeout: float,
-                 max_message_bytes: int) -> None:
-        host, port = _host_port(address)
-        self.max_message_bytes = max_message_bytes
-        raw = socket.create_connection((host, port), timeout=timeout)
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            raw.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+
+@dataclass(frozen=True)
+class DataEndpoint:
+    """Where one daemon's data channel is, as that daemon advertised it over gRPC.
+
+    ``unix_path``: the socket beside the daemon's unix socket, and ``owner_uid`` the user its
+    listener must run as (the owner of the daemon's gRPC socket); else TCP ``host``:``port``, with
+    ``tls_host`` the name the daemon's certificate is checked against (the one gRPC checks)."""
+
+    host: str = ""
+    port: int = 0
+    tls_host: str = ""
+    unix_path: str = ""
+    owner_uid: int = -1
+
+    @classmethod
+    def advertised(cls, grpc_address: str, port: int, host: str) -> "DataEndpoint | None":
+        """The endpoint of the daemon at ``grpc_address`` whose Stats said ``port`` and ``host``
+        (``data_port``, ``data_host``); None when it offers none, or none this client may use (an
+        abstract unix socket has no file beside it)."""
+        if not port:
+            return None
+        if is_unix(grpc_address):
+            if not grpc_address.startswith("unix:"):
+                return None
+            path = data_socket_path(grpc_address)
+            return cls(unix_path=str(path), owner_uid=os.stat(grpc_address[len("unix:"):]).st_uid)
+        reached = _host_port(grpc_address)[0]
+        return cls(host=host or reached, port=port, tls_host=reached)
+
+    def __str__(self) -> str:
+        if self.unix_path:
+            return f"unix:{self.unix_path}"
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def dial(self, tls: ClientTLS | None, timeout: float) -> socket.socket:
+        """A socket to the daemon's channel, its identity checked (ImpostorError: someone else's)."""
+        if self.unix_path:
+            raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                raw.settimeout(timeout)
+                raw.connect(self.unix_path)
+                uid = struct.unpack("3i", raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+                if uid != self.owner_uid:
+                    raise ImpostorError(f"{self} is served by user {uid}, not by the daemon's user {self.owner_uid}")
+            except BaseException:
+                raw.close()
+                raise
+            return raw
+        raw = socket.create_connection((self.host, self.port), timeout=timeout)
         try:
-            self._sock = (tls.ssl_context().wrap_socket(raw, server_hostname=tls.server_hostname(host))
-                          if tls is not None else raw)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
+                return tls.ssl_context().wrap_socket(raw, server_hostname=tls.server_hostname(self.tls_host))
         except BaseException:
             raw.close()
             raise
+        return raw
+
+
+class DataConnection:
+    """One authenticated connection (HELLO answered READY when built)."""
+
+    def __init__(self, endpoint: DataEndpoint, token: str | None, tls: ClientTLS | None, timeout: float,
+                 max_message_bytes: int) -> None:
+        self.max_message_bytes = max_message_bytes
+        self._sock = endpoint.dial(tls, timeout)
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            self._sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         #: Where Get payloads land (recv_into); grown to the largest reply, reused after.
         self._buffer = bytearray(0)
         try:
@@ -125,15 +192,50 @@ class DataConnection:
 
 
 class DataChannelPool:
-    """Connections to one daemon's data channel: idle ones are reused, a thread that finds none opens one."""
+    """Connections to one daemon's data channel: idle ones are reused, a thread that finds none opens
+    one. ``locate`` asks the daemon over gRPC where its channel is (None: it offers none now)."""
 
-    def __init__(self, address: str, token: str | None, tls: ClientTLS | None, timeout: float,
-                 max_message_bytes: int, max_idle: int = 4) -> None:
-        self.address, self._token, self._tls = address, token, tls
+    def __init__(self, locate: Callable[[], DataEndpoint | None], token: str | None, tls: ClientTLS | None,
+                 timeout: float, max_message_bytes: int, max_idle: int = 4, endpoint: DataEndpoint | None = None) -> None:
+        self._locate, self._token, self._tls = locate, token, tls
         self._timeout, self._max_message_bytes, self._max_idle = timeout, max_message_bytes, max_idle
+        self._endpoint = endpoint  # as last advertised; None: ask again
         self._idle: list[DataConnection] = []
         self._lock = threading.Lock()
         self._closed = False
+
+    @property
+    def endpoint(self) -> DataEndpoint:
+        """Where the channel is, asked of the daemon when not known (ConnectionError: it offers none)."""
+        endpoint = self._endpoint
+        if endpoint is None:
+            endpoint = self._locate()
+            if endpoint is None:
+                raise ConnectionError("the daemon offers no data channel now")
+            self._endpoint = endpoint
+        return endpoint
+
+    def forget(self) -> None:
+        """Ask the daemon again before the next dial (a kept connection or a dial failed: it may
+        have restarted elsewhere); the idle connections to the old endpoint are closed."""
+        with self._lock:
+            self._endpoint = None
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def _dial(self) -> DataConnection:
+        known = self._endpoint is not None
+        try:
+            return DataConnection(self.endpoint, self._token, self._tls, self._timeout, self._max_message_bytes)
+        except ImpostorError:
+            self.forget()
+            raise
+        except (ConnectionError, OSError):
+            if not known:
+                raise
+        self.forget()  # the port it knew is gone (a restart?): ask where it is now, once
+        return DataConnection(self.endpoint, self._token, self._tls, self._timeout, self._max_message_bytes)
 
     def take(self) -> DataConnection:
         return self._take()[0]
@@ -145,7 +247,7 @@ class DataChannelPool:
                 raise ValueError("the data channel pool is closed")
             if self._idle:
                 return self._idle.pop(), True
-        return DataConnection(self.address, self._token, self._tls, self._timeout, self._max_message_bytes), False
+        return self._dial(), False
 
     def _run(self, call):
         """``call(connection)`` on a pooled connection, once more on a new one when the pooled one
@@ -161,6 +263,7 @@ class DataChannelPool:
         except BaseException:
             conn.close()
             raise
+        self.forget()  # a kept connection was closed: the daemon may have restarted on another port
         conn = self.take()
         try:
             return conn, call(conn)
@@ -194,9 +297,9 @@ class DataChannelPool:
             conn.close()
 
 
-def open_pool(address: str, token: str | None, tls: ClientTLS | None, timeout: float,
-              max_message_bytes: int) -> DataChannelPool:
-    """A pool whose first connection is open (and idle): the address, TLS and token work."""
-    pool = DataChannelPool(address, token, tls, timeout, max_message_bytes)
+def open_pool(endpoint: DataEndpoint, locate: Callable[[], DataEndpoint | None], token: str | None,
+              tls: ClientTLS | None, timeout: float, max_message_bytes: int) -> DataChannelPool:
+    """A pool whose first connection to ``endpoint`` is open (and idle): the endpoint, TLS and token work."""
+    pool = DataChannelPool(locate, token, tls, timeout, max_message_bytes, endpoint=endpoint)
     pool.give_back(pool.take())
     return pool

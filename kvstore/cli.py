@@ -64,6 +64,8 @@ _FIELD_HELP = {
     "data_listen": "host:port of the data channel, where clients without shared memory move Put and Get payloads "
                    "as raw bytes (port 0: any free one; empty: none); same tokens, and TLS with the gRPC "
                    "listener's certificate",
+    "max_namespaces": "namespaces whose layout the daemon remembers, all tenants together (a named tenant a "
+                      "quarter); the least recently put are forgotten beyond",
     "data_max_connections": "data-channel connections at once (half at most waiting for a token, a quarter "
                             "at most one named tenant's)",
     "max_inline_bytes": "inline Get reply bytes held at once, all calls together (0: max_message_bytes); a Get "

@@ -143,15 +143,6 @@ def is_loopback(address: str) -> bool:
     return is_unix(address) or is_loopback_host(_host_port(address)[0])
 
 
-def data_channel_address(address: str, port: int) -> str:
-    """``host:port`` of the data channel of the daemon at gRPC ``address`` (kvstore/daemon/data_channel.py):
-    the host the client reached it at (loopback for a unix socket), the port the daemon told."""
-    if is_unix(address):
-        return f"127.0.0.1:{port}"
-    host = _host_port(address)[0]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def plaintext_token_refusal(address: str, tls: ClientTLS | None, token: str | None, insecure: bool,
                             names: OptionNames = PYTHON_OPTIONS) -> str | None:
     """Why a token must not go to ``address`` as asked (plaintext TCP, not loopback), or None."""

@@ -6,8 +6,10 @@ the Get reply serialized by hand, so inline payloads are copied once; and the da
 
 from __future__ import annotations
 
+import os
 import struct
 import time
+from pathlib import Path
 
 from kvstore.keys import KVLayout
 from kvstore.proto import kvstore_pb2 as pb
@@ -63,6 +65,13 @@ def encode_get_response(replies: list[tuple[pb.GetResult, memoryview | None]]) -
 # Payloads are raw bytes right after the message, in item order, with no frame of their own: a
 # PUT's lengths are its items' meta.payload_len, a GET_REPLY's those of its found results.
 
+
+def data_socket_path(socket_path: str | os.PathLike) -> Path:
+    """The data channel's unix socket beside a daemon's gRPC unix socket (``unix:`` prefix allowed):
+    where a client on that socket dials the data channel (kvstore/daemon/data_channel.py)."""
+    text = str(socket_path)
+    return Path((text[len("unix:"):] if text.startswith("unix:") else text) + ".data")
+
 FRAME_HEAD = struct.Struct("!BI")
 HELLO, READY, GET, GET_REPLY, PUT, PUT_REPLY, ERROR = 1, 2, 3, 4, 5, 6, 15
 #: Longest bearer token a HELLO may carry.
@@ -106,11 +115,15 @@ def recv_into_exactly(sock, view: memoryview, deadline: float | None = None) -> 
             sock.settimeout(base)
 
 
-def recv_frame_head(sock, deadline: float | None = None) -> tuple[int, int] | None:
-    """(kind, body length) of the next frame; None when the peer closed before sending one."""
+def recv_frame_head(sock, deadline: float | None = None, rest_within: float | None = None) -> tuple[int, int] | None:
+    """(kind, body length) of the next frame; None when the peer closed before sending one. The
+    first byte waits as the socket's timeout says; the rest until ``deadline``, or at most
+    ``rest_within`` seconds after the first (a peer that sends one byte holds nobody long)."""
     head = bytearray(FRAME_HEAD.size)
     got = sock.recv_into(head)
     if not got:
         return None
+    if rest_within is not None:
+        deadline = time.monotonic() + rest_within
     recv_into_exactly(sock, memoryview(head)[got:], deadline)
     return FRAME_HEAD.unpack(head)

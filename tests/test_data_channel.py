@@ -3,8 +3,11 @@ Real daemons; the client, and raw sockets for what a hostile peer sends."""
 
 from __future__ import annotations
 
+import os
 import socket
+import stat
 import struct
+import threading
 import time
 
 import grpc
@@ -368,3 +371,113 @@ def test_a_tenant_that_trickles_a_put_holds_the_budget_seconds_and_starves_no_on
     with KVStoreClient(d.address, token=TOKEN_A, shared_memory=False) as a:
         assert a.put(NS, stored) == len(stored)  # a's share is free again
     first.close()
+
+
+class Impostor:
+    """Another local user's listener on a loopback port: it records what reaches it and answers
+    READY and a forged Get reply, as the attack in issue 56 did."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.listener = socket.create_server((host, port))
+        self.listener.settimeout(0.2)
+        self.received, self.connections = b"", 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            with conn:
+                conn.settimeout(1.0)
+                try:
+                    self.received += conn.recv(1 << 16)
+                    conn.sendall(frame(READY))
+                    self.received += conn.recv(1 << 16)
+                    forged = pb.GetResponse(results=[pb.GetResult(found=True, meta=pb.BlockMeta(payload_len=16))])
+                    conn.sendall(frame(GET_REPLY, forged.SerializeToString()) + b"EVIL-EVIL-EVIL!!")
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
+        self.listener.close()
+
+
+@pytest.mark.parametrize("grpc_on", ["unix", "tcp"])
+def test_an_impostor_on_a_loopback_port_gets_no_token_and_serves_no_bytes(daemon_factory, grpc_on):
+    """The data channel on 127.0.0.2 and another user's listener on 127.0.0.1 at its port: a client
+    on the unix socket dials the unix socket beside it, one over TCP the host the daemon advertises;
+    neither sends its token to 127.0.0.1 nor takes its bytes (on ee82bf6 both dialled 127.0.0.1)."""
+    listen = {"unix": {}, "tcp": {"listen": f"127.0.0.1:{free_port()}"}}[grpc_on]
+    d = daemon_factory("d0", data_listen="127.0.0.2:0", auth_token=TOKEN, **listen)
+    port = data_port(d)
+    impostor = Impostor("127.0.0.1", port)
+    try:
+        assert_round_trip(d.address, seed=21, token=TOKEN)
+        with KVStoreClient(d.address, token=TOKEN, shared_memory=False) as c:
+            assert c.data_channel
+            assert str(c._data.endpoint) == (f"unix:{d.socket}.data" if grpc_on == "unix" else f"127.0.0.2:{port}")
+    finally:
+        impostor.close()
+    assert impostor.connections == 0 and TOKEN.encode() not in impostor.received
+
+
+def test_the_pool_learns_the_new_port_after_a_restart_and_never_dials_the_old_one(daemon_factory):
+    """A daemon restarted on a new data port, the old one taken by another user: the client's pool,
+    whose kept connection the restart closed, asks the daemon where its channel is now."""
+    d = serve(daemon_factory)
+    keys, stored = blocks(22)
+    with KVStoreClient(d.address, token=TOKEN, shared_memory=False) as c:
+        assert c.put(NS, stored) == len(stored)
+        old = c._data.endpoint.port
+        d.stop()
+        impostor = Impostor("127.0.0.1", old)
+        try:
+            d.start()  # same gRPC port, a new data port (the old one is taken)
+            c.wait_ready()
+            got = c.get(keys, LAYOUT.block_bytes(64))  # from the disk tier the first run wrote through
+            assert c._data.endpoint.port not in (0, old)
+        finally:
+            impostor.close()
+    assert impostor.connections == 0 and TOKEN.encode() not in impostor.received
+    assert got == [p.tobytes() for _, _, p in stored]
+
+
+def test_a_unix_data_socket_served_by_another_user_is_refused_before_the_token(daemon_factory):
+    """The peer of the unix data socket must run as the owner of the daemon's socket (SO_PEERCRED):
+    dialled as if the daemon were another user's, nothing is sent."""
+    from engine_adapter.data_channel import DataEndpoint, ImpostorError
+
+    d = daemon_factory("d0", data_listen="127.0.0.1:0", auth_token=TOKEN)
+    endpoint = DataEndpoint.advertised(d.address, data_port(d), "")
+    assert endpoint.unix_path == f"{d.socket}.data" and endpoint.owner_uid == os.getuid()
+    assert stat.S_IMODE(os.stat(endpoint.unix_path).st_mode) == 0o600
+    with pytest.raises(ImpostorError, match="not by the daemon's user"):
+        DataEndpoint(unix_path=endpoint.unix_path, owner_uid=os.getuid() + 1).dial(None, timeout=5)
+
+
+def test_one_byte_of_a_frame_head_holds_a_connection_seconds_not_minutes(daemon_factory):
+    """The rest of a frame's head comes within READ_TIMEOUT_S (10 s) of its first byte, or the
+    daemon closes the connection (on ee82bf6 one byte held it for the 300 s idle timeout)."""
+    d = serve(daemon_factory)
+    sock = hello(data_port(d))
+    sock.sendall(bytes([GET]))  # one byte of a five-byte head, then nothing
+    sock.settimeout(60)
+    assert closed(sock)
+    sock.close()
+
+
+def test_the_start_log_says_tls_where_the_data_channel_has_it(daemon_factory, short_tmp):
+    """gRPC on the unix socket, the data channel on TCP with the certificate: the start log says
+    the channel's TLS is on, and names its unix socket (on ee82bf6 it said "TLS off")."""
+    cert, key = _self_signed(short_tmp)
+    d = daemon_factory("d0", data_listen="127.0.0.1:0", tls_cert=str(cert), tls_key=str(key), auth_token=TOKEN,
+                       log_level="INFO")
+    line = next(line for line in d.log.read_text().splitlines() if "data channel on" in line)
+    assert "TLS on" in line and f"{d.socket}.data" in line, line

@@ -101,6 +101,22 @@ def test_the_admin_token_clears_and_reads_stats_where_tenants_cannot(daemon_fact
         assert b.stats()["tiers"]["cpu"]["capacity_bytes"] == 16 * 2**20  # the tenants are still served
 
 
+def test_beside_an_admin_token_the_shared_auth_token_cannot_clear(daemon_factory):
+    """With auth_token and an admin token, the shared token is every client's: it Puts and Deletes
+    but Clear is the operator's alone (on ee82bf6 any holder of the shared token could Clear)."""
+    shared = "shared-client-token-0123456789"
+    d = daemon_factory(auth_token=shared, admin_token=ADMIN, cpu_capacity="16MiB")
+    with KVStoreClient(d.address, token=shared) as client:
+        keys = _put(client, 2, seed=4)
+        with pytest.raises(grpc.RpcError) as denied:
+            client.clear()
+        assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED and "admin token" in denied.value.details()
+        assert client.lookup(keys).hits == 2
+        with KVStoreClient(d.address, token=ADMIN, shared_memory=False) as admin:
+            assert admin.clear() >= 2
+        assert client.lookup(keys).hits == 0
+
+
 def test_admin_token_settings_that_cannot_work_are_refused_at_start(short_tmp):
     """A short admin token, one without any tokens to stand apart from, one a tenant also holds,
     one given twice, and an unreadable admin_token_file: each one line at start, exit 1."""

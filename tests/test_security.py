@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import socket
+import stat
 
 import grpc
 import pytest
@@ -97,3 +99,34 @@ def test_tcp_with_tls_and_a_token(daemon_factory, short_tmp):
         with pytest.raises(grpc.RpcError) as info:
             plaintext.lookup(keys)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_vllm_access_trace_is_private_and_follows_no_symlink(tmp_path):
+    """The connector's trace file (request ids, prefix keys) is created 0600, a file of this user's
+    left readable is made 0600, and a symlink another user planted at its path, or a file another
+    user owns, is refused (on ee82bf6: created 0644, and the symlink followed)."""
+    from engine_adapter.vllm.trace import AccessTrace
+    from kvstore.keys import KVLayout
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
+    fresh = tmp_path / "trace.jsonl"
+    AccessTrace(str(fresh), layout, 16).close()
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o600
+    loose = tmp_path / "old-trace.jsonl"
+    loose.write_text("")
+    loose.chmod(0o644)
+    AccessTrace(str(loose), layout, 16).close()
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o600
+    target = tmp_path / "victim.txt"
+    target.write_text("someone else's\n")
+    planted = tmp_path / "planted.jsonl"
+    planted.symlink_to(target)
+    with pytest.raises(OSError):
+        AccessTrace(str(planted), layout, 16)
+    assert target.read_text() == "someone else's\n"
+    if os.geteuid() == 0:  # a file another user owns (only root can make one here)
+        theirs = tmp_path / "theirs.jsonl"
+        theirs.write_text("")
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(OSError, match="not a regular file of this user's"):
+            AccessTrace(str(theirs), layout, 16)

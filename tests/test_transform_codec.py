@@ -193,6 +193,18 @@ def rope_calibration() -> Calibration:
                      source="test, pre-RoPE")
 
 
+def test_a_block_of_another_layout_is_refused_in_words_not_by_a_tensor_op(rope_calibration):
+    """A RoPE-aware calibration asked to code a block of another layout (a write-down to a kvtc
+    disk tier of a namespace it was not made for) says so; on ee82bf6 it failed inside einsum()."""
+    codec = TransformCodec(rope_calibration)
+    cal = rope_calibration
+    for shape in [(cal.num_layers + 1, 2, cal.num_kv_heads, 8, cal.head_dim),
+                  (cal.num_layers, 2, cal.num_kv_heads + 1, 8, cal.head_dim),
+                  (cal.num_layers, 2, cal.num_kv_heads, 8, cal.head_dim * 2)]:
+        with pytest.raises(ValueError, match="does not match calibration"):
+            codec.encode(torch.randn(*shape).half())
+
+
 def test_v3_calibration_round_trips_and_v2_bytes_are_unchanged(calibration, rope_calibration):
     again = Calibration.from_bytes(rope_calibration.to_bytes)
     assert again.id == rope_calibration.id and torch.equal(again.rope_inv_freq, INV_FREQ)

@@ -162,6 +162,10 @@ class DaemonConfig:
     max_arena_bytes: int = 2 * 2**30
     max_arenas_per_client: int = 8
     max_arena_total_bytes: int = 8 * 2**30
+    #: Namespaces whose layout the daemon remembers to check Puts against, all tenants together (a
+    #: named tenant at most a quarter); beyond, the least recently put is forgotten
+    #: (kvstore/daemon/namespaces.py).
+    max_namespaces: int = 65536
     #: The data channel for clients without shared memory (kvstore/daemon/data_channel.py): a TCP
     #: ``host:port`` (port 0: any free one; clients learn it from Stats) where Put and Get payloads
     #: travel as raw bytes beside gRPC, with the same tokens and TLS; "" (default): none.
@@ -287,6 +291,8 @@ class DaemonConfig:
                 if not self.allow_anonymous_loopback:
                     raise ValueError(f"data_listen {self.data_listen} without a token lets every local user read "
                                      f"and store blocks: set KVSTORE_AUTH_TOKEN, or --allow-anonymous-loopback true")
+        if not 1 <= self.max_namespaces <= 2**24:
+            raise ValueError(f"max_namespaces must be in 1..{2**24}, got {self.max_namespaces}")
         if not 1 <= self.data_max_connections <= 4096:
             raise ValueError(f"data_max_connections must be in 1..4096, got {self.data_max_connections}")
         if bool(self.tls_cert) != bool(self.tls_key):

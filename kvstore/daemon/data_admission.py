@@ -5,9 +5,8 @@ with one error frame), of which at most half wait for their HELLO (past that, or
 connection closes the one that waited longest: a flood of peers without a token churns among
 itself, while a client that sends its token at once gets in; each waits at most HELLO_TIMEOUT_S
 from accept, however slowly its bytes or TLS handshake trickle in). With named tenants, at most a
-quarter of the connections are one tenant's, and a tenant's transfers hold at most a quarter of the
-byte budget beyond its one largest (more wait for its own to end), so one tenant cannot keep the
-others' inline Gets waiting.
+quarter of the connections are one tenant's. A tenant's share of the bytes in flight is the byte
+budget's (kvstore/daemon/budget.py), shared with inline gRPC Gets.
 
 ``DataAdmission`` is called from the channel's threads (its accept loop and one per connection),
 never from the event loop; its own lock guards all of its state.
@@ -23,7 +22,6 @@ import time
 import grpc
 
 from kvstore.daemon.log_limit import LogLimit
-from kvstore.daemon.transfers import INLINE_WAIT_S
 from kvstore.wire import error_frame
 
 log = logging.getLogger(__name__)
@@ -53,15 +51,13 @@ class DataAdmission:
     """The connection slots, the HELLO waiting list and each named tenant's share of slots and
     bytes. ``closed`` is the channel's: once set, no transfer waits for its share any longer."""
 
-    def __init__(self, max_connections: int, budget_bytes: int, closed: threading.Event) -> None:
-        self.max_connections, self.budget_bytes, self._closed = max_connections, budget_bytes, closed
+    def __init__(self, max_connections: int, closed: threading.Event) -> None:
+        self.max_connections, self._closed = max_connections, closed
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, threading.Thread] = {}
         #: Connections waiting for their HELLO, oldest first, and each named tenant's (under _lock).
         self._waiting: dict[socket.socket, float] = {}  # accept time
         self._per_tenant: dict[str, int] = {}
-        self._held: dict[str, int] = {}  # a named tenant's payload bytes in flight here
-        self._held_changed = threading.Condition(self._lock)
         self._logs = LogLimit()
         #: Connections turned away at the cap.
         self.refused = 0
@@ -145,35 +141,3 @@ class DataAdmission:
             self._connections.pop(raw, None)
             if admitted is not None and admitted.name:
                 self._per_tenant[admitted.name] -= 1
-
-    # -- bytes --------------------------------------------------------------------------------
-
-    def hold(self, tenant, nbytes: int) -> None:
-        """Count a named tenant's payload bytes in flight here; past a quarter of the byte budget
-        its next transfer waits (at most INLINE_WAIT_S) until its own earlier ones end."""
-        if not tenant.name:
-            return
-        share = max(1, self.budget_bytes // 4)
-        deadline = time.monotonic() + INLINE_WAIT_S
-        with self._held_changed:
-            while self._held.get(tenant.name, 0) and self._held[tenant.name] + nbytes > share:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._closed.is_set():
-                    raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"tenant {tenant.name!r} has "
-                                  f"{self._held[tenant.name]} payload bytes in flight on the data channel, its "
-                                  f"share of the daemon's inline budget; try again later", close=True)
-                self._held_changed.wait(min(left, 0.5))
-            self._held[tenant.name] = self._held.get(tenant.name, 0) + nbytes
-
-    def hold_sent(self, tenant, nbytes: int) -> None:
-        """A Get's reply bytes, counted to its tenant while they are sent (never waits: they are read)."""
-        if tenant.name and nbytes:
-            with self._held_changed:
-                self._held[tenant.name] = self._held.get(tenant.name, 0) + nbytes
-
-    def unhold(self, tenant, nbytes: int) -> None:
-        """The end of a ``hold`` or ``hold_sent``: wakes the tenant's transfers waiting for their share."""
-        if tenant.name and nbytes:
-            with self._held_changed:
-                self._held[tenant.name] -= nbytes
-                self._held_changed.notify_all()

@@ -20,11 +20,18 @@ After an error the connection stays open when the stream is still in step (a ref
 whose payloads were read), and is closed otherwise (bad framing, a refused token, a Put refused
 before its payloads).
 
-Bounds, against a peer with or without a token: its connection slots and its tenant's shares of
-slots and bytes (kvstore/daemon/data_admission.py); a request's head within ``IDLE_TIMEOUT_S``; each
-read within ``READ_TIMEOUT_S`` and a request's payloads, or a reply's sending, at ``MIN_RATE`` at
-least; a message at most MAX_REQUEST_BYTES; a Put's payloads at most max_message_bytes, and every
-payload byte held in the daemon's ``ByteBudget`` until stored or sent.
+Bounds, against a peer with or without a token: its connection slots and its tenant's share of
+them (kvstore/daemon/data_admission.py) and of the byte budget (kvstore/daemon/budget.py); a
+request's first byte within ``IDLE_TIMEOUT_S`` and the rest of its head within ``READ_TIMEOUT_S``;
+each read within ``READ_TIMEOUT_S`` and a request's payloads, or a reply's sending, at ``MIN_RATE``
+at least; a message at most MAX_REQUEST_BYTES; a Put's payloads at most max_message_bytes, and
+every payload byte held in the daemon's ``ByteBudget`` until stored or sent.
+
+Where a client dials it (docs/guarantees.md, "Isolation and access"): a TCP client the host
+the daemon advertises (``advertised_host``, in Stats beside the port), with TLS checked against the
+daemon's certificate where it has one; a client on the daemon's unix socket the unix socket beside
+it (``SOCKET.data``, 0600, made under the gRPC socket's lock), whose peer it checks is the socket's
+owner. No client guesses a loopback port another local user could hold.
 
 A ``DataChannel`` runs on its own threads; the only state it shares with the event loop is reached
 through the loop (``run_coroutine_threadsafe``, ``call_soon_threadsafe``).
@@ -34,11 +41,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import ssl
+import stat
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -70,8 +80,9 @@ class _Abandoned(Refused):
 
 
 def tune(sock: socket.socket) -> None:
-    """No Nagle (a request's head must not wait for an ACK) and large buffers."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    """No Nagle on TCP (a request's head must not wait for an ACK) and large buffers."""
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
 
@@ -110,20 +121,54 @@ class _Buffers:
                 self._idle.pop(0)  # the smallest: large requests find theirs
 
 
+def advertised_host(address: str) -> str:
+    """The host a client should dial for a data channel on ``address`` (``host:port``): that host,
+    or "" when it binds every address (the client then uses the host it reached gRPC at)."""
+    host = address.rpartition(":")[0].strip("[]")
+    return "" if host in ("", "0.0.0.0", "::") else host
+
+
+def listen_unix(path: Path) -> socket.socket:
+    """A listening unix socket at ``path``, born 0600; a stale socket there is replaced (the caller
+    holds the gRPC socket's lock), any other file refused (OSError)."""
+    try:
+        found = os.lstat(path).st_mode
+    except FileNotFoundError:
+        found = None
+    if found is not None and not stat.S_ISSOCK(found):
+        raise OSError(f"{path} exists and is not a socket")
+    path.unlink(missing_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        listener.bind(str(path))
+    except BaseException:
+        listener.close()
+        raise
+    finally:
+        os.umask(old_umask)
+    listener.listen(128)
+    return listener
+
+
 class DataChannel:
-    """The listener and its connections' threads. ``start`` binds (OSError when it cannot) and
-    returns the port; ``close`` stops accepting, ends every connection and joins the threads."""
+    """The listeners and their connections' threads: TCP on ``address``, and with ``unix_path`` a
+    unix socket for clients on the daemon's own unix socket (plaintext: no bytes leave the host).
+    ``start`` binds (OSError when it cannot) and returns the TCP port; ``close`` stops accepting,
+    ends every connection and joins the threads."""
 
     def __init__(self, address: str, transfers: Transfers, loop: asyncio.AbstractEventLoop,
                  tls: ssl.SSLContext | None = None, max_connections: int = 32,
-                 max_message_bytes: int = 256 * 2**20) -> None:
+                 max_message_bytes: int = 256 * 2**20, unix_path: Path | None = None) -> None:
         self.address, self.transfers, self._loop, self._tls = address, transfers, loop, tls
         self.max_connections, self.max_message_bytes = max_connections, max_message_bytes
+        self.unix_path = unix_path
         self.port = 0
-        self._listener: socket.socket | None = None
-        self._acceptor: threading.Thread | None = None
+        #: Each listener with the TLS its connections speak (None: plaintext), and its accept thread.
+        self._listeners: list[tuple[socket.socket, ssl.SSLContext | None]] = []
+        self._acceptors: list[threading.Thread] = []
         self._closed = threading.Event()
-        self.admission = DataAdmission(max_connections, transfers.inline.total, self._closed)
+        self.admission = DataAdmission(max_connections, self._closed)
         self._logs = LogLimit()
         self._buffers = _Buffers(transfers.inline.total)
         #: Connections ended by an error frame (those turned away at the cap: ``admission.refused``).
@@ -133,23 +178,40 @@ class DataChannel:
     def connections(self) -> int:
         return len(self.admission)
 
+    @property
+    def host(self) -> str:
+        """The host clients over TCP dial (``advertised_host``)."""
+        return advertised_host(self.address)
+
     def start(self) -> int:
         host, _, port = self.address.rpartition(":")
         host = host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, int(port)), family=family, backlog=128)
-        self._listener.settimeout(0.5)  # accept wakes to see close()
-        self.port = self._listener.getsockname()[1]
-        self._acceptor = threading.Thread(target=self._accept_loop, name="kvstore-data-accept", daemon=True)
-        self._acceptor.start()
+        tcp = socket.create_server((host, int(port)), family=family, backlog=128)
+        self._listeners.append((tcp, self._tls))
+        self.port = tcp.getsockname()[1]
+        if self.unix_path is not None:
+            try:
+                self._listeners.append((listen_unix(self.unix_path), None))
+            except BaseException:
+                tcp.close()
+                raise
+        for listener, tls in self._listeners:
+            listener.settimeout(0.5)  # accept wakes to see close()
+            acceptor = threading.Thread(target=self._accept_loop, args=(listener, tls), name="kvstore-data-accept",
+                                        daemon=True)
+            acceptor.start()
+            self._acceptors.append(acceptor)
         return self.port
 
     def close(self, timeout: float = 5.0) -> None:
         self._closed.set()
-        if self._acceptor is not None:
-            self._acceptor.join(timeout)
-        if self._listener is not None:
-            self._listener.close()
+        for acceptor in self._acceptors:
+            acceptor.join(timeout)
+        for listener, _ in self._listeners:
+            listener.close()
+        if self.unix_path is not None:
+            self.unix_path.unlink(missing_ok=True)
         live = self.admission.live()
         for sock, _ in live:
             try:
@@ -162,11 +224,11 @@ class DataChannel:
 
     # -- connections --------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket, tls: ssl.SSLContext | None) -> None:
         while not self._closed.is_set():
             self.admission.close_late_hellos()
             try:
-                raw, peer = self._listener.accept()
+                raw, peer = listener.accept()
             except (socket.timeout, TimeoutError):
                 continue
             except OSError as exc:
@@ -176,19 +238,19 @@ class DataChannel:
                     log.warning("data channel: accept failed: %s", exc)
                 time.sleep(0.1)  # out of fds: let connections end
                 continue
-            thread = threading.Thread(target=self._serve, args=(raw,), name="kvstore-data", daemon=True)
+            thread = threading.Thread(target=self._serve, args=(raw, tls), name="kvstore-data", daemon=True)
             if self.admission.enter(raw, thread):
                 thread.start()
             else:
-                self.admission.turn_away(raw, peer, plaintext=self._tls is None)
+                self.admission.turn_away(raw, peer or "the unix socket", plaintext=tls is None)
 
-    def _serve(self, raw: socket.socket) -> None:
+    def _serve(self, raw: socket.socket, tls: ssl.SSLContext | None) -> None:
         sock, admitted = raw, None
         try:
             tune(raw)
             raw.settimeout(HELLO_TIMEOUT_S)
-            if self._tls is not None:
-                sock = self._tls.wrap_socket(raw, server_side=True)  # the handshake, within the timeout
+            if tls is not None:
+                sock = tls.wrap_socket(raw, server_side=True)  # the handshake, within the timeout
             try:
                 tenant = self._hello(sock)
             finally:
@@ -198,7 +260,7 @@ class DataChannel:
             sock.sendall(frame(READY))
             while not self._closed.is_set():
                 sock.settimeout(IDLE_TIMEOUT_S)
-                head = recv_frame_head(sock)
+                head = recv_frame_head(sock, rest_within=READ_TIMEOUT_S)
                 if head is None:
                     return  # the client closed between requests
                 sock.settimeout(READ_TIMEOUT_S)
@@ -290,10 +352,10 @@ class DataChannel:
             self.transfers.store.publish_availability()
             self.transfers.store.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
 
-    def _release(self, nbytes: int) -> None:
+    def _release(self, nbytes: int, tenant) -> None:
         if nbytes:
             try:
-                self._loop.call_soon_threadsafe(self.transfers.inline.release, nbytes)
+                self._loop.call_soon_threadsafe(self.transfers.inline.release, nbytes, tenant.name)
             except RuntimeError:  # the loop is closed: the daemon is gone, and its budget with it
                 pass
 
@@ -314,36 +376,32 @@ class DataChannel:
         if total > self.max_message_bytes:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this Put would carry {total} payload bytes; at most "
                           f"{self.max_message_bytes} (max_message_bytes): send fewer blocks per call", close=True)
-        self.admission.hold(tenant, total)  # refused before any payload byte is read: the stream is out of step
-        try:
-            if total:
-                try:
-                    self._call("DataPut", self.transfers.inline.acquire(total, INLINE_WAIT_S))
-                except Refused as exc:
-                    exc.close = True
-                    raise
-            kept, reusable = None, True
+        if total:
             try:
-                kept = self._buffers.take(total)
-                buffer = memoryview(kept)[:total]
-                recv_into_exactly(sock, buffer, self._deadline(total))
-                payloads, at = [], 0
-                for n in lengths:
-                    payloads.append(buffer[at : at + n])
-                    at += n
-                # the store copies each payload into its top tier and keeps no view of it (reused after)
-                stored = self._call("DataPut", self.transfers.put_blocks(tenant, request, payloads),
-                                    abandoned=lambda _: None)
-            except _Abandoned:
-                reusable = False  # the store may still read it
+                self._call("DataPut", self.transfers.inline.acquire(total, INLINE_WAIT_S, tenant.name))
+            except Refused as exc:
+                exc.close = True
                 raise
-            finally:
-                buffer = payloads = None  # no view of the buffer outlives the request
-                if kept is not None and reusable:
-                    self._buffers.give(kept)
-                self._release(total)
+        kept, reusable = None, True
+        try:
+            kept = self._buffers.take(total)
+            buffer = memoryview(kept)[:total]
+            recv_into_exactly(sock, buffer, self._deadline(total))
+            payloads, at = [], 0
+            for n in lengths:
+                payloads.append(buffer[at : at + n])
+                at += n
+            # the store copies each payload into its top tier and keeps no view of it (reused after)
+            stored = self._call("DataPut", self.transfers.put_blocks(tenant, request, payloads),
+                                abandoned=lambda _: None)
+        except _Abandoned:
+            reusable = False  # the store may still read it
+            raise
         finally:
-            self.admission.unhold(tenant, total)
+            buffer = payloads = None  # no view of the buffer outlives the request
+            if kept is not None and reusable:
+                self._buffers.give(kept)
+            self._release(total, tenant)
         sock.sendall(frame(PUT_REPLY, pb.PutResponse(stored=stored).SerializeToString()))
 
     def _get(self, sock, tenant, body: bytes) -> None:
@@ -361,9 +419,8 @@ class DataChannel:
             return taken[-1]
 
         def abandoned(result) -> None:  # on the loop: the reply's bytes, which nobody will send
-            self.transfers.inline.release(result[1])
+            self.transfers.inline.release(result[1], tenant.name)
 
-        self.admission.hold(tenant, 0)  # waits while the tenant holds its share
         try:
             replies, inline = self._call("DataGet", self.transfers.get_blocks(tenant, request, allocate), abandoned)
         except _Abandoned:
@@ -372,9 +429,6 @@ class DataChannel:
             for kept in taken:
                 self._buffers.give(kept)
             raise
-        finally:
-            self.admission.unhold(tenant, 0)
-        self.admission.hold_sent(tenant, inline)
         try:
             reply = pb.GetResponse(results=[result for result, _ in replies]).SerializeToString()
             deadline = self._deadline(inline)  # the whole reply: a reader that stalls holds no budget long
@@ -385,5 +439,4 @@ class DataChannel:
             replies = None
             for kept in taken:
                 self._buffers.give(kept)
-            self._release(inline)
-            self.admission.unhold(tenant, inline)
+            self._release(inline, tenant)

@@ -71,6 +71,8 @@ class Metrics:
                                       ["outcome"], registry=r)
         self.used_bytes = Gauge("kvstore_used_bytes", "Bytes stored, by tier", ["tier"], registry=r)
         self.blocks = Gauge("kvstore_blocks", "Blocks stored, by tier", ["tier"], registry=r)
+        self.namespaces = Gauge("kvstore_namespaces", "Namespaces whose layout the daemon remembers (at most "
+                                "max_namespaces; the least recently put forgotten beyond)", registry=r)
         self.capacity_bytes = Gauge("kvstore_capacity_bytes", "Bytes a tier may hold (0: unbounded)", ["tier"],
                                     registry=r)
         self.rpc_seconds = Histogram("kvstore_rpc_seconds", "Time the daemon spent on an RPC, by method", ["method"],

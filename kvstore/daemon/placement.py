@@ -41,9 +41,10 @@ from kvstore.block import BlockHeader
 from kvstore.daemon.config import ADMISSION_POLICIES, EVICTION_POLICIES
 from kvstore.daemon.eviction import Evictor
 from kvstore.daemon.holds import STREAM_HOLD_S, HoldRefused, Holds
-from kvstore.keys import KVLayout, LookupResult
+from kvstore.keys import LookupResult
 from kvstore.daemon.log_limit import LogLimit
 from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.namespaces import DEFAULT_LIMIT as DEFAULT_NAMESPACES, NamespaceLayouts
 from kvstore.daemon.promotion import Promoter
 from kvstore.daemon.reads import BlockGoneError, GetResult, Reader
 from kvstore.daemon.residency import Residency, WalkBudget
@@ -73,7 +74,7 @@ class BlockStore:
                  discover_timeout_s: float = DISCOVER_TIMEOUT_S, key_index: KeyIndexWriter | None = None,
                  events: EventPublisher | None = None, quotas: dict[str, int] | None = None,
                  hold_share: float | None = None, tenants: int = 1, eviction: str = EVICTION_POLICIES[0],
-                 admission: str = ADMISSION_POLICIES[0]) -> None:
+                 admission: str = ADMISSION_POLICIES[0], max_namespaces: int = DEFAULT_NAMESPACES) -> None:
         if not tiers:
             raise ValueError("BlockStore needs at least one tier")
         names = [t.name for t in tiers]
@@ -119,10 +120,11 @@ class BlockStore:
         self.promoter = Promoter(tiers, self.residency, self.lock, self.metrics, read_or_drop=self.reads.read_or_drop,
                                  store_in=self.evictor.store_in, refresh_gauges=self.refresh_gauges,
                                  enqueue_copy=self.write_behind.enqueue if write_through else None)
-        self._layouts: dict[bytes, KVLayout] = {}  # namespace -> the layout of its blocks
+        #: namespace -> the layout of its blocks, bounded (kvstore/daemon/namespaces.py)
+        self.namespaces = NamespaceLayouts(max_namespaces)
         for tier in tiers:
             for key in tier.keys():
-                self._note_layout(tier.header(key))
+                self.namespaces.note(tier.header(key))
         self._workers: list[asyncio.Task] = []
         self.write_errors = 0
         for tier in tiers:  # fixed for the daemon's life (a disk tier fits itself to free space at start)
@@ -280,13 +282,7 @@ class BlockStore:
     # -- writes -------------------------------------------------------------------------------
 
     def check_namespace(self, header: BlockHeader) -> None:
-        known = self._layouts.get(header.namespace)
-        if known is not None and known != header.layout:
-            raise ValueError(f"layout {header.layout} does not match namespace {header.namespace.hex()}, "
-                             f"whose blocks have layout {known}")
-
-    def _note_layout(self, header: BlockHeader) -> None:
-        self._layouts.setdefault(header.namespace, header.layout)
+        self.namespaces.check(header)
 
     async def put(self, header: BlockHeader, payload: memoryview, owner: str = "", quota: int = 0,
                   durable: bool = False, hash_payload: bool = False, parent: bytes = b"",
@@ -313,7 +309,7 @@ class BlockStore:
             header = await self.evictor.store_in(0, header, payload, hash_payload, owner=owner)
             # linked once stored: a Put no tier took keeps nothing of its hint
             self.residency.link(header.key, parent, 0, walk if walk is not None else WalkBudget())
-            self._note_layout(header)
+            self.namespaces.note(header, owner)
         await self._make_durable(header, durable_level)
         self._queue_lower(header, durable, durable_level)
         self.refresh_gauges()
@@ -348,7 +344,7 @@ class BlockStore:
                     for header, (_, _, parent) in zip(stored, blocks):
                         if header is not None:
                             self.residency.link(header.key, parent, 0, walk)
-                            self._note_layout(header)
+                            self.namespaces.note(header, owner)
             for header in stored:
                 await self._make_durable(header, durable_level)
         finally:
@@ -494,5 +490,6 @@ class BlockStore:
         for tier in self.tiers:
             self.metrics.used_bytes.labels(tier.name).set(tier.used_bytes)
             self.metrics.blocks.labels(tier.name).set(len(tier))
+        self.metrics.namespaces.set(len(self.namespaces))
         self.write_behind.refresh_gauges()
 

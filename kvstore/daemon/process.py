@@ -16,7 +16,7 @@ import signal
 from typing import Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from compression.calibration_store import CALIBRATION_DIR_ENV
 from kvstore.arena import arena_socket_path
@@ -28,7 +28,8 @@ from kvstore.daemon.autocal_bounds import MAX_CALIBRATION_BYTES
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.data_channel import DataChannel, server_tls
 from kvstore.daemon.events import EventPublisher
-from kvstore.daemon.grpc_listener import bind, claim_socket, grpc_server, refuse_busy_port, server_credentials
+from kvstore.daemon.grpc_listener import (BoundedHealth, bind, claim_socket, grpc_server, refuse_busy_port,
+                                          server_credentials)
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.placement import BlockStore
 from kvstore.daemon.probes import ProbeServer
@@ -38,6 +39,7 @@ from kvstore.daemon.tier_setup import build_tiers, check_settings
 from kvstore.instance_lock import InstanceLock
 from kvstore.shm_index import KeyIndexWriter, remove_stale_files
 from kvstore.user_input import format_size
+from kvstore.wire import data_socket_path
 from tiers.base import Tier
 from tiers.disk import DiskTier
 
@@ -76,7 +78,8 @@ class Daemon:
                                 codecs=codecs, key_index=self._key_index(tiers), events=self.events,
                                 quotas={t.name: t.quota_bytes for t in self.tenants.tenants if t.name and t.quota_bytes},
                                 hold_share=config.hold_share, eviction=config.eviction, admission=config.admission,
-                                tenants=sum(1 for t in self.tenants.tenants if t.name))
+                                tenants=sum(1 for t in self.tenants.tenants if t.name),
+                                max_namespaces=config.max_namespaces)
         self.arenas = ArenaRegistry(config.max_arena_bytes, config.max_arenas_per_client,
                                     config.max_arena_total_bytes, len(self.tenants.tenants))
         #: Put and Get for both transports: the gRPC handlers and the data channel.
@@ -153,7 +156,7 @@ class Daemon:
             self.events.start()  # first: a taken events address fails the start before anything listens
         self.server = grpc_server(self.config.max_message_bytes, self.tenants)
         add_to_server(self.service, self.server)
-        health_servicer = health.aio.HealthServicer()
+        health_servicer = BoundedHealth()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
         address = self.config.listen
         socket_path = self.config.socket_path
@@ -194,15 +197,17 @@ class Daemon:
         an address that cannot be bound fails the start."""
         config = self.config
         tls = server_tls(config.tls_cert, config.tls_key) if config.tls_cert else None
+        unix_path = data_socket_path(config.socket_path) if config.socket_path is not None else None
         self.data_channel = DataChannel(config.data_listen, self.transfers, self._loop, tls,
                                         max_connections=config.data_max_connections,
-                                        max_message_bytes=config.max_message_bytes)
+                                        max_message_bytes=config.max_message_bytes, unix_path=unix_path)
         try:
             self.service.data_port = self.data_channel.start()
         except OSError as exc:
             self.data_channel = None
             reason = "address in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc)).lower()
             raise OSError(f"cannot listen on data_listen {config.data_listen}: {reason}") from None
+        self.service.data_host = self.data_channel.host
 
     def _start_metrics(self) -> None:
         """/metrics, /healthz and /readyz on metrics_listen (kvstore/daemon/probes.py), and the heartbeat
@@ -235,8 +240,9 @@ class Daemon:
                  f"metrics and probes: {metrics}; KV events: {events}; summary: {summary}"]
         if self.data_channel is not None:
             host = config.data_listen.rpartition(":")[0]
-            lines.append(f"data channel on {host}:{self.data_channel.port}, TLS {'on' if tls else 'off'}, at most "
-                         f"{config.data_max_connections} connections")
+            unix = f" and {self.data_channel.unix_path}" if self.data_channel.unix_path is not None else ""
+            lines.append(f"data channel on {host}:{self.data_channel.port}{unix}, TLS "
+                         f"{'on' if config.tls_cert else 'off'}, at most {config.data_max_connections} connections")
         if self.arena_socket is not None:
             lines.append(f"shared-memory arenas on {arena_socket_path(config.socket_path)}, shared key index "
                          f"{'on' if self.store.key_index is not None else 'off'}")

@@ -25,7 +25,7 @@ from kvstore.daemon.arena_registry import ArenaNotFound
 from kvstore.daemon.auth import Tenant
 from kvstore.daemon.log_limit import LogLimit
 from kvstore.daemon.placement import STREAM_HOLD_S
-from kvstore.daemon.transfers import BadRequest, Transfers, get_result, status_of, stored_keys
+from kvstore.daemon.transfers import GRPC_GET_COPIES, BadRequest, Transfers, get_result, status_of, stored_keys
 from kvstore.limits import MAX_LAYER_COPIES, MAX_LEASE_MS
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -77,6 +77,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.store = transfers.store
         #: The data channel's TCP port, told to clients in Stats (kvstore/daemon/data_channel.py); 0: none.
         self.data_port = 0
+        self.data_host = ""  # advertised with the port (data_channel.advertised_host)
         #: Lines about refused holds: one per tenant a minute (a client renewing leases in a loop).
         self._refusals = LogLimit()
 
@@ -122,12 +123,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Get(self, request: pb.GetRequest, context) -> pb.GetResponse | bytes:
-        replies, inline = await self.transfers.get_blocks(self._tenant(context), request)
+        tenant = self._tenant(context)
+        replies, inline = await self.transfers.get_blocks(tenant, request, copies=GRPC_GET_COPIES)
         if inline:
             # Replies' buffers in flight are bounded across calls; they are freed once gRPC sent them.
-            context.add_done_callback(lambda _: self.transfers.inline.release(inline))
+            context.add_done_callback(lambda _: self.transfers.inline.release(inline, tenant.name))
         if any(payload is not None for _, payload in replies):
-            return encode_get_response(replies)
+            reply = encode_get_response(replies)
+            replies.clear()  # the read buffers are free before gRPC copies the reply
+            return reply
         return pb.GetResponse(results=[r for r, _ in replies])
 
     async def GetLayers(self, request: pb.GetRequest, context) -> None:
@@ -202,10 +206,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Clear(self, request: pb.ClearRequest, context) -> pb.CountResponse:
-        if self._tenant(context, operator=True).name:
+        tenant = self._tenant(context, operator=True)
+        if tenant.name:
             raise BadRequest(grpc.StatusCode.PERMISSION_DENIED,
                              "Clear would drop every tenant's blocks; a tenant deletes its own with Delete "
                              "(the operator clears with the daemon's admin token)")
+        if self.transfers.tenants.operator is not None and not tenant.operator:
+            # beside an admin token the shared auth_token is a client's, not the operator's
+            raise BadRequest(grpc.StatusCode.PERMISSION_DENIED,
+                             "this daemon has an admin token: only it may Clear (clients' tokens Delete their keys)")
         return pb.CountResponse(count=await self.store.clear(list(request.tiers)))
 
     @_rpc
@@ -228,7 +237,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                 arenas=len(self.transfers.arenas), write_errors=self.store.write_errors,
                                 requested=m.total(m.requested), events_published=m.value(m.events_published),
                                 events_dropped=m.value(m.events_dropped), data_port=self.data_port,
-                                inline_bytes=self.transfers.inline.in_flight)
+                                data_host=self.data_host, inline_bytes=self.transfers.inline.in_flight)
 
     def _tenant_stats(self, tenant: Tenant) -> pb.StatsResponse:
         """A named tenant's own traffic; nothing that moves with other tenants' use."""
@@ -237,7 +246,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                               bytes_in=usage.bytes_in[t.name], bytes_out=usage.bytes_out[t.name])
                  for t in self.store.tiers]
         return pb.StatsResponse(tiers=tiers, misses=usage.misses, requested=usage.requested,
-                                arenas=self.transfers.arenas.count(tenant.name), data_port=self.data_port)
+                                arenas=self.transfers.arenas.count(tenant.name), data_port=self.data_port,
+                                data_host=self.data_host)
 
     @_rpc
     async def RegisterArena(self, request: pb.RegisterArenaRequest, context) -> pb.RegisterArenaResponse:

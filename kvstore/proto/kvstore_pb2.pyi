@@ -209,7 +209,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions_in: _Optional[int] = ..., demotions_in: _Optional[int] = ..., corrupt: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "misses", "pinned", "queue_depth", "queue_dropped", "arenas", "write_errors", "requested", "events_published", "events_dropped", "data_port", "inline_bytes")
+    __slots__ = ("tiers", "misses", "pinned", "queue_depth", "queue_dropped", "arenas", "write_errors", "requested", "events_published", "events_dropped", "data_port", "inline_bytes", "data_host")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,7 @@ class StatsResponse(_message.Message):
     EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     INLINE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_HOST_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     misses: int
     pinned: int
@@ -234,7 +235,8 @@ class StatsResponse(_message.Message):
     events_dropped: int
     data_port: int
     inline_bytes: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., misses: _Optional[int] = ..., pinned: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_dropped: _Optional[int] = ..., arenas: _Optional[int] = ..., write_errors: _Optional[int] = ..., requested: _Optional[int] = ..., events_published: _Optional[int] = ..., events_dropped: _Optional[int] = ..., data_port: _Optional[int] = ..., inline_bytes: _Optional[int] = ...) -> None: ...
+    data_host: str
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., misses: _Optional[int] = ..., pinned: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_dropped: _Optional[int] = ..., arenas: _Optional[int] = ..., write_errors: _Optional[int] = ..., requested: _Optional[int] = ..., events_published: _Optional[int] = ..., events_dropped: _Optional[int] = ..., data_port: _Optional[int] = ..., inline_bytes: _Optional[int] = ..., data_host: _Optional[str] = ...) -> None: ...
 
 class RegisterArenaRequest(_message.Message):
     __slots__ = ("name", "size")
