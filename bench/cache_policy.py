@@ -63,8 +63,8 @@ from typing import Callable, Sequence
 
 from cache_tiers import (FrequencySketch, LRUTier, PrefixLRUTier, PrefixTinyLFUDuelTier, PrefixTinyLFUTier,
                          SimTier)
-from cache_trace import (Block, Request, TraceError, load_trace, load_traces, next_uses, synthetic_trace,
-                         working_set_bytes)
+from cache_trace import (TOKEN_BYTES, Block, Request, TraceError, load_trace, load_traces, next_uses,
+                         synthetic_trace, working_set_bytes)
 
 __all__ = ["simulate", "belady", "Result", "load_trace", "working_set_bytes", "synthetic_trace", "POLICIES",
            "ADMISSIONS"]
@@ -353,6 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="top tier sizes as fractions of the working set (default 0.25,0.5,1.0)")
     parser.add_argument("--lower", type=_numbers, default=[0.0, 2.0],
                         help="lower tier sizes as multiples of the top's; 0 = top only (default 0,2)")
+    parser.add_argument("--token-bytes", type=int, default=TOKEN_BYTES,
+                        help=f"KV bytes a token, for traces without bytes (Mooncake's; default {TOKEN_BYTES:,}, "
+                             "SmolLM2-135M)")
     parser.add_argument("--json", metavar="PATH", help="write every number as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot hit ratio against capacity (PNG, needs matplotlib)")
     args = parser.parse_args(argv)
@@ -361,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         requests = (synthetic_trace(args.users, args.rounds, args.context_blocks, args.question_blocks, args.seed,
                                     no_reuse=args.no_reuse, zipf=args.zipf, active=args.active)
-                    if args.synthetic else load_traces(args.traces))
+                    if args.synthetic else load_traces(args.traces, args.token_bytes))
     except (OSError, TraceError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     working_set, total_tokens = working_set_bytes(requests), sum(r.tokens for r in requests)
