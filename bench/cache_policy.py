@@ -61,8 +61,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
-from cache_tiers import (FrequencySketch, LRUTier, PrefixLRUTier, PrefixTinyLFUDuelTier, PrefixTinyLFUTier,
-                         SimTier)
+from cache_tiers import (ARCTier, FrequencySketch, LRUTier, PrefixLRUTier, PrefixTinyLFUDuelTier, PrefixTinyLFUTier,
+                         SegmentedTier, SimTier)
 from cache_trace import (TOKEN_BYTES, Block, Request, TraceError, load_trace, load_traces, next_uses,
                          synthetic_trace, working_set_bytes)
 
@@ -71,8 +71,13 @@ __all__ = ["simulate", "belady", "Result", "load_trace", "working_set_bytes", "s
 PROGRESS_EVERY = 10_000  # requests between progress calls
 
 POLICIES: dict[str, type[SimTier]] = {"lru": LRUTier, "prefix-lru": PrefixLRUTier, "prefix-tinylfu": PrefixTinyLFUTier,
-                                     "prefix-tinylfu-duel": PrefixTinyLFUDuelTier}
+                                     "prefix-tinylfu-duel": PrefixTinyLFUDuelTier, "segmented": SegmentedTier,
+                                     "arc": ARCTier}
 ADMISSIONS = ("all", "reused", "ghost")
+#: The model of the daemon's defaults (`kvstore/daemon/config.py`: ``eviction``, ``admission``), so a
+#: run of ``--policies default`` names what the daemon does; keep it equal to them (tests/test_cache_policy.py).
+DEFAULT = "default"
+DEFAULT_POLICY, DEFAULT_ADMISSION = "prefix-lru", "all"
 
 
 class Admission:
@@ -135,7 +140,7 @@ class Result:
 
     @property
     def label(self) -> str:
-        if not self.lower_capacity or self.policy == "belady":
+        if not self.lower_capacity or self.policy in ("belady", DEFAULT):
             return self.policy
         return f"{self.policy} {'through' if self.write_through else 'back'} {self.admission}"
 
@@ -152,9 +157,12 @@ def simulate(requests: Sequence[Request], policy: str, capacity: int, lower_capa
     lower tier, both evicting by ``policy`` (see `POLICIES`); ``admission`` (see `ADMISSIONS`) gates
     the lower tier. ``check_integrity``: check both tiers after every request (tests).
     ``progress(requests done)`` is called every `PROGRESS_EVERY` requests."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown eviction policy {policy!r}; choose from {', '.join(POLICIES)}")
-    tier_class = POLICIES[policy]
+    if policy == DEFAULT:
+        if (admission, write_through) != (DEFAULT_ADMISSION, True):
+            raise ValueError(f"{DEFAULT!r} is the daemon's defaults: admission {DEFAULT_ADMISSION!r}, write-through")
+    elif policy not in POLICIES:
+        raise ValueError(f"unknown eviction policy {policy!r}; choose from {', '.join((DEFAULT, *POLICIES))}")
+    tier_class = POLICIES[DEFAULT_POLICY if policy == DEFAULT else policy]
     frequency = None
     if tier_class.needs_frequency:  # sized by the blocks both tiers hold, in the trace's largest blocks
         largest = max((b.nbytes for r in requests for b in r.blocks), default=1) or 1
@@ -253,8 +261,9 @@ def run_grid(requests: Sequence[Request], fractions: Sequence[float], lowers: Se
     working_set = working_set_bytes(requests)
     runs = [(fraction, lower, policy, through, admission) for fraction in fractions for lower in lowers
             for policy in ("belady", *policies)
-            for through in ((True, False) if lower and policy != "belady" else (True,))
-            for admission in (admissions if lower and policy != "belady" else ("all",))]
+            for through in ((True, False) if lower and policy not in ("belady", DEFAULT) else (True,))
+            for admission in (admissions if lower and policy not in ("belady", DEFAULT) else
+                              (DEFAULT_ADMISSION if policy == DEFAULT else "all",))]
     results = []
     for i, (fraction, lower, policy, through, admission) in enumerate(runs, start=1):
         top = round(fraction * working_set)
@@ -343,10 +352,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--context-blocks", type=int, default=16, help="synthetic: blocks of each user's context")
     parser.add_argument("--question-blocks", type=int, default=1, help="synthetic: blocks each round adds")
     parser.add_argument("--active", type=int, help="synthetic: users come in sessions, this many at once")
+    parser.add_argument("--system-blocks", type=int, default=2,
+                        help="synthetic: blocks of the prompt every request shares (an agent's tool prompt)")
+    parser.add_argument("--scans", type=float, default=0.0,
+                        help="synthetic: this fraction of requests are one-off documents (default 0)")
     parser.add_argument("--no-reuse", action="store_true", help="synthetic: every block new (nothing can hit)")
     parser.add_argument("--seed", type=int, default=0, help="synthetic: seed of the users' order")
-    parser.add_argument("--policies", type=_names(POLICIES), default=list(POLICIES),
-                        help=f"eviction policies to replay besides belady (default all: {','.join(POLICIES)})")
+    parser.add_argument("--policies", type=_names((DEFAULT, *POLICIES)), default=list(POLICIES),
+                        help=f"eviction policies to replay besides belady (default all: {','.join(POLICIES)}); "
+                             f"'{DEFAULT}': the daemon's default eviction and admission ({DEFAULT_POLICY}, "
+                             f"{DEFAULT_ADMISSION}, write-through)")
     parser.add_argument("--admissions", type=_names(ADMISSIONS), default=list(ADMISSIONS),
                         help=f"lower-tier admissions to replay (default all: {','.join(ADMISSIONS)})")
     parser.add_argument("--capacities", type=_numbers, default=[0.25, 0.5, 1.0],
@@ -363,7 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give trace files or --synthetic")
     try:
         requests = (synthetic_trace(args.users, args.rounds, args.context_blocks, args.question_blocks, args.seed,
-                                    no_reuse=args.no_reuse, zipf=args.zipf, active=args.active)
+                                    shared_system_blocks=args.system_blocks, no_reuse=args.no_reuse, zipf=args.zipf,
+                                    active=args.active, scans=args.scans)
                     if args.synthetic else load_traces(args.traces, args.token_bytes))
     except (OSError, TraceError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
@@ -374,6 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         live_tokens = sum(sum(b.tokens for b in r.blocks[:r.hits]) for r in live)
         print(f"live system: {100 * live_tokens / max(1, sum(r.tokens for r in live)):.1f}% of tokens hit in "
               f"{len(live)} recorded lookups; vLLM's own cache held {sum(r.local_tokens or 0 for r in live)} tokens")
+    print(f"an infinite cache hits {100 * belady(requests, working_set).hit_ratio:.1f}% of tokens (first uses miss)")
     results = run_grid(requests, args.capacities, args.lower, args.policies, args.admissions)
     print(table(results))
     if args.json:

@@ -9,6 +9,12 @@ the frequency sketch that TinyLFU admission reads.
     prefix-tinylfu-duel  prefix-tinylfu that admits everything (is prefix-lru) unless key-only shadows of
                          both policies show, over the last requests, that filtering hits more, and
                          the tier itself is not falling behind the prefix-lru shadow
+    segmented            S3-FIFO's idea in LRU segments: new blocks enter a probation LRU (half the
+                         tier), a block used again moves to a protected LRU; a block probation evicted
+                         is remembered (keys only, a tier-ful) and goes straight to protected if it
+                         comes back
+    arc                  ARC (Megiddo and Modha): recency and frequency LRUs whose split adapts to hits
+                         in the ghosts of each, in bytes
 
 All are deterministic; each operation costs O(log n) at most (heaps with stale entries skipped).
 """
@@ -267,6 +273,124 @@ class PrefixTinyLFUTier(PrefixLRUTier):
         super().check_integrity()
         if not self._inherited.keys() <= self.blocks.keys():
             raise RuntimeError(f"{self.name}: inherited estimates of blocks it does not hold")
+
+
+class SegmentedTier(SimTier):
+    """Probation and protected LRUs (module docstring). Victims come from probation while it holds more
+    than `PROBATION` of the capacity (or protected is empty), else from protected's least recent
+    block. Probation's victims enter the ghost, at most as many keys as the tier holds blocks."""
+    PROBATION = 0.5
+
+    def __init__(self, name: str, capacity: int, on_evict: Callable[[SimTier, Block], None] | None = None,
+                 frequency: FrequencySketch | None = None, reach: int | None = None):
+        super().__init__(name, capacity, on_evict, frequency, reach)
+        self.probation: OrderedDict[str, Block] = OrderedDict()
+        self.protected: OrderedDict[str, Block] = OrderedDict()
+        self.probation_bytes = 0
+        self.ghost: OrderedDict[str, None] = OrderedDict()
+
+    def _add(self, block: Block) -> None:
+        if block.key in self.ghost:
+            del self.ghost[block.key]
+            self.protected[block.key] = block
+        else:
+            self.probation[block.key] = block
+            self.probation_bytes += block.nbytes
+
+    def touch(self, block: Block) -> None:
+        if block.key in self.probation:
+            del self.probation[block.key]
+            self.probation_bytes -= block.nbytes
+            self.protected[block.key] = block
+        else:
+            self.protected.move_to_end(block.key)
+
+    def _victim(self) -> Block:
+        if self.probation and (self.probation_bytes > self.PROBATION * self.capacity or not self.protected):
+            return next(iter(self.probation.values()))
+        return next(iter(self.protected.values()))
+
+    def _remove(self, block: Block) -> None:
+        if block.key in self.probation:
+            del self.probation[block.key]
+            self.probation_bytes -= block.nbytes
+            self.ghost[block.key] = None
+            while len(self.ghost) > len(self.blocks):
+                self.ghost.popitem(last=False)
+        else:
+            del self.protected[block.key]
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        if self.probation.keys() | self.protected.keys() != self.blocks.keys() or \
+                self.probation_bytes != sum(b.nbytes for b in self.probation.values()):
+            raise RuntimeError(f"{self.name}: segments disagree with the held blocks")
+
+
+class ARCTier(SimTier):
+    """ARC in bytes: ``recent`` (T1) holds blocks used once since they entered, ``frequent`` (T2) those
+    used again; the ghosts B1 and B2 remember their victims' keys and bytes, a tier-ful in all. A put
+    of a B1 key grows T1's target ``p`` (recency would have hit), of a B2 key shrinks it; either
+    enters T2. Victims come from T1 while it holds more than ``p`` bytes, else from T2."""
+
+    def __init__(self, name: str, capacity: int, on_evict: Callable[[SimTier, Block], None] | None = None,
+                 frequency: FrequencySketch | None = None, reach: int | None = None):
+        super().__init__(name, capacity, on_evict, frequency, reach)
+        self.recent: OrderedDict[str, Block] = OrderedDict()
+        self.frequent: OrderedDict[str, Block] = OrderedDict()
+        self.ghost_recent: OrderedDict[str, int] = OrderedDict()     # key -> bytes
+        self.ghost_frequent: OrderedDict[str, int] = OrderedDict()
+        self.recent_bytes = self.ghost_recent_bytes = self.ghost_frequent_bytes = 0
+        self.p = 0.0
+
+    def _add(self, block: Block) -> None:
+        key, size = block.key, block.nbytes
+        if key in self.ghost_recent:
+            self.p = min(self.capacity, self.p + max(size, size * self.ghost_frequent_bytes / self.ghost_recent_bytes))
+            self.ghost_recent_bytes -= self.ghost_recent.pop(key)
+            self.frequent[key] = block
+        elif key in self.ghost_frequent:
+            self.p = max(0.0, self.p - max(size, size * self.ghost_recent_bytes / self.ghost_frequent_bytes))
+            self.ghost_frequent_bytes -= self.ghost_frequent.pop(key)
+            self.frequent[key] = block
+        else:
+            self.recent[key] = block
+            self.recent_bytes += size
+
+    def touch(self, block: Block) -> None:
+        if block.key in self.recent:
+            del self.recent[block.key]
+            self.recent_bytes -= block.nbytes
+            self.frequent[block.key] = block
+        else:
+            self.frequent.move_to_end(block.key)
+
+    def _victim(self) -> Block:
+        if self.recent and (self.recent_bytes > self.p or not self.frequent):
+            return next(iter(self.recent.values()))
+        return next(iter(self.frequent.values()))
+
+    def _remove(self, block: Block) -> None:
+        if block.key in self.recent:
+            del self.recent[block.key]
+            self.recent_bytes -= block.nbytes
+            self.ghost_recent[block.key] = block.nbytes
+            self.ghost_recent_bytes += block.nbytes
+        else:
+            del self.frequent[block.key]
+            self.ghost_frequent[block.key] = block.nbytes
+            self.ghost_frequent_bytes += block.nbytes
+        while self.ghost_recent_bytes + self.ghost_frequent_bytes > self.capacity:
+            if self.ghost_recent_bytes > self.ghost_frequent_bytes or not self.ghost_frequent:
+                self.ghost_recent_bytes -= self.ghost_recent.popitem(last=False)[1]
+            else:
+                self.ghost_frequent_bytes -= self.ghost_frequent.popitem(last=False)[1]
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        if self.recent.keys() | self.frequent.keys() != self.blocks.keys() or \
+                self.recent_bytes != sum(b.nbytes for b in self.recent.values()):
+            raise RuntimeError(f"{self.name}: T1 and T2 disagree with the held blocks")
 
 
 def replay_alone(tier: SimTier, request: Request) -> int:

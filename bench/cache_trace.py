@@ -201,7 +201,7 @@ def block_key(parent: str | None, content: tuple) -> str:
 
 def synthetic_trace(users: int, rounds: int, context_blocks: int, question_blocks: int, seed: int,
                     shared_system_blocks: int = 2, no_reuse: bool = False, zipf: float | None = None,
-                    active: int | None = None, block_tokens: int = BLOCK_TOKENS,
+                    active: int | None = None, scans: float = 0.0, block_tokens: int = BLOCK_TOKENS,
                     token_bytes: int = TOKEN_BYTES) -> list[Request]:
     """Multi-round QA over long contexts: each user's round r asks for the chain
 
@@ -216,7 +216,10 @@ def synthetic_trace(users: int, rounds: int, context_blocks: int, question_block
     (no shared system prompt either), a trace on which no cache can hit. ``active`` = k: users come
     in sessions instead, at most k talking at once, each request from one of them drawn uniformly;
     when one has asked all its rounds the next user starts (recency wins: a user never comes back
-    after its session). All blocks are full chunks.
+    after its session). ``scans`` = f: besides the users' requests, a fraction f of all requests are
+    scans of one-off documents (a chain of ``context_blocks`` new blocks behind the shared system
+    prompt, never asked for again), spread through the trace. An agent re-reading its tool prompt is
+    a long ``shared_system_blocks``. All blocks are full chunks.
     """
     if min(users, rounds, question_blocks) < 1 or min(context_blocks, shared_system_blocks) < 0:
         raise ValueError("users, rounds and question_blocks must be >= 1; context and system blocks >= 0")
@@ -248,13 +251,25 @@ def synthetic_trace(users: int, rounds: int, context_blocks: int, question_block
             user = rng.choices(asking, weights=[weights[u] for u in asking])[0]
             left[user] -= 1
             order.append(user)
+    if not 0 <= scans < 1:
+        raise ValueError(f"scans is a fraction of the requests, 0 <= scans < 1, got {scans}")
+    scan_count = round(len(order) * scans / (1 - scans))
+    for j, at in enumerate(sorted(rng.randrange(len(order) + 1) for _ in range(scan_count))):
+        order.insert(at + j, -1)  # -1: a scan
     nbytes = block_tokens * token_bytes
     asked = [0] * users
     requests = []
     for i, user in enumerate(order):
-        owner = ("request", i) if no_reuse else ("user", user)
+        owner = ("request", i) if no_reuse or user < 0 else ("user", user)
         contents = [("system", j) if not no_reuse else (owner, "system", j) for j in range(shared_system_blocks)]
         contents += [(owner, "context", j) for j in range(context_blocks)]
+        if user < 0:
+            blocks, parent = [], None
+            for content in contents:
+                blocks.append(Block(key := block_key(parent, content), parent, block_tokens, nbytes))
+                parent = key
+            requests.append(Request(request=f"scan{i}", blocks=tuple(blocks), t=float(i)))
+            continue
         contents += [(owner, "qa", r, j) for r in range(asked[user] + 1) for j in range(question_blocks)]
         blocks, parent = [], None
         for content in contents:
