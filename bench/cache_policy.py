@@ -61,8 +61,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
-from cache_tiers import (ARCTier, FrequencySketch, LRUTier, PrefixLRUTier, PrefixTinyLFUDuelTier, PrefixTinyLFUTier,
-                         SegmentedTier, SimTier)
+from cache_tiers import (AdaptiveTier, ARCTier, FrequencySketch, LRUTier, PrefixARCTier, PrefixLRUTier,
+                         PrefixTinyLFUDuelTier, PrefixTinyLFUTier, SegmentedTier, SimTier)
 from cache_trace import (TOKEN_BYTES, Block, Request, TraceError, load_trace, load_traces, next_uses,
                          synthetic_trace, working_set_bytes)
 
@@ -72,7 +72,7 @@ PROGRESS_EVERY = 10_000  # requests between progress calls
 
 POLICIES: dict[str, type[SimTier]] = {"lru": LRUTier, "prefix-lru": PrefixLRUTier, "prefix-tinylfu": PrefixTinyLFUTier,
                                      "prefix-tinylfu-duel": PrefixTinyLFUDuelTier, "segmented": SegmentedTier,
-                                     "arc": ARCTier}
+                                     "arc": ARCTier, "prefix-arc": PrefixARCTier, "adaptive": AdaptiveTier}
 ADMISSIONS = ("all", "reused", "ghost")
 #: The model of the daemon's defaults (`kvstore/daemon/config.py`: ``eviction``, ``admission``), so a
 #: run of ``--policies default`` names what the daemon does; keep it equal to them (tests/test_cache_policy.py).

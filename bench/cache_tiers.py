@@ -15,6 +15,11 @@ the frequency sketch that TinyLFU admission reads.
                          comes back
     arc                  ARC (Megiddo and Modha): recency and frequency LRUs whose split adapts to hits
                          in the ghosts of each, in bytes
+    prefix-arc           arc that knows chains as the daemon's prefix-lru does: a block stored or used
+                         moves its held ancestors to the recent end of their own segment
+    adaptive             prefix-lru or prefix-arc, whichever key-only shadows of both (a hashed sample
+                         of the keys, in a tier of the sample's share of the bytes) hit more lately:
+                         the daemon's ``eviction = "adaptive"``
 
 All are deterministic; each operation costs O(log n) at most (heaps with stale entries skipped).
 """
@@ -391,6 +396,102 @@ class ARCTier(SimTier):
         if self.recent.keys() | self.frequent.keys() != self.blocks.keys() or \
                 self.recent_bytes != sum(b.nbytes for b in self.recent.values()):
             raise RuntimeError(f"{self.name}: T1 and T2 disagree with the held blocks")
+
+
+class PrefixARCTier(ARCTier):
+    """ARC whose blocks stored or used move their held ancestors (nearest first, at most `MAX_WALK`)
+    to the recent end of the segment each is in, without promoting them: within a segment a chain's
+    first blocks are more recent than its last, so the segment evicts chains from their end."""
+    MAX_WALK = 1024
+
+    def _add(self, block: Block) -> None:
+        super()._add(block)
+        self._refresh_ancestors(block)
+
+    def touch(self, block: Block) -> None:
+        super().touch(block)
+        self._refresh_ancestors(block)
+
+    def _refresh_ancestors(self, block: Block) -> None:
+        parent, walked = block.parent, 0
+        while parent is not None and parent in self.blocks and walked < self.MAX_WALK:
+            (self.recent if parent in self.recent else self.frequent).move_to_end(parent)
+            parent, walked = self.blocks[parent].parent, walked + 1
+
+
+def sample_rate(reach_blocks: int) -> int:
+    """1 in how many keys a shadow of a tier holding ``reach_blocks`` blocks follows: enough for
+    `AdaptiveTier.SHADOW_BLOCKS` blocks in it, at most 1 in `AdaptiveTier.MAX_RATE`."""
+    return max(1, min(AdaptiveTier.MAX_RATE, reach_blocks // AdaptiveTier.SHADOW_BLOCKS))
+
+
+class AdaptiveTier(PrefixLRUTier, PrefixARCTier):
+    """prefix-lru or prefix-arc, by set dueling on sampled shadows (the daemon's ``adaptive``).
+
+    The tier keeps both orders (prefix-lru's leaves, prefix-arc's segments and ghosts) and takes its
+    victim from the one chosen now. Chosen by two key-only shadows, `ARCTier` and `LRUTier`, of
+    ``reach`` / rate bytes (this tier and those above it), that follow 1 in ``rate`` keys
+    (`sample_rate`, by a hash of the key) through every request, each block a use: a hit where the
+    shadow holds it, else a put. ``score`` (ARC's hits - LRU's) and ``uses`` decay by 1 / window a
+    sampled use, window = `WINDOW_BLOCKS` / rate; the tier runs prefix-arc while score >
+    `MARGIN` x uses. Starts as prefix-lru. Costs two ghost lists (keys of a tier-ful of bytes) and
+    two shadows of about `SHADOW_BLOCKS` keys each."""
+    WINDOW_BLOCKS = 1024
+    MARGIN = 0.02
+    SHADOW_BLOCKS = 512
+    MAX_RATE = 64
+
+    def __init__(self, name: str, capacity: int, on_evict: Callable[[SimTier, Block], None] | None = None,
+                 frequency: FrequencySketch | None = None, reach: int | None = None):
+        super().__init__(name, capacity, on_evict, frequency, reach)
+        self.rate = 0   # set at the first request, from its first block's bytes
+        self.shadow_arc = self.shadow_lru = None
+        self.score = self.uses = 0.0
+        self.arc = False
+
+    def see(self, request: Request, hit_tokens: int) -> None:
+        if not request.blocks:
+            return
+        if not self.rate:
+            self.rate = sample_rate(self.reach // max(1, request.blocks[0].nbytes))
+            self.shadow_arc = ARCTier(f"{self.name} shadow arc", self.reach // self.rate)
+            self.shadow_lru = LRUTier(f"{self.name} shadow lru", self.reach // self.rate)
+        window = max(16, self.WINDOW_BLOCKS // self.rate)
+        for block in request.blocks:
+            if self.rate > 1 and _sample_hash(block.key) % self.rate:
+                continue
+            self.score += self._shadow_use(self.shadow_arc, block) - self._shadow_use(self.shadow_lru, block) \
+                - self.score / window
+            self.uses += 1 - self.uses / window
+        self.arc = self.score > self.MARGIN * self.uses
+
+    @staticmethod
+    def _shadow_use(shadow: SimTier, block: Block) -> int:
+        if block.key in shadow:
+            shadow.touch(block)
+            return 1
+        shadow.insert(block)
+        return 0
+
+    def _add(self, block: Block) -> None:
+        PrefixLRUTier._add(self, block)
+        PrefixARCTier._add(self, block)
+
+    def touch(self, block: Block) -> None:
+        PrefixLRUTier.touch(self, block)
+        if block.key in self.recent or block.key in self.frequent:  # (prefix-lru's _add touches it first)
+            PrefixARCTier.touch(self, block)
+
+    def _remove(self, block: Block) -> None:
+        PrefixLRUTier._remove(self, block)
+        PrefixARCTier._remove(self, block)
+
+    def _victim(self) -> Block:
+        return PrefixARCTier._victim(self) if self.arc else PrefixLRUTier._victim(self)
+
+
+def _sample_hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
 def replay_alone(tier: SimTier, request: Request) -> int:

@@ -262,6 +262,7 @@ class BlockStore:
         """A Get found ``key`` in tier ``level`` (``reads`` calls this on the loop for each hit):
         under admission "reused" it now earns the copy below that write-through skipped at its Put,
         and a lower-tier hit is promoted to the top in the background (``promote_on_get``)."""
+        self.residency.note_use(key, self.tiers[level].header(key).block_len)
         if self.admission != "all" and not self.residency.reused(key):
             self.residency.mark_reused(key)
             if self.write_through and level + 1 < len(self.tiers) and key not in self.tiers[level + 1]:
@@ -313,6 +314,7 @@ class BlockStore:
             header = await self.evictor.store_in(0, header, payload, hash_payload, owner=owner)
             # linked once stored: a Put no tier took keeps nothing of its hint
             self.residency.link(header.key, parent, 0, walk if walk is not None else WalkBudget())
+            self.residency.note_use(header.key, header.block_len)
             self._note_layout(header)
         await self._make_durable(header, durable_level)
         self._queue_lower(header, durable, durable_level)
@@ -348,6 +350,7 @@ class BlockStore:
                     for header, (_, _, parent) in zip(stored, blocks):
                         if header is not None:
                             self.residency.link(header.key, parent, 0, walk)
+                            self.residency.note_use(header.key, header.block_len)
                             self._note_layout(header)
             for header in stored:
                 await self._make_durable(header, durable_level)
