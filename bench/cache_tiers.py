@@ -432,7 +432,8 @@ class AdaptiveTier(PrefixLRUTier, PrefixARCTier):
     victim from the one chosen now. Chosen by two key-only shadows, `ARCTier` and `LRUTier`, of
     ``reach`` / rate bytes (this tier and those above it), that follow 1 in ``rate`` keys
     (`sample_rate`, by a hash of the key) through every request, each block a use: a hit where the
-    shadow holds it, else a put. ``score`` (ARC's hits - LRU's) and ``uses`` decay by 1 / window a
+    shadow holds it, else a put. Unsampled (rate 1) they know chains: `PrefixARCTier` and
+    `PrefixLRUTier` (a sample keeps too few parents for it to matter). ``score`` (ARC's hits - LRU's) and ``uses`` decay by 1 / window a
     sampled use, window = `WINDOW_BLOCKS` / rate; the tier runs prefix-arc while score >
     `MARGIN` x uses. Starts as prefix-lru. Costs two ghost lists (keys of a tier-ful of bytes) and
     two shadows of about `SHADOW_BLOCKS` keys each."""
@@ -440,6 +441,7 @@ class AdaptiveTier(PrefixLRUTier, PrefixARCTier):
     MARGIN = 0.02
     SHADOW_BLOCKS = 512
     MAX_RATE = 64
+    PREFIX_SHADOWS = True   # (off: plain shadows at rate 1 too, for comparison)
 
     def __init__(self, name: str, capacity: int, on_evict: Callable[[SimTier, Block], None] | None = None,
                  frequency: FrequencySketch | None = None, reach: int | None = None):
@@ -454,8 +456,9 @@ class AdaptiveTier(PrefixLRUTier, PrefixARCTier):
             return
         if not self.rate:
             self.rate = sample_rate(self.reach // max(1, request.blocks[0].nbytes))
-            self.shadow_arc = ARCTier(f"{self.name} shadow arc", self.reach // self.rate)
-            self.shadow_lru = LRUTier(f"{self.name} shadow lru", self.reach // self.rate)
+            chains = self.rate == 1 and self.PREFIX_SHADOWS
+            self.shadow_arc = (PrefixARCTier if chains else ARCTier)(f"{self.name} shadow arc", self.reach // self.rate)
+            self.shadow_lru = (PrefixLRUTier if chains else LRUTier)(f"{self.name} shadow lru", self.reach // self.rate)
         window = max(16, self.WINDOW_BLOCKS // self.rate)
         for block in request.blocks:
             if self.rate > 1 and _sample_hash(block.key) % self.rate:

@@ -207,6 +207,77 @@ def test_a_durable_put_is_written_down_whatever_the_admission(tmp_path):
     asyncio.run(scenario())
 
 
+def test_adaptive_keeps_a_reused_set_through_scans_that_prefix_lru_loses(tmp_path):
+    """Three chains read again and again between scans of one-off chains that fill the tier: under
+    prefix-lru every scan pushes the reused chains out; under adaptive the duel turns to ARC, whose
+    frequent segment keeps them."""
+    async def scenario(eviction):
+        store = store_of(tmp_path / eviction, cpu_blocks=12, eviction=eviction)
+        store.start()
+        reused = [blocks(2, start=1000 + 10 * i) for i in range(3)]
+        hits = 0
+        for round_ in range(40):
+            for chain in reused:
+                keys = [h.key for h, _ in chain]
+                found = store.lookup(keys).hits
+                hits += found
+                await get_all(store, chain[:found])
+                await put_chain(store, chain)
+            for s in range(3):  # scans: 15 new blocks a round, more than the tier holds
+                await put_chain(store, blocks(5, start=20_000 + 100 * round_ + 10 * s))
+        store.check_integrity()
+        await store.close()
+        return hits
+    (tmp_path / "prefix-lru").mkdir()
+    (tmp_path / "adaptive").mkdir()
+    lru_hits, adaptive_hits = asyncio.run(scenario("prefix-lru")), asyncio.run(scenario("adaptive"))
+    assert lru_hits == 0
+    assert adaptive_hits > 100, adaptive_hits  # of 240: all but the rounds before the duel turns
+
+
+def test_a_tenants_reads_promote_only_its_own_blocks(tmp_path):
+    """ARC promotes a block used again. A tenant's Gets name its own stored keys only (derived from
+    its name: tests/test_tenancy.py), so hammering reads moves its blocks into the frequent segment
+    and leaves every other tenant's where they were."""
+    async def scenario():
+        store = store_of(tmp_path, cpu_blocks=20, eviction="adaptive")
+        store.start()
+        mine, theirs = blocks(4, start=1100), blocks(4, start=1200)
+        for header, payload in mine:
+            await store.put(header, payload, owner="a")
+        for header, payload in theirs:
+            await store.put(header, payload, owner="b")
+        for _ in range(50):
+            await get_all(store, theirs)
+        arc = store.residency[0].arc
+        assert all(h.key in arc.recent for h, _ in mine)
+        assert all(h.key in arc.frequent for h, _ in theirs)
+        store.check_integrity()
+        await store.close()
+    asyncio.run(scenario())
+
+
+def test_adaptive_bounds_what_it_remembers_against_a_flood_of_tiny_blocks():
+    """A client storing 50,000 distinct blocks of a few bytes: the shadows keep at most SHADOW_KEYS
+    keys, the ghosts at most the tier's keys and GHOST_SLACK more, whatever the blocks' sizes."""
+    from kvstore.daemon.adaptive import GHOST_SLACK, MAX_RATE, SHADOW_KEYS, ArcOrder, EvictionDuel
+
+    duel = EvictionDuel(reach=1 << 30)
+    arc = ArcOrder(1 << 30)
+    held: list[bytes] = []
+    for i in range(50_000):
+        key = i.to_bytes(16, "little")
+        duel.use(key, 1, parent=(i - 1).to_bytes(16, "little") if i else None)
+        arc.add(key, 1)
+        held.append(key)
+        if len(held) > 100:
+            arc.remove(held.pop(0))
+    assert duel.rate == MAX_RATE  # a gibibyte of 1-byte blocks: the sparsest sample
+    assert len(duel._arc.lru) <= SHADOW_KEYS and len(duel._lru.lru) <= SHADOW_KEYS
+    assert len(arc.ghost_recent) + len(arc.ghost_frequent) <= len(arc) + GHOST_SLACK
+    arc.check_integrity(set(held))
+
+
 def test_unknown_policies_are_refused_with_their_names(tmp_path):
     with pytest.raises(ValueError, match="eviction must be one of"):
         store_of(tmp_path, 2, eviction="mru")

@@ -4,7 +4,7 @@ hitting more lately.
 
     a Get's hit, a Put's block (BlockStore.note_read / put)
       └─► Residency.note_use(key, bytes)
-            └─► EvictionDuel.use per tier         1 key in `rate`: a use of ShadowARC and ShadowLRU
+            └─► EvictionDuel.use per tier         1 key in `rate`: a use of its ARC and LRU shadows
                   └─► ``arc``: ARC's hits beat LRU's by MARGIN of the sampled uses, lately
     TierLRU (residency.py) iterates victims in ArcOrder's order while its tier's duel says ``arc``,
     else in its own (prefix-lru)
@@ -41,6 +41,8 @@ SHADOW_BLOCKS = 512
 MAX_RATE = 64
 #: Most keys a shadow holds whatever its blocks' sizes (tiny blocks cannot grow it past this).
 SHADOW_KEYS = 4 * SHADOW_BLOCKS
+#: Most ancestors one shadow use refreshes (as `residency.MAX_WALK`).
+SHADOW_WALK = 1024
 #: Ghost keys beyond the keys the tier holds.
 GHOST_SLACK = 1024
 
@@ -149,31 +151,46 @@ class ArcOrder:
 
 class _Shadow:
     """Keys only, no data: a tier of ``capacity`` bytes (and at most `SHADOW_KEYS` keys) under ARC
-    or LRU, for the duel."""
+    or LRU, for the duel; given parents (unsampled), a use refreshes the key's held ancestors as a
+    tier under chains does (at most `SHADOW_WALK`)."""
 
     def __init__(self, capacity: int, arc: bool) -> None:
         self.capacity = capacity
         self.arc = ArcOrder(capacity) if arc else None
         self.lru: OrderedDict[bytes, int] = OrderedDict()
+        self.parents: dict[bytes, bytes] = {}   # held key -> the parent its use named
         self.used = 0
 
-    def use(self, key: bytes, nbytes: int) -> int:
+    def use(self, key: bytes, nbytes: int, parent: bytes | None = None) -> int:
         """One use of ``key``: 1 if the shadow held it (a hit), else 0, and it holds it now."""
-        if key in self.lru:
+        hit = key in self.lru
+        if hit:
             self.lru.move_to_end(key)
             if self.arc is not None:
                 self.arc.use(key)
-            return 1
-        self.lru[key] = nbytes
-        self.used += nbytes
-        if self.arc is not None:
-            self.arc.add(key, nbytes)
+        else:
+            self.lru[key] = nbytes
+            self.used += nbytes
+            if self.arc is not None:
+                self.arc.add(key, nbytes)
+        if parent:
+            self.parents[key] = parent
+        self._refresh_ancestors(key)
         while self.used > self.capacity or len(self.lru) > SHADOW_KEYS:
             victim = next(iter(self.arc)) if self.arc is not None else next(iter(self.lru))
             self.used -= self.lru.pop(victim)
+            self.parents.pop(victim, None)
             if self.arc is not None:
                 self.arc.remove(victim)
-        return 0
+        return int(hit)
+
+    def _refresh_ancestors(self, key: bytes) -> None:
+        parent, walked = self.parents.get(key), 0
+        while parent is not None and parent in self.lru and walked < SHADOW_WALK:
+            self.lru.move_to_end(parent)
+            if self.arc is not None:
+                self.arc.refresh(parent)
+            parent, walked = self.parents.get(parent), walked + 1
 
 
 class EvictionDuel:
@@ -187,8 +204,9 @@ class EvictionDuel:
         self.score = self.uses = 0.0
         self.arc = False
 
-    def use(self, key: bytes, nbytes: int) -> None:
-        """A Get's hit or a Put's block (whatever tier serves or takes it)."""
+    def use(self, key: bytes, nbytes: int, parent: bytes | None = None) -> None:
+        """A Get's hit or a Put's block (whatever tier serves or takes it), and the key before it in
+        its chain if known: the shadows follow chains when they see every key (rate 1)."""
         if not self.rate:
             self.rate = max(1, min(MAX_RATE, self.reach // max(1, nbytes) // SHADOW_BLOCKS))
             self._arc = _Shadow(self.reach // self.rate, arc=True)
@@ -196,6 +214,7 @@ class EvictionDuel:
         if self.rate > 1 and int.from_bytes(key[-8:], "little") % self.rate:
             return
         window = max(16, WINDOW_BLOCKS // self.rate)
-        self.score += self._arc.use(key, nbytes) - self._lru.use(key, nbytes) - self.score / window
+        parent = parent if self.rate == 1 else None
+        self.score += self._arc.use(key, nbytes, parent) - self._lru.use(key, nbytes, parent) - self.score / window
         self.uses += 1 - self.uses / window
         self.arc = self.score > MARGIN * self.uses

@@ -248,9 +248,10 @@ class Residency:
     def note_use(self, key: bytes, nbytes: int) -> None:
         """A Get hit ``key`` or a Put stored it (``nbytes`` a copy): a use for the duels, each of
         which sets its tier's order (eviction ``adaptive``; nothing otherwise)."""
+        parent = self._parent.get(key)
         for lru, duel in zip(self._lru, self._duels):
             if duel is not None:
-                duel.use(key, nbytes)
+                duel.use(key, nbytes, parent)
                 lru.by_arc = duel.arc
 
     def mark_reused(self, key: bytes) -> None:
