@@ -285,11 +285,12 @@ def test_unknown_policies_are_refused_with_their_names(tmp_path):
         store_of(tmp_path, 2, admission="sometimes")
 
 
-@pytest.mark.parametrize("eviction, hits", [(None, 5), ("lru", 0)])
+@pytest.mark.parametrize("eviction, hits", [(None, 5), ("lru", 0), ("adaptive", 5)])
 def test_through_the_daemon_the_clients_parents_keep_a_prompts_prefix(daemon_factory, eviction, hits):
     """A real daemon with a CPU tier of six blocks: a client Puts a chain of six with parents (as
     the engines do), then an unrelated block. The default policy keeps the chain's first five (the
-    old one, still selectable, none); a parent of the wrong length is refused with a one-line reason."""
+    old one, still selectable, none; adaptive, which starts as prefix-lru, five); a parent of the
+    wrong length is refused with a one-line reason."""
     import grpc
     import numpy as np
 
