@@ -41,8 +41,11 @@ SHADOW_BLOCKS = 512
 MAX_RATE = 64
 #: Most keys a shadow holds whatever its blocks' sizes (tiny blocks cannot grow it past this).
 SHADOW_KEYS = 4 * SHADOW_BLOCKS
-#: Most ancestors one shadow use refreshes (as `residency.MAX_WALK`).
-SHADOW_WALK = 1024
+#: Most ancestors one shadow use refreshes: unbudgeted, a use costs at most this many steps per shadow
+#: (a tier's own walks are budgeted per call, `residency.WalkBudget`); chains longer than this in a
+#: tier small enough to be followed unsampled (under 1,024 blocks) are ordered in the shadows only
+#: near their end.
+SHADOW_WALK = 64
 #: Ghost keys beyond the keys the tier holds.
 GHOST_SLACK = 1024
 
