@@ -259,10 +259,13 @@ class BlockStore:
     # -- reads (the rest in reads.py, promotion.py) -------------------------------------------
 
     def note_read(self, level: int, key: bytes) -> None:
-        """A Get found ``key`` in tier ``level`` (``reads`` calls this on the loop for each hit):
-        under admission "reused" it now earns the copy below that write-through skipped at its Put,
-        and a lower-tier hit is promoted to the top in the background (``promote_on_get``)."""
-        self.residency.note_use(key, self.tiers[level].header(key).block_len)
+        """A Get found ``key`` in tier ``level`` (``reads`` calls this on the loop for each hit): a
+        use for eviction ``adaptive``; under admission "reused" it now earns the copy below that
+        write-through skipped at its Put, and a lower-tier hit is promoted to the top in the
+        background (``promote_on_get``)."""
+        tier = self.tiers[level]
+        if key in tier:  # (a read in a worker thread may end after an eviction took the block)
+            self.residency.note_use(key, tier.header(key).block_len)
         if self.admission != "all" and not self.residency.reused(key):
             self.residency.mark_reused(key)
             if self.write_through and level + 1 < len(self.tiers) and key not in self.tiers[level + 1]:

@@ -184,6 +184,7 @@ class Residency:
             self._duels.append(EvictionDuel(reach) if bounded else None)
         self._lru = [TierLRU(ArcOrder(tier.capacity_bytes) if duel else None) for tier, duel in zip(tiers, self._duels)]
         self._chains = eviction in ("prefix-lru", "adaptive")
+        self._adaptive = any(self._duels)
         #: key -> the key before it in its chain, while some tier holds it (prefix-lru only)
         self._parent: dict[bytes, bytes] = {}
         #: keys read since they were stored (lower-tier admission ``reused``), while some tier holds them
@@ -248,6 +249,8 @@ class Residency:
     def note_use(self, key: bytes, nbytes: int) -> None:
         """A Get hit ``key`` or a Put stored it (``nbytes`` a copy): a use for the duels, each of
         which sets its tier's order (eviction ``adaptive``; nothing otherwise)."""
+        if not self._adaptive:
+            return
         parent = self._parent.get(key)
         for lru, duel in zip(self._lru, self._duels):
             if duel is not None:
