@@ -4,8 +4,10 @@ eviction and admission policies at several capacities, against the offline optim
     python bench/cache_policy.py --synthetic [--users 48 --rounds 8 --zipf 1.0 | --active 8 | --no-reuse]
                                  [--policies lru,prefix-tinylfu-duel] [--json out.json] [--plot out.png]
     python bench/cache_policy.py trace.jsonl [more.jsonl] [--capacities 0.25,0.5,1.0] [--lower 0,2]
+    python bench/cache_policy.py ../shared/data/traces/mooncake_conversation_trace.jsonl \
+        --policies lru,default,adaptive --capacities 0.05,0.1,0.25 [--token-bytes 23040]
 
-Traces: `bench/cache_trace.py` (format, loader, synthetic multi-round QA). Each request is replayed
+Traces: `bench/cache_trace.py` (format, loader, Mooncake's format as it is, synthetic multi-round QA). Each request is replayed
 against a top tier (CPU) of C_top bytes and optionally a lower tier (disk) of C_low bytes:
 
     lookup  hit = blocks 0..h-1 of the chain, each held by either tier (later ones chain through a miss)
@@ -29,6 +31,14 @@ Eviction, the same policy in each tier (`bench/cache_tiers.py` has one class eac
                 every request, show it hitting more (set dueling) and the tier itself hits no less
                 than the prefix-lru shadow; otherwise it is prefix-lru. The lower tier's shadows are
                 one tier of C_top + C_low.
+    segmented   S3-FIFO's idea in LRU segments: probation (half the tier) for new blocks, protected for
+                blocks used again, a ghost of probation's victims that come back protected.
+    arc         ARC, in bytes; prefix-arc: ARC whose stored or used blocks refresh their held
+                ancestors within their own segment (as the daemon's prefix-lru walk does).
+    adaptive    prefix-lru or prefix-arc by set dueling: key-only shadows of ARC and LRU on a hashed
+                sample of the keys decide which order the tier evicts by (the daemon's ``adaptive``).
+    default     the daemon's defaults, whatever they are: `DEFAULT_POLICY` eviction, `DEFAULT_ADMISSION`,
+                write-through (so a run names what the daemon does).
     A block admission turns away passes down like a victim (lower tier if it lacks it and admission
     allows, else dropped), unwritten; ``rejections_*`` count them.
 Admission to the lower tier, asked at write-through and at demotion alike:
@@ -45,7 +55,9 @@ next_use(parent) <= next_use(child); evicting the deeper block on a tie makes Be
 first, so what it holds is closed under parents and each block of a chain it holds is a hit. With one
 block size and token count, Belady (free not to keep a block) maximises block hits and so token hits.
 Tail blocks (fewer tokens and bytes) make it an upper reference, not a proven optimum: it ignores
-size, and optimal variable-size caching is NP-hard.
+size, and optimal variable-size caching is NP-hard. Where it reaches the infinite cache's ratio (printed
+first: every block's first use misses, nothing else), no policy can do better, so there it is the
+optimum exactly: on the Mooncake conversation trace it does at 5%, 10% and 25% (37.4% of tokens).
 
 Capacities: fractions of the working set (bytes of the distinct blocks), each with the top tier alone and
 with a lower tier 2x the top: a disk larger than the CPU tier, yet small enough that it must choose.
@@ -61,18 +73,23 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
-from cache_tiers import (FrequencySketch, LRUTier, PrefixLRUTier, PrefixTinyLFUDuelTier, PrefixTinyLFUTier,
-                         SimTier)
-from cache_trace import (Block, Request, TraceError, load_trace, load_traces, next_uses, synthetic_trace,
-                         working_set_bytes)
+from cache_tiers import (AdaptiveTier, ARCTier, FrequencySketch, LRUTier, PrefixARCTier, PrefixLRUTier,
+                         PrefixTinyLFUDuelTier, PrefixTinyLFUTier, SegmentedTier, SimTier)
+from cache_trace import (TOKEN_BYTES, Block, Request, TraceError, load_trace, load_traces, next_uses,
+                         synthetic_trace, working_set_bytes)
 
 __all__ = ["simulate", "belady", "Result", "load_trace", "working_set_bytes", "synthetic_trace", "POLICIES",
            "ADMISSIONS"]
 PROGRESS_EVERY = 10_000  # requests between progress calls
 
 POLICIES: dict[str, type[SimTier]] = {"lru": LRUTier, "prefix-lru": PrefixLRUTier, "prefix-tinylfu": PrefixTinyLFUTier,
-                                     "prefix-tinylfu-duel": PrefixTinyLFUDuelTier}
+                                     "prefix-tinylfu-duel": PrefixTinyLFUDuelTier, "segmented": SegmentedTier,
+                                     "arc": ARCTier, "prefix-arc": PrefixARCTier, "adaptive": AdaptiveTier}
 ADMISSIONS = ("all", "reused", "ghost")
+#: The model of the daemon's defaults (`kvstore/daemon/config.py`: ``eviction``, ``admission``), so a
+#: run of ``--policies default`` names what the daemon does; keep it equal to them (tests/test_cache_policy.py).
+DEFAULT = "default"
+DEFAULT_POLICY, DEFAULT_ADMISSION = "prefix-lru", "all"
 
 
 class Admission:
@@ -135,7 +152,7 @@ class Result:
 
     @property
     def label(self) -> str:
-        if not self.lower_capacity or self.policy == "belady":
+        if not self.lower_capacity or self.policy in ("belady", DEFAULT):
             return self.policy
         return f"{self.policy} {'through' if self.write_through else 'back'} {self.admission}"
 
@@ -152,9 +169,12 @@ def simulate(requests: Sequence[Request], policy: str, capacity: int, lower_capa
     lower tier, both evicting by ``policy`` (see `POLICIES`); ``admission`` (see `ADMISSIONS`) gates
     the lower tier. ``check_integrity``: check both tiers after every request (tests).
     ``progress(requests done)`` is called every `PROGRESS_EVERY` requests."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown eviction policy {policy!r}; choose from {', '.join(POLICIES)}")
-    tier_class = POLICIES[policy]
+    if policy == DEFAULT:
+        if (admission, write_through) != (DEFAULT_ADMISSION, True):
+            raise ValueError(f"{DEFAULT!r} is the daemon's defaults: admission {DEFAULT_ADMISSION!r}, write-through")
+    elif policy not in POLICIES:
+        raise ValueError(f"unknown eviction policy {policy!r}; choose from {', '.join((DEFAULT, *POLICIES))}")
+    tier_class = POLICIES[DEFAULT_POLICY if policy == DEFAULT else policy]
     frequency = None
     if tier_class.needs_frequency:  # sized by the blocks both tiers hold, in the trace's largest blocks
         largest = max((b.nbytes for r in requests for b in r.blocks), default=1) or 1
@@ -253,8 +273,9 @@ def run_grid(requests: Sequence[Request], fractions: Sequence[float], lowers: Se
     working_set = working_set_bytes(requests)
     runs = [(fraction, lower, policy, through, admission) for fraction in fractions for lower in lowers
             for policy in ("belady", *policies)
-            for through in ((True, False) if lower and policy != "belady" else (True,))
-            for admission in (admissions if lower and policy != "belady" else ("all",))]
+            for through in ((True, False) if lower and policy not in ("belady", DEFAULT) else (True,))
+            for admission in (admissions if lower and policy not in ("belady", DEFAULT) else
+                              (DEFAULT_ADMISSION if policy == DEFAULT else "all",))]
     results = []
     for i, (fraction, lower, policy, through, admission) in enumerate(runs, start=1):
         top = round(fraction * working_set)
@@ -343,16 +364,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--context-blocks", type=int, default=16, help="synthetic: blocks of each user's context")
     parser.add_argument("--question-blocks", type=int, default=1, help="synthetic: blocks each round adds")
     parser.add_argument("--active", type=int, help="synthetic: users come in sessions, this many at once")
+    parser.add_argument("--system-blocks", type=int, default=2,
+                        help="synthetic: blocks of the prompt every request shares (an agent's tool prompt)")
+    parser.add_argument("--scans", type=float, default=0.0,
+                        help="synthetic: this fraction of requests are one-off documents (default 0)")
     parser.add_argument("--no-reuse", action="store_true", help="synthetic: every block new (nothing can hit)")
     parser.add_argument("--seed", type=int, default=0, help="synthetic: seed of the users' order")
-    parser.add_argument("--policies", type=_names(POLICIES), default=list(POLICIES),
-                        help=f"eviction policies to replay besides belady (default all: {','.join(POLICIES)})")
+    parser.add_argument("--policies", type=_names((DEFAULT, *POLICIES)), default=list(POLICIES),
+                        help=f"eviction policies to replay besides belady (default all: {','.join(POLICIES)}); "
+                             f"'{DEFAULT}': the daemon's default eviction and admission ({DEFAULT_POLICY}, "
+                             f"{DEFAULT_ADMISSION}, write-through)")
     parser.add_argument("--admissions", type=_names(ADMISSIONS), default=list(ADMISSIONS),
                         help=f"lower-tier admissions to replay (default all: {','.join(ADMISSIONS)})")
     parser.add_argument("--capacities", type=_numbers, default=[0.25, 0.5, 1.0],
                         help="top tier sizes as fractions of the working set (default 0.25,0.5,1.0)")
     parser.add_argument("--lower", type=_numbers, default=[0.0, 2.0],
                         help="lower tier sizes as multiples of the top's; 0 = top only (default 0,2)")
+    parser.add_argument("--token-bytes", type=int, default=TOKEN_BYTES,
+                        help=f"KV bytes a token, for traces without bytes (Mooncake's; default {TOKEN_BYTES:,}, "
+                             "SmolLM2-135M)")
     parser.add_argument("--json", metavar="PATH", help="write every number as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot hit ratio against capacity (PNG, needs matplotlib)")
     args = parser.parse_args(argv)
@@ -360,8 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give trace files or --synthetic")
     try:
         requests = (synthetic_trace(args.users, args.rounds, args.context_blocks, args.question_blocks, args.seed,
-                                    no_reuse=args.no_reuse, zipf=args.zipf, active=args.active)
-                    if args.synthetic else load_traces(args.traces))
+                                    shared_system_blocks=args.system_blocks, no_reuse=args.no_reuse, zipf=args.zipf,
+                                    active=args.active, scans=args.scans)
+                    if args.synthetic else load_traces(args.traces, args.token_bytes))
     except (OSError, TraceError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     working_set, total_tokens = working_set_bytes(requests), sum(r.tokens for r in requests)
@@ -371,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         live_tokens = sum(sum(b.tokens for b in r.blocks[:r.hits]) for r in live)
         print(f"live system: {100 * live_tokens / max(1, sum(r.tokens for r in live)):.1f}% of tokens hit in "
               f"{len(live)} recorded lookups; vLLM's own cache held {sum(r.local_tokens or 0 for r in live)} tokens")
+    print(f"an infinite cache hits {100 * belady(requests, working_set).hit_ratio:.1f}% of tokens (first uses miss)")
     results = run_grid(requests, args.capacities, args.lower, args.policies, args.admissions)
     print(table(results))
     if args.json:

@@ -9,6 +9,17 @@ the frequency sketch that TinyLFU admission reads.
     prefix-tinylfu-duel  prefix-tinylfu that admits everything (is prefix-lru) unless key-only shadows of
                          both policies show, over the last requests, that filtering hits more, and
                          the tier itself is not falling behind the prefix-lru shadow
+    segmented            S3-FIFO's idea in LRU segments: new blocks enter a probation LRU (half the
+                         tier), a block used again moves to a protected LRU; a block probation evicted
+                         is remembered (keys only, a tier-ful) and goes straight to protected if it
+                         comes back
+    arc                  ARC (Megiddo and Modha): recency and frequency LRUs whose split adapts to hits
+                         in the ghosts of each, in bytes
+    prefix-arc           arc that knows chains as the daemon's prefix-lru does: a block stored or used
+                         moves its held ancestors to the recent end of their own segment
+    adaptive             prefix-lru or prefix-arc, whichever key-only shadows of both (a hashed sample
+                         of the keys, in a tier of the sample's share of the bytes) hit more lately:
+                         the daemon's ``eviction = "adaptive"``
 
 All are deterministic; each operation costs O(log n) at most (heaps with stale entries skipped).
 """
@@ -267,6 +278,223 @@ class PrefixTinyLFUTier(PrefixLRUTier):
         super().check_integrity()
         if not self._inherited.keys() <= self.blocks.keys():
             raise RuntimeError(f"{self.name}: inherited estimates of blocks it does not hold")
+
+
+class SegmentedTier(SimTier):
+    """Probation and protected LRUs (module docstring). Victims come from probation while it holds more
+    than `PROBATION` of the capacity (or protected is empty), else from protected's least recent
+    block. Probation's victims enter the ghost, at most as many keys as the tier holds blocks."""
+    PROBATION = 0.5
+
+    def __init__(self, name: str, capacity: int, on_evict: Callable[[SimTier, Block], None] | None = None,
+                 frequency: FrequencySketch | None = None, reach: int | None = None):
+        super().__init__(name, capacity, on_evict, frequency, reach)
+        self.probation: OrderedDict[str, Block] = OrderedDict()
+        self.protected: OrderedDict[str, Block] = OrderedDict()
+        self.probation_bytes = 0
+        self.ghost: OrderedDict[str, None] = OrderedDict()
+
+    def _add(self, block: Block) -> None:
+        if block.key in self.ghost:
+            del self.ghost[block.key]
+            self.protected[block.key] = block
+        else:
+            self.probation[block.key] = block
+            self.probation_bytes += block.nbytes
+
+    def touch(self, block: Block) -> None:
+        if block.key in self.probation:
+            del self.probation[block.key]
+            self.probation_bytes -= block.nbytes
+            self.protected[block.key] = block
+        else:
+            self.protected.move_to_end(block.key)
+
+    def _victim(self) -> Block:
+        if self.probation and (self.probation_bytes > self.PROBATION * self.capacity or not self.protected):
+            return next(iter(self.probation.values()))
+        return next(iter(self.protected.values()))
+
+    def _remove(self, block: Block) -> None:
+        if block.key in self.probation:
+            del self.probation[block.key]
+            self.probation_bytes -= block.nbytes
+            self.ghost[block.key] = None
+            while len(self.ghost) > len(self.blocks):
+                self.ghost.popitem(last=False)
+        else:
+            del self.protected[block.key]
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        if self.probation.keys() | self.protected.keys() != self.blocks.keys() or \
+                self.probation_bytes != sum(b.nbytes for b in self.probation.values()):
+            raise RuntimeError(f"{self.name}: segments disagree with the held blocks")
+
+
+class ARCTier(SimTier):
+    """ARC in bytes: ``recent`` (T1) holds blocks used once since they entered, ``frequent`` (T2) those
+    used again; the ghosts B1 and B2 remember their victims' keys and bytes, a tier-ful in all. A put
+    of a B1 key grows T1's target ``p`` (recency would have hit), of a B2 key shrinks it; either
+    enters T2. Victims come from T1 while it holds more than ``p`` bytes, else from T2."""
+
+    def __init__(self, name: str, capacity: int, on_evict: Callable[[SimTier, Block], None] | None = None,
+                 frequency: FrequencySketch | None = None, reach: int | None = None):
+        super().__init__(name, capacity, on_evict, frequency, reach)
+        self.recent: OrderedDict[str, Block] = OrderedDict()
+        self.frequent: OrderedDict[str, Block] = OrderedDict()
+        self.ghost_recent: OrderedDict[str, int] = OrderedDict()     # key -> bytes
+        self.ghost_frequent: OrderedDict[str, int] = OrderedDict()
+        self.recent_bytes = self.ghost_recent_bytes = self.ghost_frequent_bytes = 0
+        self.p = 0.0
+
+    def _add(self, block: Block) -> None:
+        key, size = block.key, block.nbytes
+        if key in self.ghost_recent:
+            self.p = min(self.capacity, self.p + max(size, size * self.ghost_frequent_bytes / self.ghost_recent_bytes))
+            self.ghost_recent_bytes -= self.ghost_recent.pop(key)
+            self.frequent[key] = block
+        elif key in self.ghost_frequent:
+            self.p = max(0.0, self.p - max(size, size * self.ghost_recent_bytes / self.ghost_frequent_bytes))
+            self.ghost_frequent_bytes -= self.ghost_frequent.pop(key)
+            self.frequent[key] = block
+        else:
+            self.recent[key] = block
+            self.recent_bytes += size
+
+    def touch(self, block: Block) -> None:
+        if block.key in self.recent:
+            del self.recent[block.key]
+            self.recent_bytes -= block.nbytes
+            self.frequent[block.key] = block
+        else:
+            self.frequent.move_to_end(block.key)
+
+    def _victim(self) -> Block:
+        if self.recent and (self.recent_bytes > self.p or not self.frequent):
+            return next(iter(self.recent.values()))
+        return next(iter(self.frequent.values()))
+
+    def _remove(self, block: Block) -> None:
+        if block.key in self.recent:
+            del self.recent[block.key]
+            self.recent_bytes -= block.nbytes
+            self.ghost_recent[block.key] = block.nbytes
+            self.ghost_recent_bytes += block.nbytes
+        else:
+            del self.frequent[block.key]
+            self.ghost_frequent[block.key] = block.nbytes
+            self.ghost_frequent_bytes += block.nbytes
+        while self.ghost_recent_bytes + self.ghost_frequent_bytes > self.capacity:
+            if self.ghost_recent_bytes > self.ghost_frequent_bytes or not self.ghost_frequent:
+                self.ghost_recent_bytes -= self.ghost_recent.popitem(last=False)[1]
+            else:
+                self.ghost_frequent_bytes -= self.ghost_frequent.popitem(last=False)[1]
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        if self.recent.keys() | self.frequent.keys() != self.blocks.keys() or \
+                self.recent_bytes != sum(b.nbytes for b in self.recent.values()):
+            raise RuntimeError(f"{self.name}: T1 and T2 disagree with the held blocks")
+
+
+class PrefixARCTier(ARCTier):
+    """ARC whose blocks stored or used move their held ancestors (nearest first, at most `MAX_WALK`)
+    to the recent end of the segment each is in, without promoting them: within a segment a chain's
+    first blocks are more recent than its last, so the segment evicts chains from their end."""
+    MAX_WALK = 1024
+
+    def _add(self, block: Block) -> None:
+        super()._add(block)
+        self._refresh_ancestors(block)
+
+    def touch(self, block: Block) -> None:
+        super().touch(block)
+        self._refresh_ancestors(block)
+
+    def _refresh_ancestors(self, block: Block) -> None:
+        parent, walked = block.parent, 0
+        while parent is not None and parent in self.blocks and walked < self.MAX_WALK:
+            (self.recent if parent in self.recent else self.frequent).move_to_end(parent)
+            parent, walked = self.blocks[parent].parent, walked + 1
+
+
+def sample_rate(reach_blocks: int) -> int:
+    """1 in how many keys a shadow of a tier holding ``reach_blocks`` blocks follows: enough for
+    `AdaptiveTier.SHADOW_BLOCKS` blocks in it, at most 1 in `AdaptiveTier.MAX_RATE`."""
+    return max(1, min(AdaptiveTier.MAX_RATE, reach_blocks // AdaptiveTier.SHADOW_BLOCKS))
+
+
+class AdaptiveTier(PrefixLRUTier, PrefixARCTier):
+    """prefix-lru or prefix-arc, by set dueling on sampled shadows (the daemon's ``adaptive``).
+
+    The tier keeps both orders (prefix-lru's leaves, prefix-arc's segments and ghosts) and takes its
+    victim from the one chosen now. Chosen by two key-only shadows, `ARCTier` and `LRUTier`, of
+    ``reach`` / rate bytes (this tier and those above it), that follow 1 in ``rate`` keys
+    (`sample_rate`, by a hash of the key) through every request, each block a use: a hit where the
+    shadow holds it, else a put. Unsampled (rate 1) they know chains: `PrefixARCTier` and
+    `PrefixLRUTier` (a sample keeps too few parents for it to matter). ``score`` (ARC's hits - LRU's) and ``uses`` decay by 1 / window a
+    sampled use, window = `WINDOW_BLOCKS` / rate; the tier runs prefix-arc while score >
+    `MARGIN` x uses. Starts as prefix-lru. Costs two ghost lists (keys of a tier-ful of bytes) and
+    two shadows of about `SHADOW_BLOCKS` keys each."""
+    WINDOW_BLOCKS = 1024
+    MARGIN = 0.02
+    SHADOW_BLOCKS = 512
+    MAX_RATE = 64
+    PREFIX_SHADOWS = True   # (off: plain shadows at rate 1 too, for comparison)
+
+    def __init__(self, name: str, capacity: int, on_evict: Callable[[SimTier, Block], None] | None = None,
+                 frequency: FrequencySketch | None = None, reach: int | None = None):
+        super().__init__(name, capacity, on_evict, frequency, reach)
+        self.rate = 0   # set at the first request, from its first block's bytes
+        self.shadow_arc = self.shadow_lru = None
+        self.score = self.uses = 0.0
+        self.arc = False
+
+    def see(self, request: Request, hit_tokens: int) -> None:
+        if not request.blocks:
+            return
+        if not self.rate:
+            self.rate = sample_rate(self.reach // max(1, request.blocks[0].nbytes))
+            chains = self.rate == 1 and self.PREFIX_SHADOWS
+            self.shadow_arc = (PrefixARCTier if chains else ARCTier)(f"{self.name} shadow arc", self.reach // self.rate)
+            self.shadow_lru = (PrefixLRUTier if chains else LRUTier)(f"{self.name} shadow lru", self.reach // self.rate)
+        window = max(16, self.WINDOW_BLOCKS // self.rate)
+        for block in request.blocks:
+            if self.rate > 1 and _sample_hash(block.key) % self.rate:
+                continue
+            self.score += self._shadow_use(self.shadow_arc, block) - self._shadow_use(self.shadow_lru, block) \
+                - self.score / window
+            self.uses += 1 - self.uses / window
+        self.arc = self.score > self.MARGIN * self.uses
+
+    @staticmethod
+    def _shadow_use(shadow: SimTier, block: Block) -> int:
+        if block.key in shadow:
+            shadow.touch(block)
+            return 1
+        shadow.insert(block)
+        return 0
+
+    def _add(self, block: Block) -> None:
+        PrefixLRUTier._add(self, block)
+        PrefixARCTier._add(self, block)
+
+    def touch(self, block: Block) -> None:
+        PrefixLRUTier.touch(self, block)
+        if block.key in self.recent or block.key in self.frequent:  # (prefix-lru's _add touches it first)
+            PrefixARCTier.touch(self, block)
+
+    def _remove(self, block: Block) -> None:
+        PrefixLRUTier._remove(self, block)
+        PrefixARCTier._remove(self, block)
+
+    def _victim(self) -> Block:
+        return PrefixARCTier._victim(self) if self.arc else PrefixLRUTier._victim(self)
+
+
+def _sample_hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
 def replay_alone(tier: SimTier, request: Request) -> int:

@@ -11,6 +11,15 @@ One line per request lookup, in arrival order (the vLLM connector and the servin
 ``blocks`` is the request's whole chain (each block's parent is the block before it; the last may be
 a shorter tail block). ``hits``, ``tiers``, ``local_tokens`` and ``lookup_s`` are what the live system
 saw: optional, carried for reports, never used by a replay. Other keys are ignored.
+
+Mooncake's trace format (the FAST'25 release; `../shared/data/traces/`) is read as it is, line by line:
+
+    {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 48, ...]}
+
+``hash_ids`` is the request's chain of 512-token prefix blocks (`MOONCAKE_BLOCK_TOKENS`), ids remapped so
+equal ids are the same block with the same prefix; the last block holds ``input_length - 512 * (n-1)``
+tokens. A block's key is ``"m<id>"``, its parent the id before it, its bytes its tokens x the model's KV
+bytes per token (``token_bytes``); ``t`` is ``timestamp`` in seconds. A file may mix both formats.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from typing import Iterable, Sequence
 #: (30 layers x 2 x 3 KV heads x 64 x 2 bytes = 23,040 bytes a token, 5.9 MB a block).
 BLOCK_TOKENS = 256
 TOKEN_BYTES = 23_040
+MOONCAKE_BLOCK_TOKENS = 512
 NEVER = sys.maxsize  # next use of a block no later request asks for
 
 
@@ -63,10 +73,13 @@ def _int(value: object, what: str) -> int:
     return value
 
 
-def request_from_json(line: dict) -> Request:
-    """One decoded trace line -> `Request`; ValueError says which field is wrong."""
+def request_from_json(line: dict, token_bytes: int = TOKEN_BYTES) -> Request:
+    """One decoded trace line (ours, or Mooncake's with ``token_bytes`` a token) -> `Request`; ValueError
+    says which field is wrong."""
     if not isinstance(line, dict):
         raise ValueError(f"expected a JSON object, got {type(line).__name__}")
+    if "hash_ids" in line:
+        return mooncake_request(line, token_bytes)
     raw_blocks = line.get("blocks")
     if not isinstance(raw_blocks, list):
         raise ValueError("'blocks' must be a list of {key, parent, tokens, bytes}")
@@ -92,6 +105,33 @@ def request_from_json(line: dict) -> Request:
                    tiers=tuple(tiers) if isinstance(tiers, list) else None, lookup_s=line.get("lookup_s"))
 
 
+def mooncake_request(line: dict, token_bytes: int) -> Request:
+    """A Mooncake trace line -> `Request` (module docstring): full 512-token blocks and a shorter last one.
+
+    0       512      1024            512*(n-1)        input_length
+    |-id 0--|-id 1---|  ...  |-id n-2-|--id n-1--------|
+                                        input_length - 512*(n-1) tokens, 1..512
+    """
+    ids, length = line.get("hash_ids"), _int(line.get("input_length"), "'input_length'")
+    if not isinstance(ids, list) or not ids:
+        raise ValueError("'hash_ids' must be a non-empty list of block ids")
+    tail = length - MOONCAKE_BLOCK_TOKENS * (len(ids) - 1)
+    if not 0 < tail <= MOONCAKE_BLOCK_TOKENS:
+        raise ValueError(f"'input_length' {length} does not fill {len(ids)} blocks of {MOONCAKE_BLOCK_TOKENS} "
+                         "tokens (the last one partly)")
+    blocks, parent = [], None
+    for i, raw in enumerate(ids):
+        key = f"m{_int(raw, f'hash id {i}')}"
+        tokens = MOONCAKE_BLOCK_TOKENS if i < len(ids) - 1 else tail
+        blocks.append(Block(key, parent, tokens, tokens * token_bytes))
+        parent = key
+    timestamp = line.get("timestamp")
+    if timestamp is not None and (isinstance(timestamp, bool) or not isinstance(timestamp, (int, float))):
+        raise ValueError(f"'timestamp' must be a number of milliseconds, got {timestamp!r}")
+    return Request(request=str(line.get("request", "")), blocks=tuple(blocks),
+                   t=None if timestamp is None else timestamp / 1000)
+
+
 def request_to_json(request: Request) -> dict:
     line: dict = {"t": request.t, "request": request.request, "local_tokens": request.local_tokens,
                   "blocks": [{"key": b.key, "parent": b.parent, "tokens": b.tokens, "bytes": b.nbytes}
@@ -101,8 +141,9 @@ def request_to_json(request: Request) -> dict:
     return {name: value for name, value in line.items() if value is not None}
 
 
-def load_trace(path: str | Path) -> list[Request]:
-    """Requests of one JSON-lines trace, in file order (blank lines skipped).
+def load_trace(path: str | Path, token_bytes: int = TOKEN_BYTES) -> list[Request]:
+    """Requests of one JSON-lines trace, in file order (blank lines skipped); ``token_bytes``: KV bytes a
+    token of Mooncake's lines, which carry no bytes.
 
     Raises `TraceError` ("trace.jsonl:17: ...") at the first line that is not a request.
     """
@@ -112,16 +153,16 @@ def load_trace(path: str | Path) -> list[Request]:
             if not text.strip():
                 continue
             try:
-                requests.append(request_from_json(json.loads(text)))
+                requests.append(request_from_json(json.loads(text), token_bytes))
             except ValueError as e:  # json.JSONDecodeError is one
                 raise TraceError(f"{path}:{number}: {e}") from None
     return requests
 
 
-def load_traces(paths: Iterable[str | Path]) -> list[Request]:
+def load_traces(paths: Iterable[str | Path], token_bytes: int = TOKEN_BYTES) -> list[Request]:
     """Several traces as one: merged by arrival time when every request has one (engines sharing a
     daemon), else concatenated in the order given."""
-    requests = [r for path in paths for r in load_trace(path)]
+    requests = [r for path in paths for r in load_trace(path, token_bytes)]
     if all(r.t is not None for r in requests):
         requests.sort(key=lambda r: r.t)  # stable: one file's ties keep their order
     return requests
@@ -160,7 +201,7 @@ def block_key(parent: str | None, content: tuple) -> str:
 
 def synthetic_trace(users: int, rounds: int, context_blocks: int, question_blocks: int, seed: int,
                     shared_system_blocks: int = 2, no_reuse: bool = False, zipf: float | None = None,
-                    active: int | None = None, block_tokens: int = BLOCK_TOKENS,
+                    active: int | None = None, scans: float = 0.0, block_tokens: int = BLOCK_TOKENS,
                     token_bytes: int = TOKEN_BYTES) -> list[Request]:
     """Multi-round QA over long contexts: each user's round r asks for the chain
 
@@ -175,7 +216,10 @@ def synthetic_trace(users: int, rounds: int, context_blocks: int, question_block
     (no shared system prompt either), a trace on which no cache can hit. ``active`` = k: users come
     in sessions instead, at most k talking at once, each request from one of them drawn uniformly;
     when one has asked all its rounds the next user starts (recency wins: a user never comes back
-    after its session). All blocks are full chunks.
+    after its session). ``scans`` = f: besides the users' requests, a fraction f of all requests are
+    scans of one-off documents (a chain of ``context_blocks`` new blocks behind the shared system
+    prompt, never asked for again), spread through the trace. An agent re-reading its tool prompt is
+    a long ``shared_system_blocks``. All blocks are full chunks.
     """
     if min(users, rounds, question_blocks) < 1 or min(context_blocks, shared_system_blocks) < 0:
         raise ValueError("users, rounds and question_blocks must be >= 1; context and system blocks >= 0")
@@ -207,13 +251,25 @@ def synthetic_trace(users: int, rounds: int, context_blocks: int, question_block
             user = rng.choices(asking, weights=[weights[u] for u in asking])[0]
             left[user] -= 1
             order.append(user)
+    if not 0 <= scans < 1:
+        raise ValueError(f"scans is a fraction of the requests, 0 <= scans < 1, got {scans}")
+    scan_count = round(len(order) * scans / (1 - scans))
+    for j, at in enumerate(sorted(rng.randrange(len(order) + 1) for _ in range(scan_count))):
+        order.insert(at + j, -1)  # -1: a scan
     nbytes = block_tokens * token_bytes
     asked = [0] * users
     requests = []
     for i, user in enumerate(order):
-        owner = ("request", i) if no_reuse else ("user", user)
+        owner = ("request", i) if no_reuse or user < 0 else ("user", user)
         contents = [("system", j) if not no_reuse else (owner, "system", j) for j in range(shared_system_blocks)]
         contents += [(owner, "context", j) for j in range(context_blocks)]
+        if user < 0:
+            blocks, parent = [], None
+            for content in contents:
+                blocks.append(Block(key := block_key(parent, content), parent, block_tokens, nbytes))
+                parent = key
+            requests.append(Request(request=f"scan{i}", blocks=tuple(blocks), t=float(i)))
+            continue
         contents += [(owner, "qa", r, j) for r in range(asked[user] + 1) for j in range(question_blocks)]
         blocks, parent = [], None
         for content in contents:

@@ -38,7 +38,8 @@ _FIELD_HELP = {
                   "kvtc@auto (calibrated per namespace from its first blocks), ... (docs/compression.md)",
     "write_policy": "write-through (every put also goes down) or write-back (only on eviction)",
     "eviction": "prefix-lru (a prompt's last blocks go before its first: what stays is still a hit) "
-                "or lru (ignores chains); docs/policy.md",
+                "or lru (ignores chains), or adaptive (prefix-lru or ARC, whichever sampled shadows show "
+                "hitting more); docs/policy.md",
     "admission": "which blocks lower tiers take: all, or reused (only blocks read since they were stored)",
     "s3_bucket": "S3 tier bucket ('' disables the tier); credentials from boto3's chain (AWS_ACCESS_KEY_ID, AWS_PROFILE, role)",
     "s3_endpoint": "S3-compatible endpoint URL, e.g. http://minio:9000 ('' for AWS S3)",

@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import cache_policy  # noqa: E402
 from cache_policy import ADMISSIONS, POLICIES, belady, simulate, working_set_bytes  # noqa: E402
 from cache_tiers import FrequencySketch, PrefixTinyLFUDuelTier, PrefixTinyLFUTier, replay_alone  # noqa: E402
-from cache_trace import Block, Request, TraceError, block_key, load_trace, synthetic_trace, write_trace  # noqa: E402
+from cache_trace import (Block, Request, TraceError, block_key, load_trace, synthetic_trace,  # noqa: E402
+                         write_trace)
 
 TOKENS = 256
 
@@ -222,8 +223,8 @@ def test_cli_writes_every_number(tmp_path, capsys):
                               "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["working_set_bytes"] > 0
-    # per capacity: belady and 4 policies alone; belady and 4 policies x 2 write modes x 3 admissions below
-    assert len(report["runs"]) == 2 * (5 + 1 + 24)
+    # per capacity: belady and every policy alone; belady and each x 2 write modes x 3 admissions below
+    assert len(report["runs"]) == 2 * (1 + len(POLICIES) + 1 + 6 * len(POLICIES))
     assert {"hit_ratio", "bytes_written_lower", "lower_bytes_per_hit_token"} <= set(report["runs"][0])
     assert "prefix-lru back ghost" in capsys.readouterr().out
     assert cache_policy.main(["--synthetic", "--users", "6", "--rounds", "3", "--active", "2", "--capacities", "0.5",
@@ -352,3 +353,71 @@ def test_frequency_sketch_counts_requests_and_halves_them():
     assert sketch.halvings == 1 and sketch.estimate("a0") == 4
     with pytest.raises(ValueError, match="keys >= 1"):
         FrequencySketch(0)
+
+
+def test_mooncake_lines_are_chains_of_512_token_blocks_and_a_shorter_tail(tmp_path):
+    """Mooncake's format as it is: ids are keys, each the parent of the next; the last block holds
+    input_length - 512 (n-1) tokens; bytes = tokens x --token-bytes; ms timestamps in seconds."""
+    path = tmp_path / "mooncake.jsonl"
+    path.write_text('{"timestamp": 1500, "input_length": 1100, "output_length": 9, "hash_ids": [0, 7, 8]}\n'
+                    '{"timestamp": 2000, "input_length": 512, "output_length": 1, "hash_ids": [0]}\n')
+    first, second = load_trace(path, token_bytes=10)
+    assert [(b.key, b.parent, b.tokens, b.nbytes) for b in first.blocks] == [
+        ("m0", None, 512, 5120), ("m7", "m0", 512, 5120), ("m8", "m7", 76, 760)]
+    assert first.t == 1.5 and first.tokens == 1100
+    assert [(b.key, b.tokens) for b in second.blocks] == [("m0", 512)]
+    report = tmp_path / "out.json"
+    assert cache_policy.main([str(path), "--token-bytes", "10", "--policies", "default", "--capacities", "1",
+                              "--lower", "0", "--json", str(report)]) == 0
+    runs = json.loads(report.read_text())["runs"]
+    assert [(r["policy"], r["hit_tokens"]) for r in runs] == [("belady", 512), ("default", 512)]
+
+
+@pytest.mark.parametrize("bad, reason", [
+    ('{"input_length": 1100, "hash_ids": [0, 1]}', "does not fill 2 blocks"),
+    ('{"input_length": 1024, "hash_ids": [0, 1, 2]}', "does not fill 3 blocks"),
+    ('{"input_length": 10, "hash_ids": []}', "non-empty list"),
+    ('{"input_length": 10, "hash_ids": [-1]}', "hash id 0"),
+    ('{"input_length": 10, "hash_ids": [1], "timestamp": "soon"}', "milliseconds"),
+    ('{"hash_ids": [1]}', "'input_length'"),
+])
+def test_a_malformed_mooncake_line_is_a_one_line_error_naming_it(tmp_path, bad, reason):
+    path = tmp_path / "mooncake.jsonl"
+    path.write_text(f'{{"input_length": 5, "hash_ids": [3]}}\n{bad}\n')
+    with pytest.raises(TraceError) as caught:
+        load_trace(path)
+    assert str(caught.value).startswith(f"{path}:2: ") and reason in str(caught.value)
+
+
+def test_default_models_the_daemons_default_eviction_and_admission():
+    """--policies default must stay what a daemon does when nothing is configured."""
+    from kvstore.daemon.config import DaemonConfig
+
+    config = DaemonConfig()
+    assert (cache_policy.DEFAULT_POLICY, cache_policy.DEFAULT_ADMISSION) == (config.eviction, config.admission)
+    assert config.write_policy == "write-through"
+    requests = synthetic_trace(12, 3, context_blocks=4, question_blocks=1, seed=2)
+    capacity = working_set_bytes(requests) // 4
+    default = simulate(requests, "default", capacity, capacity)
+    assert default.policy == "default"
+    assert default.hit_tokens == simulate(requests, config.eviction, capacity, capacity).hit_tokens
+    with pytest.raises(ValueError, match="daemon's defaults"):
+        simulate(requests, "default", capacity, capacity, admission="reused")
+
+
+@pytest.mark.parametrize("policy", ["segmented", "arc", "prefix-arc", "adaptive"])
+def test_frequency_aware_policies_keep_a_reused_set_through_one_off_scans(policy):
+    """Requests of a few reused chains between scans of one-off chains larger than the tier: LRU
+    loses the reused chains to each scan, the frequency-aware policies keep them."""
+    reused = [chain(f"r{i}a", f"r{i}b") for i in range(3)]
+    trace, scan = [], 0
+    for round_ in range(12):
+        for blocks in reused:
+            trace.append(Request(f"q{round_}", blocks))
+        for _ in range(4):
+            trace.append(Request(f"s{scan}", chain(f"s{scan}a", f"s{scan}b", f"s{scan}c")))
+            scan += 1
+    capacity = 10 * 100
+    lru = simulate(trace, "lru", capacity, check_integrity=True)
+    other = simulate(trace, policy, capacity, check_integrity=True)
+    assert other.hit_ratio > lru.hit_ratio + 0.1, (policy, other.hit_ratio, lru.hit_ratio)

@@ -34,7 +34,7 @@ ENV_PREFIX = "KVSTORE_"
 WRITE_POLICIES = ("write-through", "write-back")
 #: Eviction orders a tier may keep (kvstore/daemon/residency.py) and which blocks lower tiers take
 #: (kvstore/daemon/placement.py); the first of each is the default.
-EVICTION_POLICIES = ("prefix-lru", "lru")
+EVICTION_POLICIES = ("prefix-lru", "lru", "adaptive")
 ADMISSION_POLICIES = ("all", "reused")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: sun_path holds 108 bytes with the terminating NUL.
@@ -65,7 +65,8 @@ class DaemonConfig:
     write_policy: str = "write-through"
     #: Eviction order in each tier (docs/policy.md): "prefix-lru" evicts a chain's last blocks
     #: before its first, so what stays of a prompt is still a hit; "lru" (before 2026-12) ignores
-    #: chains.
+    #: chains; "adaptive" evicts by prefix-lru or by ARC, whichever key-only shadows of both show
+    #: hitting more lately (kvstore/daemon/adaptive.py).
     eviction: str = "prefix-lru"
     #: Which blocks lower tiers take (docs/policy.md): "all"; "reused": only blocks read since they
     #: were stored (a block nobody asked for again is not written to disk or S3).

@@ -238,7 +238,7 @@ class BlockStore:
     def _adopt_shared(self) -> None:
         """Keys shared tiers indexed on their own join the LRU (the tick, a discovery, a check)."""
         for tier, key in self.residency.adopt_shared():
-            self._note_layout(tier.header(key))
+            self.namespaces.note(tier.header(key))
         for tier in self.tiers:
             if tier.shared:
                 refused = tier.take_refused()  # forged objects, or made under another secret
@@ -261,9 +261,13 @@ class BlockStore:
     # -- reads (the rest in reads.py, promotion.py) -------------------------------------------
 
     def note_read(self, level: int, key: bytes) -> None:
-        """A Get found ``key`` in tier ``level`` (``reads`` calls this on the loop for each hit):
-        under admission "reused" it now earns the copy below that write-through skipped at its Put,
-        and a lower-tier hit is promoted to the top in the background (``promote_on_get``)."""
+        """A Get found ``key`` in tier ``level`` (``reads`` calls this on the loop for each hit): a
+        use for eviction ``adaptive``; under admission "reused" it now earns the copy below that
+        write-through skipped at its Put, and a lower-tier hit is promoted to the top in the
+        background (``promote_on_get``)."""
+        tier = self.tiers[level]
+        if key in tier:  # (a read in a worker thread may end after an eviction took the block)
+            self.residency.note_use(key, tier.header(key).block_len)
         if self.admission != "all" and not self.residency.reused(key):
             self.residency.mark_reused(key)
             if self.write_through and level + 1 < len(self.tiers) and key not in self.tiers[level + 1]:
@@ -310,6 +314,7 @@ class BlockStore:
             # linked once stored: a Put no tier took keeps nothing of its hint
             self.residency.link(header.key, parent, 0, walk if walk is not None else WalkBudget())
             self.namespaces.note(header, owner)
+            self.residency.note_use(header.key, header.block_len)
         await self._make_durable(header, durable_level)
         self._queue_lower(header, durable, durable_level)
         self.refresh_gauges()
@@ -345,6 +350,7 @@ class BlockStore:
                         if header is not None:
                             self.residency.link(header.key, parent, 0, walk)
                             self.namespaces.note(header, owner)
+                            self.residency.note_use(header.key, header.block_len)
             for header in stored:
                 await self._make_durable(header, durable_level)
         finally:

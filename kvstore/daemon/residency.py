@@ -20,6 +20,9 @@ last used. ``prefix-lru`` knows chains: a Put names the key before each block (i
 whenever a block enters or is used in a tier its ancestors there are used right after it, so a
 chain's first blocks are always more recent than its last and a tier evicts a chain from its end:
 what stays is a prefix, still a hit (a Lookup's run may span tiers). Walks are bounded (`MAX_WALK` ancestors), so a forged chain costs its tenant's own Put.
+``adaptive`` keeps prefix-lru's order and, beside it, ARC's (`kvstore/daemon/adaptive.py`) in each
+bounded tier, and evicts by whichever of the two that tier's `EvictionDuel` chooses now; the
+store reports each Get's hit and each Put's block to `Residency.note_use`, which feeds the duels.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 from kvstore.block import BlockHeader
+from kvstore.daemon.adaptive import ArcOrder, EvictionDuel
 from kvstore.daemon.config import EVICTION_POLICIES
 from kvstore.shm_index import KeyIndexWriter
 from kvstore.daemon.tier_io import TierIO
@@ -51,10 +55,14 @@ class WalkBudget:
 
 class TierLRU:
     """One tier's keys, least recently used first, and for blocks of a named tenant their owner and
-    the bytes each owner holds, kept as blocks come and go (no scan per put)."""
+    the bytes each owner holds, kept as blocks come and go (no scan per put). With ``arc`` (an
+    `ArcOrder`, eviction ``adaptive``) it keeps ARC's order too, and iterates in it while
+    ``by_arc`` is set."""
 
-    def __init__(self) -> None:
+    def __init__(self, arc: ArcOrder | None = None) -> None:
         self._order: OrderedDict[bytes, None] = OrderedDict()
+        self.arc = arc
+        self.by_arc = False
         self._owner: dict[bytes, str] = {}                      # key -> owner
         self._owned: dict[str, OrderedDict[bytes, int]] = {}    # owner -> its keys (LRU first) -> bytes
         self._owned_bytes: dict[str, int] = {}
@@ -63,25 +71,44 @@ class TierLRU:
         return key in self._order
 
     def __iter__(self) -> Iterator[bytes]:
+        """Keys in eviction order."""
+        if self.by_arc and self.arc is not None:
+            return iter(self.arc)
         return iter(self._order)
 
     def __len__(self) -> int:
         return len(self._order)
 
-    def add(self, key: bytes, oldest: bool = False) -> bool:
-        """Record ``key`` as most recently used (``oldest``: least); True if it was not here."""
+    def add(self, key: bytes, oldest: bool = False, nbytes: int = 0) -> bool:
+        """Record ``key`` of ``nbytes`` as most recently used (``oldest``: least); True if it was not
+        here (recorded again, a copy rewritten, it is refreshed, not used again)."""
         new = key not in self._order
         self._order[key] = None
         self._order.move_to_end(key, last=not oldest)
         if not new:
             self._touch_owned(key)
+            if self.arc is not None:
+                self.arc.refresh(key)
+        elif self.arc is not None:
+            self.arc.add(key, nbytes, oldest)
         return new
 
     def touch(self, key: bytes) -> None:
-        """Most recently used now, if recorded."""
+        """Used now, if recorded: most recently used, and in ARC's order used again."""
         if key in self._order:
             self._order.move_to_end(key)
             self._touch_owned(key)
+            if self.arc is not None:
+                self.arc.use(key)
+
+    def refresh(self, key: bytes) -> None:
+        """An ancestor of a block used now, if recorded: most recently used; in ARC's order moved to
+        the recent end of its own segment, not used again (prefix-lru's walk, docs/policy.md)."""
+        if key in self._order:
+            self._order.move_to_end(key)
+            self._touch_owned(key)
+            if self.arc is not None:
+                self.arc.refresh(key)
 
     def remove(self, key: bytes) -> bool:
         """Forget ``key`` (and its owner); True if it was here."""
@@ -89,6 +116,8 @@ class TierLRU:
             return False
         del self._order[key]
         self._disown(key)
+        if self.arc is not None:
+            self.arc.remove(key)
         return True
 
     def set_owner(self, key: bytes, owner: str, nbytes: int) -> None:
@@ -131,6 +160,8 @@ class TierLRU:
                                    f"differs from its blocks' {sum(keys.values())}")
         if len(self._owner) != sum(map(len, self._owned.values())):
             raise RuntimeError("owners of keys and keys of owners disagree")
+        if self.arc is not None:
+            self.arc.check_integrity(set(self._order))
 
 
 def parents_first(tier: Tier) -> list[bytes]:
@@ -165,8 +196,17 @@ class Residency:
         self.tiers = tiers
         self._io = io
         self._index, self._events = key_index, events
-        self._lru = [TierLRU() for _ in tiers]
-        self._chains = eviction == "prefix-lru"
+        adaptive = eviction == "adaptive"
+        #: per tier, the duel that picks its order (adaptive, bounded tiers a daemon alone fills)
+        self._duels: list[EvictionDuel | None] = []
+        reach = 0
+        for tier in tiers:
+            reach += tier.capacity_bytes
+            bounded = adaptive and tier.capacity_bytes > 0 and not tier.shared
+            self._duels.append(EvictionDuel(reach) if bounded else None)
+        self._lru = [TierLRU(ArcOrder(tier.capacity_bytes) if duel else None) for tier, duel in zip(tiers, self._duels)]
+        self._chains = eviction in ("prefix-lru", "adaptive")
+        self._adaptive = any(self._duels)
         #: key -> the key before it in its chain, while some tier holds it (prefix-lru only)
         self._parent: dict[bytes, bytes] = {}
         #: keys read since they were stored (lower-tier admission ``reused``), while some tier holds them
@@ -228,6 +268,17 @@ class Residency:
         self._parent[key] = parent
         budget.left -= len(self._touch_ancestors(level, key, budget.left))
 
+    def note_use(self, key: bytes, nbytes: int) -> None:
+        """A Get hit ``key`` or a Put stored it (``nbytes`` a copy): a use for the duels, each of
+        which sets its tier's order (eviction ``adaptive``; nothing otherwise)."""
+        if not self._adaptive:
+            return
+        parent = self._parent.get(key)
+        for lru, duel in zip(self._lru, self._duels):
+            if duel is not None:
+                duel.use(key, nbytes, parent)
+                lru.by_arc = duel.arc
+
     def mark_reused(self, key: bytes) -> None:
         self._reused.add(key)
 
@@ -276,7 +327,7 @@ class Residency:
         lru, parent, touched = self._lru[level], self._parent.get(key), []
         most = min(most, MAX_WALK)
         while parent is not None and parent in lru and len(touched) < most:
-            lru.touch(parent)
+            lru.refresh(parent)
             touched.append(parent)
             parent = self._parent.get(parent)
         return touched
@@ -303,6 +354,8 @@ class Residency:
             await self._io.run(tier, tier.delete, key)
         for key in keys:
             self.forget(level, key)
+        if lru.arc is not None:
+            lru.arc.forget_ghosts()
         return len(keys)
 
     def adopt_shared(self) -> list[tuple[Tier, bytes]]:
@@ -319,7 +372,9 @@ class Residency:
         return adopted
 
     def _added(self, level: int, key: bytes, oldest: bool) -> None:
-        if not self._lru[level].add(key, oldest):
+        tier = self.tiers[level]
+        nbytes = tier.header(key).block_len if self._duels[level] is not None and key in tier else 0
+        if not self._lru[level].add(key, oldest, nbytes):
             return
         if self._index is not None:
             self._index.add(key, level)
