@@ -569,3 +569,59 @@ def test_the_sizing_example_is_the_bundled_models_kv():
     text = SIZING.read_text()
     assert f"{per_token:,}" in text
     assert f"{config.num_layers} x 2 x {config.num_kv_heads} x {config.head_dim} x 4" in text
+
+
+# -- the images (Dockerfile) ----------------------------------------------------------------------
+
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
+    """The Dockerfile as {stage name: [(instruction, arguments), ...]}, continuation lines joined."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        instruction, _, rest = line.strip().partition(" ")
+        if instruction.upper() == "FROM":
+            current = stages.setdefault(rest.split()[-1], [])
+        current.append((instruction.upper(), rest.strip()))
+    return stages
+
+
+def test_the_images_copy_every_package_and_run_as_a_numeric_non_root_user():
+    """Each folder pyproject.toml installs is copied into the build; both final images drop root
+    by number (a pod's `runAsNonRoot` needs one), and the pod names the images the file builds."""
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    copied = {source.rstrip("/") for op, args in dockerfile_stages()["build"] if op == "COPY"
+              for source in args.split()[:-1]}
+    assert {name.split(".")[0] for name in packages} <= copied
+    assert {"pyproject.toml", "README.md", "LICENSE"} <= copied
+    ignored = (ROOT / ".dockerignore").read_text()
+    assert all(f"!{name}" in ignored for name in copied - {"pyproject.toml", "README.md", "LICENSE"} | {"kernels"})
+    for stage in ("daemon", "vllm"):
+        users = [args for op, args in dockerfile_stages()[stage] if op == "USER"]
+        assert users and re.fullmatch(r"[1-9]\d*:[1-9]\d*", users[-1]), f"{stage} ends as a numeric non-root user"
+    tags = re.findall(r"--target (\w+)\s+-t (\S+)", DOCKERFILE.read_text())
+    images = {c["name"]: c["image"] for c in [*pod_spec(pod_documents())["initContainers"],
+                                              *pod_spec(pod_documents())["containers"]]}
+    assert dict(tags) == {"daemon": images["kvstore"], "vllm": images["vllm"]}
+
+
+def test_prebuilt_kernels_load_where_there_is_no_compiler(tmp_path, monkeypatch):
+    """`python -m kernels.native` (the image's build step) compiles every kernel into the package;
+    `build` then loads each from there with no compiler on PATH, as in the daemon image."""
+    from kernels import native
+
+    monkeypatch.setattr(native, "PREBUILT", tmp_path)
+    built = native.prebuild()
+    assert {p.name.rsplit("-", 1)[0] for p in built} == {c.stem for c in (ROOT / "kernels").glob("*.c")}
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    for source in (ROOT / "kernels").glob("*.c"):
+        library = native.build.__wrapped__(source, "test")
+        assert library is not None and Path(library._name).parent == tmp_path
