@@ -206,10 +206,9 @@ class Daemon:
     def _start_metrics(self) -> None:
         """/metrics, /healthz and /readyz on metrics_listen (kvstore/daemon/probes.py), and the heartbeat
         /healthz watches; an address that cannot be served fails the start."""
-        top = self.store.tiers[0]
         try:
             self.probes = ProbeServer(self.config.metrics_listen, self.metrics.registry,
-                                      not_ready=lambda: None if top.available else f"tier {top.name} unavailable")
+                                      not_ready=self.store.health.not_ready, degraded=self.store.health.degraded_text)
         except OSError as exc:  # asked for and not served: refuse to start rather than run unwatched
             reason = "address in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc)).lower()
             raise OSError(f"cannot serve metrics on {self.config.metrics_listen}: {reason}") from None
