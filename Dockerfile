@@ -51,14 +51,17 @@ RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/kvstore --crea
  && install -d -o kvstore -g kvstore -m 0700 /run/kvstore /var/cache/kvstore
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/kvstore/src /opt/kvstore/src
-ENV PATH=/opt/venv/bin:$PATH PYTHONDONTWRITEBYTECODE=1 XDG_CACHE_HOME=/var/cache
+# KVSTORE_LISTEN: where `kvstore serve` listens and where `kvstore stats` and every other client
+# looks (kvstore.connect.client_settings), in this image and in the vllm one.
+ENV PATH=/opt/venv/bin:$PATH PYTHONDONTWRITEBYTECODE=1 XDG_CACHE_HOME=/var/cache \
+    KVSTORE_LISTEN=unix:/run/kvstore/kvstore.sock KVSTORE_DISK_PATH=/var/cache/kvstore/blocks
 USER 10001:10001
 WORKDIR /var/lib/kvstore
 EXPOSE 9464
 # The metrics port's /healthz (the daemon's loop runs) for a plain `docker run`.
 HEALTHCHECK --interval=10s --timeout=5s CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9464/healthz', timeout=4)"]
 ENTRYPOINT ["kvstore"]
-CMD ["serve", "--listen", "unix:/run/kvstore/kvstore.sock", "--disk-path", "/var/cache/kvstore/blocks"]
+CMD ["serve"]
 
 FROM ${BASE} AS vllm
 # vLLM's CPU build needs libnuma at run time and a C++ compiler for torch's compiled paths.
@@ -70,7 +73,7 @@ RUN apt-get update \
  && install -d -o kvstore -g kvstore -m 0700 /run/kvstore
 COPY --from=build-vllm /opt/venv /opt/venv
 COPY --from=build-vllm /opt/kvstore/src /opt/kvstore/src
-ENV PATH=/opt/venv/bin:$PATH PYTHONDONTWRITEBYTECODE=1
+ENV PATH=/opt/venv/bin:$PATH PYTHONDONTWRITEBYTECODE=1 KVSTORE_LISTEN=unix:/run/kvstore/kvstore.sock
 USER 10001:10001
 WORKDIR /home/kvstore
 EXPOSE 8000

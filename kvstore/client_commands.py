@@ -1,7 +1,7 @@
 """The CLI's commands that call a running daemon: ``kvstore stats``, ``clear``, ``ingest``, ``locate``.
 
-Each reaches its daemons as ``kvstore.connect`` says (the address, a token from --token,
---token-file or KVSTORE_AUTH_TOKEN, TLS from --tls-ca or KVSTORE_TLS_CA); stats, clear and ingest
+Each reaches its daemons as ``kvstore.connect.client_settings`` says (flags, else the KVSTORE_*
+environment, else the daemon's config file: address, token, TLS); stats, clear and ingest
 ask theirs once before any work. A failure rises for ``kvstore.cli.main`` to say in one line.
 Their flags are ``kvstore/cli.py``'s (``_connection_arguments``, ``_namespace_arguments``); grpc,
 the client and the model are imported only when a command runs.
@@ -15,32 +15,28 @@ import json
 import os
 import sys
 
-from kvstore.host import default_listen
 from kvstore.user_input import format_size, read_text
 
 
-def _tls(args: argparse.Namespace):
-    from kvstore.connect import CLI_OPTIONS, client_tls
+def _settings(args: argparse.Namespace, address: str | None = None, admin: bool = False):
+    """``args``' flags, else the KVSTORE_* environment, else the config file (kvstore.connect.client_settings)."""
+    from kvstore.connect import CLI_OPTIONS, client_settings
 
-    return client_tls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name, environ=os.environ,
-                      names=CLI_OPTIONS)
+    return client_settings(address or getattr(args, "address", None), args.token, args.token_file, args.tls_ca,
+                           args.tls_cert, args.tls_key, args.tls_server_name, args.insecure, config_file=args.config,
+                           admin=admin, names=CLI_OPTIONS)
 
 
 def _client(args: argparse.Namespace, shared_memory: bool | None = False, check: bool = True):
     """A client of ``args``' daemon; with ``check``, the daemon is asked once first, and a problem
     (no daemon, TLS or not, the token) is a one-line error before any work."""
     from engine_adapter.client import KVStoreClient
-    from kvstore.connect import CLI_OPTIONS, is_unix, resolve_token
+    from kvstore.connect import CLI_OPTIONS
     from kvstore.locate import refuse_plaintext_tokens
 
-    address = args.address or default_listen()
-    token = resolve_token(args.token, args.token_file, address)
-    tls = None if is_unix(address) else _tls(args)
-    refuse_plaintext_tokens({address: token}, tls, args.insecure, CLI_OPTIONS)
-    tls_settings = {} if tls is None else dict(tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key,
-                                                 tls_server_name=tls.server_name)
-    client = KVStoreClient(address, shared_memory=shared_memory, token=token, insecure=args.insecure,
-                           **tls_settings)
+    settings = _settings(args, admin=args.command in ("stats", "clear"))
+    refuse_plaintext_tokens({settings.address: settings.token}, settings.tls, settings.insecure, CLI_OPTIONS)
+    client = KVStoreClient(settings=settings, shared_memory=shared_memory)
     if check:
         try:
             client.check(names=CLI_OPTIONS)
@@ -177,12 +173,14 @@ def cmd_locate(args: argparse.Namespace) -> int:
     from kvstore.connect import CLI_OPTIONS, TokenBook
     from kvstore.locate import locate, refuse_plaintext_tokens, tokens_for
 
-    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    settings = _settings(args)  # the environment's and config file's address, token and TLS
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()] if args.hosts else [settings.address]
     if not hosts:
         raise ValueError("--hosts: give daemon addresses, e.g. 10.0.0.5:7070,10.0.0.6:7070")
     book = TokenBook.read(args.token_file) if args.token_file else None
-    tls = _tls(args)
-    refuse_plaintext_tokens(tokens_for(hosts, args.token, book), tls, args.insecure, CLI_OPTIONS)  # before any work
+    token = args.token or (settings.token if book is None else None)
+    tls = settings.tls
+    refuse_plaintext_tokens(tokens_for(hosts, token, book), tls, settings.insecure, CLI_OPTIONS)  # before any work
     text = read_text(args.file)
     config, tokenizer = gguf_config(args.model or find_smollm2_gguf())
     if args.tokens:
@@ -196,8 +194,8 @@ def cmd_locate(args: argparse.Namespace) -> int:
         token_ids, _ = document_prompt(tokenizer, text, "")  # as `kvstore ingest` stores it
     namespace = config_namespace(config, args.dtype, args.tenant)
     keys = prefix_keys(namespace, token_ids)
-    result = locate(hosts, keys, deadline_s=args.deadline, token=args.token, tokens=book, tls=tls,
-                    insecure=args.insecure, names=CLI_OPTIONS)
+    result = locate(hosts, keys, deadline_s=args.deadline, token=token, tokens=book, tls=tls,
+                    insecure=settings.insecure, names=CLI_OPTIONS)
     if args.json:
         print(json.dumps({"keys": result.keys, "chunk_tokens": namespace.chunk_tokens,
                           "best": result.best.address if result.best else None,

@@ -248,3 +248,75 @@ def test_the_vllm_connector_takes_tls_and_token_file_keys():
          "tls_server_name": "kvstore", "token_file": "/run/secrets/kvstore", "insecure": "false"})
     assert (settings.tls_ca, settings.token_file, settings.insecure) == ("/etc/kvstore/ca.pem", "/run/secrets/kvstore",
                                                                         False)
+
+
+def test_every_client_resolves_flags_then_environment_then_the_daemons_config_file(daemon_factory, certificate,
+                                                                                   short_tmp, monkeypatch):
+    """Issue #57: `kvstore stats` ignored KVSTORE_LISTEN and the config file, KVStoreClient ignored
+    KVSTORE_TLS_CA. Now the CLI, KVStoreClient and locate take the address, token, CA and server
+    name from flags, else KVSTORE_*, else the file `kvstore serve --config` reads (its listen and
+    auth_token, and a [client] table the daemon skips); the daemon starts from that same file."""
+    cert, key = certificate
+    port = free_port()
+    config = secret_file(short_tmp / "kvstore.toml",
+                         f'listen = "0.0.0.0:{port}"\nauth_token = "{TOKEN}"\ntls_cert = "{cert}"\n'
+                         f'tls_key = "{key}"\nallow_anonymous_loopback = false\n'
+                         f'[client]\ntls_ca = "{cert}"\ntls_server_name = "localhost"\n')
+    daemon = daemon_factory("configured", config=config, listen=f"0.0.0.0:{port}")
+    keys, payloads = make_blocks(1, seed=573)
+    # The file alone: 0.0.0.0 is reached on loopback, the token and CA come from it.
+    out = kvstore("stats", "--json", env={"KVSTORE_CONFIG": str(config)})
+    assert out.returncode == 0, out.stderr
+    with KVStoreClient(config_file=config) as client:
+        assert client.address == f"127.0.0.1:{port}" and client.tls.server_name == "localhost"
+        client.put(NS, [(keys[0], 64, payloads[0])])
+    # The environment wins over the file, a flag over the environment.
+    monkeypatch.setenv("KVSTORE_CONFIG", str(config))
+    monkeypatch.setenv("KVSTORE_LISTEN", "127.0.0.1:1")
+    with pytest.raises(Exception, match="no daemon at 127.0.0.1:1"):
+        with KVStoreClient(timeout=5) as client:
+            client.lookup(keys)
+    with KVStoreClient(f"127.0.0.1:{port}") as client:
+        assert client.lookup(keys).hits == 1
+    monkeypatch.delenv("KVSTORE_LISTEN")
+    monkeypatch.setenv("KVSTORE_TLS_SERVER_NAME", "kvstore.example")
+    assert one_line(kvstore("stats", env={"KVSTORE_CONFIG": str(config), "KVSTORE_TLS_SERVER_NAME": "kvstore.example"})) \
+        .startswith(f"kvstore: 127.0.0.1:{port}: its TLS certificate is not for kvstore.example (")
+    monkeypatch.delenv("KVSTORE_TLS_SERVER_NAME")
+    result = locate([f"127.0.0.1:{port}"], keys, **_located(config))
+    assert result.best is not None and result.best.hits == 1
+    # A [client] table with a key clients do not take is one line naming the file.
+    bad = secret_file(short_tmp / "bad.toml", f'listen = "127.0.0.1:{port}"\n[client]\nca = "x"\n')
+    assert one_line(kvstore("stats", "--config", bad)).startswith(f"kvstore: config file {bad}: [client] takes only")
+
+
+def _located(config) -> dict:
+    """`locate`'s token and TLS as the CLI resolves them from ``config``."""
+    from kvstore.connect import client_settings
+
+    settings = client_settings(config_file=config, environ={})
+    return {"token": settings.token, "tls": settings.tls}
+
+
+def test_the_python_client_fails_in_one_line_not_a_grpc_traceback(daemon_factory, certificate, monkeypatch):
+    """Issue #57: a KVStoreClient call that cannot reach the daemon raised gRPC's multi-line
+    _InactiveRpcError; now a DaemonError (still a grpc.RpcError, same code) whose text is the CLI's
+    one line in the library's own names, and KVSTORE_TLS_CA is taken."""
+    import grpc
+
+    from kvstore.connect import DaemonError
+
+    cert, _ = certificate
+    secure = tls_daemon(daemon_factory, certificate)
+    keys, _ = make_blocks(1, seed=574)
+    with KVStoreClient(secure.address, token=TOKEN, timeout=5) as client:
+        with pytest.raises(DaemonError) as failed:
+            client.lookup(keys)
+    assert str(failed.value) == f"{secure.address} speaks TLS: pass tls_ca"
+    assert isinstance(failed.value, grpc.RpcError) and failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    monkeypatch.setenv("KVSTORE_TLS_CA", str(cert))
+    with KVStoreClient(secure.address, token=TOKEN, timeout=5) as client:
+        assert client.lookup(keys).hits == 0
+    with KVStoreClient(secure.address, token="wrong-token-0123456789", timeout=5) as client:
+        with pytest.raises(DaemonError, match=r"^127\.0\.0\.1:\d+ refused the bearer token: pass the daemon's token"):
+            client.lookup(keys)

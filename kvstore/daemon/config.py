@@ -350,7 +350,8 @@ def field_names() -> list[str]:
 
 def load_config(file: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None,
                 environ: Mapping[str, str] | None = None) -> DaemonConfig:
-    """Defaults, then the TOML ``file``, then ``KVSTORE_*`` variables, then ``overrides`` (flags).
+    """Defaults, then the TOML ``file`` (else ``KVSTORE_CONFIG``'s; its ``[client]`` table is the
+    clients', skipped here), then ``KVSTORE_*`` variables, then ``overrides`` (flags).
 
     Raises ValueError naming the source of a bad value: the file and key, the variable, or the flag
     (see the module docstring). A ``tenants_file`` is read here once too, so that a missing,
@@ -361,14 +362,16 @@ def load_config(file: str | os.PathLike | None = None, overrides: Mapping[str, A
     #: Where each value came from, as the error messages name it.
     sources: dict[str, str] = {}
     names = field_names()
+    environ = os.environ if environ is None else environ
+    file = file or environ.get(ENV_PREFIX + "CONFIG") or None  # the clients read it too (kvstore/connect.py)
     if file:
         table = read_toml(file, "config file")
+        table.pop("client", None)  # how clients reach this daemon: kvstore.connect.read_client_table checks it
         unknown = set(table) - set(names)
         if unknown:
             raise ValueError(f"config file {file}: unknown keys {sorted(unknown)}; known: {names}")
         values.update(table)
         sources.update({name: f"config file {file}: {name}" for name in table})
-    environ = os.environ if environ is None else environ
     for name in names:
         env = ENV_PREFIX + name.upper()
         if env in environ:
