@@ -164,8 +164,14 @@ def _ingest(args: argparse.Namespace, kept: _Kept) -> int:
     return 0
 
 
+#: The KV dtypes a namespace may name (`--dtype`), for locate's hint when none is found under the one asked.
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def cmd_locate(args: argparse.Namespace) -> int:
-    """Which daemon holds the longest cached prefix of a document (or of token ids)."""
+    """Which daemon holds the longest cached prefix of a document (or of token ids). When no host
+    holds its first chunk, the same chunk under each other dtype is asked for too, with the same
+    token: a tenant sees a hint about its own blocks only (keys derive from its token)."""
     from engine_adapter.cached import config_namespace
     from engine_adapter.loader import find_smollm2_gguf, gguf_config
     from engine_adapter.prompts import document_prompt
@@ -194,12 +200,21 @@ def cmd_locate(args: argparse.Namespace) -> int:
         token_ids, _ = document_prompt(tokenizer, text, "")  # as `kvstore ingest` stores it
     namespace = config_namespace(config, args.dtype, args.tenant)
     keys = prefix_keys(namespace, token_ids)
-    result = locate(hosts, keys, deadline_s=args.deadline, token=token, tokens=book, tls=tls,
-                    insecure=settings.insecure, names=CLI_OPTIONS)
+    ask = dict(deadline_s=args.deadline, token=token, tokens=book, tls=tls, insecure=settings.insecure,
+               names=CLI_OPTIONS)
+    result = locate(hosts, keys, **ask)
+    hint = None
+    if keys and result.best is None:  # a miss of everything: held under another dtype? (the caller's keys only)
+        for dtype in DTYPES:
+            if dtype != args.dtype and locate(hosts, prefix_keys(config_namespace(config, dtype, args.tenant),
+                                                                 token_ids)[:1], **ask).best is not None:
+                hint = (f"the first chunk is cached under --dtype {dtype}, not {args.dtype}: "
+                        f"locate with the dtype ingest (or the engine) stored")
+                break
     if args.json:
         print(json.dumps({"keys": result.keys, "chunk_tokens": namespace.chunk_tokens,
                           "best": result.best.address if result.best else None,
-                          "hosts": [dataclasses.asdict(h) for h in result.hosts]}, indent=2))
+                          "hosts": [dataclasses.asdict(h) for h in result.hosts], "hint": hint}, indent=2))
         return 0
     print(f"{len(token_ids)} tokens, {result.keys} full chunks of {namespace.chunk_tokens} tokens")
     for host in result.hosts:
@@ -209,4 +224,6 @@ def cmd_locate(args: argparse.Namespace) -> int:
         else:
             print(f"{host.address:<32} unreachable: {host.error}")
     print(f"best: {result.best.address}" if result.best else "best: none (no host holds the first chunk)")
+    if hint:
+        print(f"hint: {hint}")
     return 0

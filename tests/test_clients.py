@@ -320,3 +320,43 @@ def test_the_python_client_fails_in_one_line_not_a_grpc_traceback(daemon_factory
     with KVStoreClient(secure.address, token="wrong-token-0123456789", timeout=5) as client:
         with pytest.raises(DaemonError, match=r"^127\.0\.0\.1:\d+ refused the bearer token: pass the daemon's token"):
             client.lookup(keys)
+
+
+def test_locate_hints_at_another_dtype_to_the_tenant_that_stored_it_only(daemon_factory, short_tmp):
+    """Issue #57: `locate --dtype bfloat16` after a float32 ingest said `0/3 chunks ... best: none`,
+    as for an empty cache. Now it adds a hint naming the dtype the first chunk is held under; the
+    hint asks with the caller's own token, so another tenant (whose keys derive from its token)
+    gets none."""
+    from engine_adapter.cached import config_namespace
+    from engine_adapter.loader import find_smollm2_gguf, gguf_config
+    from tests.test_tenancy import TOKEN_A, TOKEN_B, _tenants
+
+    try:
+        config, _ = gguf_config(find_smollm2_gguf())
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    namespace = config_namespace(config, "float32")
+    tokens = np.random.default_rng(57).integers(0, 40000, size=3 * namespace.chunk_tokens).tolist()
+    payload = np.zeros(namespace.layout.block_bytes(namespace.chunk_tokens), np.uint8)
+    daemon = daemon_factory(tenants_file=_tenants(short_tmp), log_level="INFO")
+    assert "no admin token (kvstore clear and daemon-wide stats need --admin-token-file)" in daemon.log.read_text()
+    with KVStoreClient(daemon.address, token=TOKEN_A) as client:
+        client.put(namespace, [(k, namespace.chunk_tokens, payload) for k in prefix_keys(namespace, tokens)])
+    ids = short_tmp / "ids.json"
+    ids.write_text(json.dumps(tokens))
+
+    def located(token: str, dtype: str) -> dict:
+        out = kvstore("locate", "--hosts", daemon.address, "--tokens", ids, "--dtype", dtype, "--json",
+                      env={"KVSTORE_AUTH_TOKEN": token})
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    mine = located(TOKEN_A, "bfloat16")
+    assert mine["best"] is None and mine["hint"].startswith("the first chunk is cached under --dtype float32, not "
+                                                            "bfloat16")
+    assert located(TOKEN_A, "float32")["hint"] is None, "a hit needs no hint"
+    theirs = located(TOKEN_B, "bfloat16")
+    assert theirs["best"] is None and theirs["hint"] is None, "tenant b learns nothing of a's blocks"
+    text = kvstore("locate", "--hosts", daemon.address, "--tokens", ids, "--dtype", "bfloat16",
+                   env={"KVSTORE_AUTH_TOKEN": TOKEN_A}).stdout
+    assert "best: none" in text and "hint: the first chunk is cached under --dtype float32" in text

@@ -221,6 +221,12 @@ class Daemon:
         named = sum(1 for t in self.tenants.tenants if t.name)
         auth = (f"tenants file {config.tenants_file}" if config.tenants_file
                 else "bearer token" if self.tenants.required else "no token")
+        if config.admin_token_file:  # the operator's token for `kvstore clear` and daemon-wide stats
+            auth += f", admin token from {config.admin_token_file}"
+        elif config.admin_token:
+            auth += ", admin token set"
+        elif config.tenants_file:
+            auth += ", no admin token (kvstore clear and daemon-wide stats need --admin-token-file)"
         metrics = (f"http://{_http_host(config.metrics_listen)}:{self.probes.port} (/metrics, /healthz, /readyz)"
                    if self.probes is not None else "off")
         events = "off"
