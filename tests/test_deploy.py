@@ -625,3 +625,68 @@ def test_prebuilt_kernels_load_where_there_is_no_compiler(tmp_path, monkeypatch)
     for source in (ROOT / "kernels").glob("*.c"):
         library = native.build.__wrapped__(source, "test")
         assert library is not None and Path(library._name).parent == tmp_path
+
+
+# -- the dashboard and alert rules --------------------------------------------------------------
+
+DASHBOARD = DEPLOY / "grafana-kvstore.json"
+ALERTS = DEPLOY / "kvstore-alerts.yml"
+#: Labels Prometheus adds to every scraped series, and a histogram's bucket bound.
+SCRAPE_LABELS = {"instance", "job", "le"}
+
+
+def monitoring_expressions() -> dict[str, str]:
+    """{where: PromQL} for every expression of the Grafana dashboard and the alert rules."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    found = {f"dashboard panel {p['title']!r} {t['refId']}": t["expr"] for p in dashboard["panels"]
+             for t in p["targets"]}
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            found[f"dashboard variable {variable['name']}"] = variable["definition"]
+    for group in yaml.safe_load(ALERTS.read_text())["groups"]:
+        found.update({f"alert {r['alert']}": r["expr"] for r in group["rules"]})
+    return found
+
+
+def test_every_series_the_dashboard_and_alerts_name_is_on_a_live_daemons_metrics(daemon_factory):
+    """Each kvstore_* series in docs/deploy/grafana-kvstore.json and kvstore-alerts.yml is one a
+    real daemon's /metrics exposes (a counter's _total, a histogram's _bucket/_count/_sum), and
+    each label it groups or matches by is one that metric has."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine_adapter.client import KVStoreClient
+    from kvstore.daemon.metrics import Metrics
+    from tests.test_daemon import BLOCK, NS, make_blocks
+
+    port = free_port()
+    d = daemon_factory(metrics_listen=f"127.0.0.1:{port}")
+    keys, payloads = make_blocks(2, seed=575)
+    with KVStoreClient(d.address, shared_memory=False) as client:
+        client.put(NS, [(k, 64, p) for k, p in zip(keys, payloads)])
+        client.get(keys, BLOCK)
+        client.lookup(keys)
+    status, text = http_status(port, "/metrics")
+    assert status == 200
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
+    series = {f.name + suffix for f in text_string_to_metric_families(text) for suffix in suffixes.get(f.type, ("",))}
+    labels = {m._name: set(m._labelnames) for m in vars(Metrics()).values() if hasattr(m, "_labelnames")}
+    expressions = monitoring_expressions()
+    assert len(expressions) >= 15
+    for where, expr in expressions.items():
+        names = set(re.findall(r"\bkvstore_[a-z_]+\b", expr))
+        assert names or "up{" in expr, f"{where}: names no kvstore series"
+        for name in names:
+            assert name in series, f"{where}: {name} is not on /metrics"
+        allowed = SCRAPE_LABELS.union(*(labels[re.sub(r"_(total|bucket|count|sum)$", "", n)] for n in names))
+        used = set(re.findall(r"(\w+)\s*(?:=~|!=|!~|=)\s*\"", expr)) | {
+            label.strip() for group in re.findall(r"\bby\s*\(([^)]*)\)", expr) for label in group.split(",")}
+        assert used <= allowed, f"{where}: labels {sorted(used - allowed)} are not {sorted(names)}'s"
+
+
+def test_promtool_accepts_the_alert_rules():
+    """`promtool check rules` (Debian's prometheus package), where it is installed."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    out = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
