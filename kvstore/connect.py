@@ -387,6 +387,9 @@ def explain(exc: grpc.RpcError, address: str, tls: ClientTLS | None, token: str 
     if code == grpc.StatusCode.UNAUTHENTICATED:
         given = "" if token else " (none was given)"
         return f"{address} refused the bearer token{given}: pass the daemon's token with {names.token}"
+    if code == grpc.StatusCode.UNAVAILABLE and "http1.x server" in (exc.details() or ""):
+        return (f"{address} answers HTTP/1.1, not gRPC: it is the daemon's metrics port (metrics_listen: "
+                f"/metrics, /healthz, /readyz); give the address the daemon listens on (listen)")
     if code == grpc.StatusCode.UNAVAILABLE and probe_timeout > 0:
         return diagnose(address, tls, probe_timeout, names)
     return None

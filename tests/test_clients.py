@@ -360,3 +360,12 @@ def test_locate_hints_at_another_dtype_to_the_tenant_that_stored_it_only(daemon_
     text = kvstore("locate", "--hosts", daemon.address, "--tokens", ids, "--dtype", "bfloat16",
                    env={"KVSTORE_AUTH_TOKEN": TOKEN_A}).stdout
     assert "best: none" in text and "hint: the first chunk is cached under --dtype float32" in text
+
+
+def test_a_client_pointed_at_the_metrics_port_says_so_in_one_line(daemon_factory):
+    """Issue #57: `kvstore stats --address` the metrics port printed gRPC's raw HTTP/2 parse error."""
+    port = free_port()
+    daemon_factory(metrics_listen=f"127.0.0.1:{port}")
+    assert one_line(kvstore("stats", "--address", f"127.0.0.1:{port}")) == \
+        (f"kvstore: 127.0.0.1:{port} answers HTTP/1.1, not gRPC: it is the daemon's metrics port (metrics_listen: "
+         f"/metrics, /healthz, /readyz); give the address the daemon listens on (listen)")
