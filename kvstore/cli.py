@@ -36,7 +36,7 @@ _FIELD_HELP = {
     "disk_fsync": "fsync each block before it is visible (true/false)",
     "disk_o_direct": "read disk blocks with O_DIRECT, bypassing the page cache (true/false)",
     "disk_codec": "codec of blocks moved down to disk: raw, int8, int4, int8+shuffle+zstd, kvtc@ID (kvstore calibrate), "
-                  "kvtc@auto (calibrated per namespace from its first blocks), ... (docs/compression.md)",
+                  "kvtc@auto (calibrated per namespace from its first blocks), ... (docs/notes/compression-log.md)",
     "write_policy": "write-through (every put also goes down) or write-back (only on eviction)",
     "eviction": "prefix-lru (a prompt's last blocks go before its first: what stays is still a hit) "
                 "or lru (ignores chains); docs/policy.md",
@@ -51,7 +51,7 @@ _FIELD_HELP = {
                                "as they are until then)",
     "auto_layer_group": "with kvtc@auto: up to this many consecutive layers coded as one row (1 = one a layer; "
                         "5 on SmolLM2: 1.23x smaller at better quality, decode 2.4x slower, calibrations 5x "
-                        "larger; docs/compression.md)",
+                        "larger; docs/notes/compression-log.md)",
     "calibration_dir": "folder of kvtc calibrations (<id>.kvcal) and of the daemon's own (kvtc@auto); '' = "
                        "~/.cache/kvstore/calibrations",
     "s3_part_size": "objects larger than this use multipart PUT and parallel ranged GETs (min 5MiB)",
@@ -208,7 +208,7 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="consecutive layers coded as one row (default 1): a basis over several layers also "
                              "removes what they share, e.g. 10 on SmolLM2 for about 1.4x fewer bytes at the same "
                              "error, but decoding costs about that many times the products and the calibration "
-                             "grows as its square (rows of at most 2,048 channels; docs/compression.md)")
+                             "grows as its square (rows of at most 2,048 channels; docs/notes/compression-log.md)")
     parser.add_argument("--max-tokens", type=int, default=8192, help="tokens read per file (default 8192)")
     parser.add_argument("--post-rope", action="store_true", help="code keys as stored, after RoPE (format v2; "
                                                                  "the default codes them before RoPE, format v3)")
@@ -217,7 +217,7 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
                              "--post-rope)")
     parser.add_argument("--sensitivity", action="store_true",
                         help="per-layer steps from each layer's measured effect on the next-token distribution "
-                             "(60 extra forwards over the texts; docs/compression.md measures it)")
+                             "(60 extra forwards over the texts; docs/notes/compression-log.md measures it)")
     parser.add_argument("--sensitivity-limit", type=float, default=None,
                         help="with --sensitivity: per-layer step factors are clipped to [1/LIMIT, LIMIT] "
                              f"(default {shown['sensitivity_limit']})")

@@ -58,7 +58,7 @@ class DaemonConfig:
     disk_o_direct: bool = False
     #: Codec blocks are re-encoded into when they move down to disk: "raw" (exact), "int8",
     #: "int4", "int8+shuffle+zstd", "kvtc@<calibration id>", "kvtc@auto" (the daemon calibrates
-    #: each namespace from its first blocks: kvstore/daemon/autocal.py), ... (see docs/compression.md).
+    #: each namespace from its first blocks: kvstore/daemon/autocal.py), ... (see docs/notes/compression-log.md).
     disk_codec: str = "raw"
     #: write-through: every put is also queued for the lower tiers; write-back: blocks move down
     #: only when evicted.
@@ -87,7 +87,7 @@ class DaemonConfig:
     #: blocks, and the namespace's until then, are stored as they are).
     auto_calibration_tokens: int = 8192
     #: With "kvtc@auto": consecutive layers coded as one row, at most (rows of at most 2,048 channels
-    #: and calibrations within the size bound; 1 = a row per layer). docs/compression.md measures 5.
+    #: and calibrations within the size bound; 1 = a row per layer). docs/notes/compression-log.md measures 5.
     auto_layer_group: int = 1
     #: Where calibrations are read from (kvtc@<id>) and the daemon's own are kept (kvtc@auto);
     #: "": $KVSTORE_CALIBRATION_DIR, else ~/.cache/kvstore/calibrations (`kvstore calibrate` writes there).
