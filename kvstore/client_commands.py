@@ -18,11 +18,11 @@ import sys
 from kvstore.user_input import format_size, read_text
 
 
-def _settings(args: argparse.Namespace, address: str | None = None, admin: bool = False):
+def _settings(args: argparse.Namespace, admin: bool = False):
     """``args``' flags, else the KVSTORE_* environment, else the config file (kvstore.connect.client_settings)."""
     from kvstore.connect import CLI_OPTIONS, client_settings
 
-    return client_settings(address or getattr(args, "address", None), args.token, args.token_file, args.tls_ca,
+    return client_settings(getattr(args, "address", None), args.token, args.token_file, args.tls_ca,
                            args.tls_cert, args.tls_key, args.tls_server_name, args.insecure, config_file=args.config,
                            admin=admin, names=CLI_OPTIONS)
 
@@ -164,10 +164,6 @@ def _ingest(args: argparse.Namespace, kept: _Kept) -> int:
     return 0
 
 
-#: The KV dtypes a namespace may name (`--dtype`), for locate's hint when none is found under the one asked.
-DTYPES = ("float32", "bfloat16", "float16")
-
-
 def cmd_locate(args: argparse.Namespace) -> int:
     """Which daemon holds the longest cached prefix of a document (or of token ids). When no host
     holds its first chunk, the same chunk under each other dtype is asked for too, with the same
@@ -175,7 +171,7 @@ def cmd_locate(args: argparse.Namespace) -> int:
     from engine_adapter.cached import config_namespace
     from engine_adapter.loader import find_smollm2_gguf, gguf_config
     from engine_adapter.prompts import document_prompt
-    from kvstore.keys import prefix_keys
+    from kvstore.keys import SUPPORTED_DTYPES, prefix_keys
     from kvstore.connect import CLI_OPTIONS, TokenBook
     from kvstore.locate import locate, refuse_plaintext_tokens, tokens_for
 
@@ -205,7 +201,7 @@ def cmd_locate(args: argparse.Namespace) -> int:
     result = locate(hosts, keys, **ask)
     hint = None
     if keys and result.best is None:  # a miss of everything: held under another dtype? (the caller's keys only)
-        for dtype in DTYPES:
+        for dtype in SUPPORTED_DTYPES:
             if dtype != args.dtype and locate(hosts, prefix_keys(config_namespace(config, dtype, args.tenant),
                                                                  token_ids)[:1], **ask).best is not None:
                 hint = (f"the first chunk is cached under --dtype {dtype}, not {args.dtype}: "
