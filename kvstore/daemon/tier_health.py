@@ -54,11 +54,12 @@ class TierHealth:
         """A write into ``tier_name`` failed (``BlockStore.count_write_error`` calls this)."""
         with self._lock:
             self._failed.setdefault(tier_name, collections.deque(maxlen=self.errors)).append(self._clock())
-            self._last_error[tier_name] = f"{type(exc).__name__}: {exc}"
+            self._last_error[tier_name] = _what_failed(exc)
         self.degraded()  # logs the change, once
 
     def degraded(self) -> dict[str, str]:
-        """{tier name: why} for every tier failing now, top first; a change is logged once."""
+        """{tier name: why} for every tier failing now, top first; a change is logged once (the
+        daemon's log has each error in full: ``BlockStore.count_write_error``)."""
         now = self._clock()
         reasons: dict[str, str] = {}
         with self._lock:
@@ -88,3 +89,11 @@ class TierHealth:
         if not reasons:
             return None
         return "degraded: " + "; ".join(f"tier {name} {why}" for name, why in reasons.items())
+
+
+def _what_failed(exc: BaseException) -> str:
+    """An error as /readyz may show it to whoever reaches the metrics port: its kind and the
+    system's reason, never its text (a tier's message names the block's file, i.e. its key)."""
+    cause = exc if isinstance(exc, OSError) else exc.__cause__
+    reason = getattr(cause, "strerror", None) if isinstance(cause, OSError) else None
+    return f"{type(exc).__name__} ({reason})" if reason else type(exc).__name__
