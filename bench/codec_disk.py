@@ -1,7 +1,7 @@
 """Codecs against the disk tier: its O_DIRECT read ceiling, and TTFT warm from disk per ``disk_codec``.
 
 Part of `bench/codec_quality.py` (``--disk-read``, ``--ttft-disk``), which measures quality; this
-module measures what a codec costs a load from disk. Numbers and their reading: docs/compression.md.
+module measures what a codec costs a load from disk. Numbers and their reading: docs/notes/compression-log.md.
 """
 
 from __future__ import annotations

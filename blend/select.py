@@ -26,7 +26,7 @@ the assembled cache before anything is recomputed (`StaleReadView`, made by
 
 Pick one with ``get_selector(name)``; unknown names raise ValueError listing the known ones
 (``check_selector``).
-Why the default is stale_attention, with the probes' numbers: docs/blend.md.
+Why the default is stale_attention, with the probes' numbers: docs/notes/blend-log.md.
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ class AttentionDeviationSelector(TokenSelector):
     barely reads; on SmolLM2-135M a 15% recompute of those is sometimes worse than none (a cache
     part fresh, part stale is less consistent than one all stale; exact KV spliced in for the top
     15% by true deviation over all layers does no better). Weighting by query attention at the same
-    check layer keeps the budget on the stale tokens the answer depends on (docs/blend.md).
+    check layer keeps the budget on the stale tokens the answer depends on (docs/notes/blend-log.md).
     """
 
     name = "attn_deviation"
@@ -293,7 +293,7 @@ class LeadingAttentionDeviationSelector(TokenSelector):
     and costs little on whole passages (0.057 -> 0.059, naive 0.080), where 16 tokens are a small
     share of a ~600-token chunk's ~90-token budget. When the budget cannot cover ``lead`` tokens of
     every chunk, all of it goes to leading tokens, split by chunk length as in `ChunkSinkSelector`.
-    Probe (SmolLM2-135M, r = 0.15, first-token KL vs full prefill): docs/blend.md.
+    Probe (SmolLM2-135M, r = 0.15, first-token KL vs full prefill): docs/notes/blend-log.md.
 
         chunk:  |<- lead ->|..............................|
                  always      top by deviation x query attention (shared across all chunks)
@@ -325,7 +325,7 @@ class StaleAttentionSelector(TokenSelector):
     Probe (SmolLM2-135M, fp32, MuSiQue top-3, first-token KL vs full prefill, r = 0.15; tuned on
     dev items 20-59, then run once on the bench's items 0-19): KL 0.032 against 0.048 for
     lead_attn_deviation and 0.086 naive on the tuning items, 0.038 / 0.070 / 0.098 on items 0-19,
-    worse than naive on 3 of 40 and 2 of 20 questions (lead_attn_deviation 6 and 5): docs/blend.md.
+    worse than naive on 3 of 40 and 2 of 20 questions (lead_attn_deviation 6 and 5): docs/notes/blend-log.md.
 
         chunk:  |<- lead ->|..............................|
                  always      top by stale query attention, layers first_layer.. (all chunks)

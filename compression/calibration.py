@@ -7,7 +7,7 @@ layout, dtype) from KV blocks: their statistics (`compression/calibration_stats.
 the daemon's `kvtc@auto`). Stored content-addressed (`Calibration.id` is the SHA-256 of its
 bytes) and named by that id in every block's codec params, so any reader that can fetch the id
 decodes the block; see `compression/calibration_store.py` for where calibrations live and
-`docs/compression.md` for the measurements behind the defaults.
+`docs/notes/compression-log.md` for the measurements behind the defaults.
 
 Rows: a block [L, 2, H, T, D] is cut into B = L * 2 * G rows (layer, k/v, group), each [T, C]
 with C = (H / G) * D: the heads of one group side by side per token::
@@ -36,7 +36,7 @@ sensitivity of the model's output to each layer's keys and values
 Layer groups (``layer_group`` N > 1, format v4): a row is N consecutive layers' keys (or values)
 side by side, C = N * H/G * D channels, so one basis also takes out what neighbouring layers share
 (the residual stream feeds them all: on SmolLM2 a basis over 10 layers' keys needs 45% fewer bits
-than 10 per-layer ones at the same weighted error; docs/compression.md). Each layer keeps its own
+than 10 per-layer ones at the same weighted error; docs/notes/compression-log.md). Each layer keeps its own
 metric and its own step (``rel_step * rms(layer) * row_scale``), folded into the basis: a layer's
 channels are whitened by its metric and divided by its step before the joint PCA, so every
 component of a grouped row has step 1 in its units, and the allocation cannot change without the

@@ -2,7 +2,7 @@
 
 Quantizer payloads are a concatenation of sections listed in ``params["sections"]`` as
 ``[name, byte length, item size]``; lossless stages use the item sizes (see `ShuffleStage`).
-Formulations, bit layouts and measured sizes: docs/compression.md.
+Formulations, bit layouts and measured sizes: docs/notes/compression-log.md.
 
 Measured on real SmolLM2-135M KV (fp16, 256 tokens; bench/codecs.py): lz4 gains nothing on any
 payload (1.00x); zstd level 1 gains 1.08x on raw fp16, and 1.16x after a byte-plane shuffle;

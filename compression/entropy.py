@@ -1,6 +1,6 @@
 """Entropy stages for integer codes laid out as rows (one row = one component over a block's tokens).
 
-Three coders behind one pair of functions, measured against each other in docs/compression.md:
+Three coders behind one pair of functions, measured against each other in docs/notes/compression-log.md:
 
 - ``ans``: kvstore's own interleaved rANS (`kernels/rans.c`, its numpy reference
   `kernels/rans_ref.py`), the default. The layout of ``rans`` (a Laplace scale byte per row, rows

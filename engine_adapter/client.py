@@ -39,9 +39,8 @@ from engine_adapter.blocks import FetchedBlock, LayerStream, block_token_ids, fe
 from engine_adapter.data_channel import DataChannelError, DataChannelPool, DataEndpoint, open_pool
 from engine_adapter.lookup_tally import REPORT_TIMEOUT_S, LookupTally
 from kvstore.arena import Arena, ArenaLease, arena_socket_path
-from kvstore.host import default_listen
-from kvstore.connect import (PYTHON_OPTIONS, OptionNames, client_tls, explain, is_unix,
-                             open_channel, plaintext_token_refusal, resolve_token)
+from kvstore.connect import (PYTHON_OPTIONS, ClientSettings, DaemonError, OptionNames, client_settings, explain,
+                             is_unix, open_channel, plaintext_token_refusal)
 from kvstore.keys import KEY_BYTES, LookupResult, Namespace
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS
 from kvstore.proto import kvstore_pb2 as pb
@@ -63,22 +62,31 @@ class KVStoreClient:
                  token_file: str | os.PathLike | None = None, timeout: float = 60.0,
                  max_message_bytes: int = 256 * 2**20, tls_ca: str | bytes | None = None,
                  tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None,
-                 tls_server_name: str = "", insecure: bool = False, local_lookup: bool = True) -> None:
-        """Connect to the daemon at ``address`` (default: the socket ``kvstore serve`` listens on).
+                 tls_server_name: str | None = None, insecure: bool | None = None, local_lookup: bool = True,
+                 config_file: str | os.PathLike | None = None, settings: ClientSettings | None = None) -> None:
+        """Connect to the daemon at ``address``.
 
-        Token: ``token``, else ``token_file``'s (one token, or one per address: `kvstore.connect.TokenBook`),
-        else ``KVSTORE_AUTH_TOKEN``. TLS, for TCP addresses (a unix socket is always plaintext):
-        ``tls_ca`` (PEM path or bytes: the CA of the daemon's certificate), optionally a client
-        certificate ``tls_cert`` + ``tls_key``, and ``tls_server_name`` when the certificate names
-        the host otherwise. A token over plaintext TCP to an address that is not loopback is
-        refused (ValueError) unless ``insecure``.
+        Each setting is the argument given, else the ``KVSTORE_*`` environment, else the daemon's
+        config file (``config_file`` else ``KVSTORE_CONFIG``), as every client resolves them
+        (`kvstore.connect.client_settings`; ``settings``: resolved already): the address (else
+        ``KVSTORE_LISTEN``, the file's ``listen``, the socket ``kvstore serve`` listens on by
+        default). Token: ``token``, else ``token_file``'s (one token, or one per address:
+        `kvstore.connect.TokenBook`), else ``KVSTORE_AUTH_TOKEN``, else the file's. TLS, for TCP
+        addresses (a unix socket is always plaintext): ``tls_ca`` (PEM path or bytes: the CA of the
+        daemon's certificate; else ``KVSTORE_TLS_CA``), optionally a client certificate ``tls_cert``
+        + ``tls_key``, and ``tls_server_name`` when the certificate names the host otherwise. A
+        token over plaintext TCP to an address that is not loopback is refused (ValueError) unless
+        ``insecure``. A call the daemon cannot answer (none there, TLS or not, a refused token)
+        raises `kvstore.connect.DaemonError`, a `grpc.RpcError` whose text is one line with the fix.
         """
-        self.address = address or default_listen()
+        settings = settings or client_settings(address, token, token_file, tls_ca, tls_cert, tls_key,
+                                               tls_server_name, insecure, config_file=config_file)
+        self.address = settings.address
         self.timeout = timeout
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
-        token = resolve_token(token, token_file, self.address)
-        self.tls = None if is_unix(self.address) else client_tls(tls_ca, tls_cert, tls_key, tls_server_name)
+        token, insecure = settings.token, settings.insecure
+        self.tls = None if is_unix(self.address) else settings.tls
         refusal = plaintext_token_refusal(self.address, self.tls, token, insecure)
         if refusal:
             raise ValueError(refusal)
@@ -225,7 +233,14 @@ class KVStoreClient:
         metadata = self._metadata
         if self._tally:
             metadata += self._tally.take()
-        return method(request, timeout=timeout or self.timeout, metadata=metadata)
+        try:
+            return method(request, timeout=timeout or self.timeout, metadata=metadata)
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED):
+                raise
+            reason = explain(exc, self.address, self.tls, self._token, probe_timeout=0.5)
+            raise DaemonError(exc, reason or f"{self.address}: {exc.code().name}: "
+                                             f"{' '.join((exc.details() or '').split())}") from None
 
     def _report(self, timeout: float, calls: int = 1) -> None:
         """Send the tally now, if any, in up to ``calls`` empty Lookups (which count as nothing else)."""

@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
             disk_label = "warm (disk)" if o_direct else "warm (disk)*"
             runs = [("cold", 0, None), ("warm", 0, None), ("warm", 1, None), (disk_label, 1, "cpu")]
             doc_tokens = None
+            answers: dict[int, list[tuple[str, list[int]]]] = {}  # question -> (run, generated tokens), in order
             for label, q, drop_tier in runs:
                 if drop_tier:
                     client.clear([drop_tier])  # forget the CPU copies: the next hits come from disk
@@ -113,12 +114,18 @@ def run(args: argparse.Namespace) -> int:
                 tiers = ", ".join(f"{t} x{result.tiers.count(t)}" for t in sorted(set(result.tiers))) or "-"
                 rows.append((label, result.ttft_s, result.reused_tokens, result.prompt_tokens, tiers, answer,
                              ", ".join(question["answers"])))
+                answers.setdefault(q, []).append((label, list(result.tokens)))
         cold = rows[0][1]
         print(f"\ndocument: {doc_tokens} tokens (MuSiQue passages, CC BY 4.0); model: SmolLM2-135M-Instruct, fp32, CPU\n")
         print(f"{'run':<12} {'TTFT':>8} {'speed-up':>8} {'reused':>12} {'blocks from':<16} answer  [gold]")
         for label, ttft, reused, total, tiers, answer, gold in rows:
             print(f"{label:<12} {ttft:>7.2f}s {cold / ttft:>7.1f}x {reused:>5}/{total:<6} {tiers:<16} "
                   f"{answer[:60]!r}  [{gold}]")
+        for runs_of_question in answers.values():  # a reused prefix must not change the answer
+            (first, tokens), *later = runs_of_question
+            for label, other in later:
+                verdict = "the same tokens" if other == tokens else "DIFFERENT tokens (greedy decoding should match)"
+                print(f"{label} answered with {verdict} as {first}")
         if o_direct:
             print("\nwarm (disk): read with O_DIRECT, past the page cache")
         else:

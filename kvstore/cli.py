@@ -5,9 +5,10 @@
     kvstore clear [--address ADDR] [--tier cpu] [--tier disk]
     kvstore locate --hosts ADDR,ADDR,... FILE [--tokens]
 
-Client commands (stats, clear, ingest, locate; kvstore/client_commands.py) take the token from
---token, --token-file or KVSTORE_AUTH_TOKEN (for clear with tenants: the daemon's admin token), and
-TLS from --tls-ca (or KVSTORE_TLS_CA), --tls-cert/--tls-key and --tls-server-name; they check the
+Client commands (stats, clear, ingest, locate; kvstore/client_commands.py) take the address, the
+token (for clear with tenants: the daemon's admin token) and TLS from their flags, else the
+KVSTORE_* environment, else the daemon's config file (--config or KVSTORE_CONFIG;
+kvstore.connect.client_settings); they check the
 daemon before any work and say in one line why it cannot be used. This module parses every
 command's flags, runs ``serve``, ``demo`` and ``calibrate`` itself, and says failures in one line.
 """
@@ -35,7 +36,7 @@ _FIELD_HELP = {
     "disk_fsync": "fsync each block before it is visible (true/false)",
     "disk_o_direct": "read disk blocks with O_DIRECT, bypassing the page cache (true/false)",
     "disk_codec": "codec of blocks moved down to disk: raw, int8, int4, int8+shuffle+zstd, kvtc@ID (kvstore calibrate), "
-                  "kvtc@auto (calibrated per namespace from its first blocks), ... (docs/compression.md)",
+                  "kvtc@auto (calibrated per namespace from its first blocks), ... (docs/notes/compression-log.md)",
     "write_policy": "write-through (every put also goes down) or write-back (only on eviction)",
     "eviction": "prefix-lru (a prompt's last blocks go before its first: what stays is still a hit) "
                 "or lru (ignores chains), or adaptive (prefix-lru or ARC, whichever sampled shadows show "
@@ -51,7 +52,7 @@ _FIELD_HELP = {
                                "as they are until then)",
     "auto_layer_group": "with kvtc@auto: up to this many consecutive layers coded as one row (1 = one a layer; "
                         "5 on SmolLM2: 1.23x smaller at better quality, decode 2.4x slower, calibrations 5x "
-                        "larger; docs/compression.md)",
+                        "larger; docs/notes/compression-log.md)",
     "calibration_dir": "folder of kvtc calibrations (<id>.kvcal) and of the daemon's own (kvtc@auto); '' = "
                        "~/.cache/kvstore/calibrations",
     "s3_part_size": "objects larger than this use multipart PUT and parallel ranged GETs (min 5MiB)",
@@ -109,7 +110,9 @@ _FIELD_HELP = {
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below")
+    parser.add_argument("--config", metavar="FILE",
+                        help=f"TOML file with any of the settings below (default: {ENV_PREFIX}CONFIG); the client "
+                             "commands read the same file")
     defaults = DaemonConfig(listen=default_listen())
     for f in dataclasses.fields(DaemonConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -136,8 +139,13 @@ CLIENT_COMMANDS = ("stats", "clear", "ingest", "locate")
 def _connection_arguments(parser: argparse.ArgumentParser, several: bool = False) -> None:
     """How a client command reaches its daemon(s): address, token, TLS."""
     if not several:
-        parser.add_argument("--address", default=None, help="daemon address, unix:/path or host:port "
-                                                            "(default: the serve default socket)")
+        parser.add_argument("--address", default=None,
+                            help=f"daemon address, unix:/path or host:port (default: {ENV_PREFIX}LISTEN, else the "
+                                 "config file's listen, else the serve default socket)")
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help=f"the daemon's config file (default: {ENV_PREFIX}CONFIG): its listen address and "
+                             "tokens, and a [client] table (tls_ca, tls_server_name, token_file, ...); flags and "
+                             f"{ENV_PREFIX}* variables win over it")
     whom = "the daemons require" if several else "the daemon requires"
     token_env, ca_env = ENV_PREFIX + "AUTH_TOKEN", ENV_PREFIX + "TLS_CA"  # kvstore.connect's, without importing grpc
     parser.add_argument("--token", default=None,
@@ -153,10 +161,10 @@ def _connection_arguments(parser: argparse.ArgumentParser, several: bool = False
     parser.add_argument("--tls-cert", metavar="PEM", default=None,
                         help="client certificate for daemons that ask for one (with --tls-key)")
     parser.add_argument("--tls-key", metavar="PEM", default=None, help="private key of --tls-cert")
-    parser.add_argument("--tls-server-name", metavar="NAME", default="",
+    parser.add_argument("--tls-server-name", metavar="NAME", default=None,
                         help="the name the daemon's certificate carries, when the address names the host "
-                             "otherwise (e.g. by IP)")
-    parser.add_argument("--insecure", action="store_true",
+                             f"otherwise (e.g. by IP); env {ENV_PREFIX}TLS_SERVER_NAME")
+    parser.add_argument("--insecure", action="store_true", default=None,
                         help="allow sending the token over plaintext TCP to a host that is not loopback "
                              "(only on a network you trust)")
 
@@ -205,7 +213,7 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="consecutive layers coded as one row (default 1): a basis over several layers also "
                              "removes what they share, e.g. 10 on SmolLM2 for about 1.4x fewer bytes at the same "
                              "error, but decoding costs about that many times the products and the calibration "
-                             "grows as its square (rows of at most 2,048 channels; docs/compression.md)")
+                             "grows as its square (rows of at most 2,048 channels; docs/notes/compression-log.md)")
     parser.add_argument("--max-tokens", type=int, default=8192, help="tokens read per file (default 8192)")
     parser.add_argument("--post-rope", action="store_true", help="code keys as stored, after RoPE (format v2; "
                                                                  "the default codes them before RoPE, format v3)")
@@ -214,7 +222,7 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
                              "--post-rope)")
     parser.add_argument("--sensitivity", action="store_true",
                         help="per-layer steps from each layer's measured effect on the next-token distribution "
-                             "(60 extra forwards over the texts; docs/compression.md measures it)")
+                             "(60 extra forwards over the texts; docs/notes/compression-log.md measures it)")
     parser.add_argument("--sensitivity-limit", type=float, default=None,
                         help="with --sensitivity: per-layer step factors are clipped to [1/LIMIT, LIMIT] "
                              f"(default {shown['sensitivity_limit']})")
@@ -296,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "longest prefix hit with its tiers, and the best host. A host that does not "
                                      "answer within --deadline is reported, not fatal.")
     loc.add_argument("file", metavar="FILE", help="UTF-8 text, or a JSON list of token ids with --tokens")
-    loc.add_argument("--hosts", required=True, help="comma-separated daemon addresses (host:port or unix:/path)")
+    loc.add_argument("--hosts", default=None, help="comma-separated daemon addresses (host:port or unix:/path; "
+                                                   f"default: the one daemon of {ENV_PREFIX}LISTEN or the config file)")
     loc.add_argument("--tokens", action="store_true", help="FILE is a JSON list of token ids")
     loc.add_argument("--deadline", type=float, default=1.0, help="seconds each host may take (default 1)")
     _connection_arguments(loc, several=True)
@@ -333,6 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         import grpc
 
+        from kvstore.connect import DaemonError
+
+        if isinstance(exc, DaemonError):  # its one line says the fix already
+            print(f"kvstore: {exc}", file=sys.stderr)
+            return 1
         if isinstance(exc, grpc.RpcError):
             print(f"kvstore: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1

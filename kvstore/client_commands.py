@@ -1,7 +1,7 @@
 """The CLI's commands that call a running daemon: ``kvstore stats``, ``clear``, ``ingest``, ``locate``.
 
-Each reaches its daemons as ``kvstore.connect`` says (the address, a token from --token,
---token-file or KVSTORE_AUTH_TOKEN, TLS from --tls-ca or KVSTORE_TLS_CA); stats, clear and ingest
+Each reaches its daemons as ``kvstore.connect.client_settings`` says (flags, else the KVSTORE_*
+environment, else the daemon's config file: address, token, TLS); stats, clear and ingest
 ask theirs once before any work. A failure rises for ``kvstore.cli.main`` to say in one line.
 Their flags are ``kvstore/cli.py``'s (``_connection_arguments``, ``_namespace_arguments``); grpc,
 the client and the model are imported only when a command runs.
@@ -15,32 +15,28 @@ import json
 import os
 import sys
 
-from kvstore.host import default_listen
 from kvstore.user_input import format_size, read_text
 
 
-def _tls(args: argparse.Namespace):
-    from kvstore.connect import CLI_OPTIONS, client_tls
+def _settings(args: argparse.Namespace, admin: bool = False):
+    """``args``' flags, else the KVSTORE_* environment, else the config file (kvstore.connect.client_settings)."""
+    from kvstore.connect import CLI_OPTIONS, client_settings
 
-    return client_tls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name, environ=os.environ,
-                      names=CLI_OPTIONS)
+    return client_settings(getattr(args, "address", None), args.token, args.token_file, args.tls_ca,
+                           args.tls_cert, args.tls_key, args.tls_server_name, args.insecure, config_file=args.config,
+                           admin=admin, names=CLI_OPTIONS)
 
 
 def _client(args: argparse.Namespace, shared_memory: bool | None = False, check: bool = True):
     """A client of ``args``' daemon; with ``check``, the daemon is asked once first, and a problem
     (no daemon, TLS or not, the token) is a one-line error before any work."""
     from engine_adapter.client import KVStoreClient
-    from kvstore.connect import CLI_OPTIONS, is_unix, resolve_token
+    from kvstore.connect import CLI_OPTIONS
     from kvstore.locate import refuse_plaintext_tokens
 
-    address = args.address or default_listen()
-    token = resolve_token(args.token, args.token_file, address)
-    tls = None if is_unix(address) else _tls(args)
-    refuse_plaintext_tokens({address: token}, tls, args.insecure, CLI_OPTIONS)
-    tls_settings = {} if tls is None else dict(tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key,
-                                                 tls_server_name=tls.server_name)
-    client = KVStoreClient(address, shared_memory=shared_memory, token=token, insecure=args.insecure,
-                           **tls_settings)
+    settings = _settings(args, admin=args.command in ("stats", "clear"))
+    refuse_plaintext_tokens({settings.address: settings.token}, settings.tls, settings.insecure, CLI_OPTIONS)
+    client = KVStoreClient(settings=settings, shared_memory=shared_memory)
     if check:
         try:
             client.check(names=CLI_OPTIONS)
@@ -169,20 +165,24 @@ def _ingest(args: argparse.Namespace, kept: _Kept) -> int:
 
 
 def cmd_locate(args: argparse.Namespace) -> int:
-    """Which daemon holds the longest cached prefix of a document (or of token ids)."""
+    """Which daemon holds the longest cached prefix of a document (or of token ids). When no host
+    holds its first chunk, the same chunk under each other dtype is asked for too, with the same
+    token: a tenant sees a hint about its own blocks only (keys derive from its token)."""
     from engine_adapter.cached import config_namespace
     from engine_adapter.loader import find_smollm2_gguf, gguf_config
     from engine_adapter.prompts import document_prompt
-    from kvstore.keys import prefix_keys
+    from kvstore.keys import SUPPORTED_DTYPES, prefix_keys
     from kvstore.connect import CLI_OPTIONS, TokenBook
     from kvstore.locate import locate, refuse_plaintext_tokens, tokens_for
 
-    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    settings = _settings(args)  # the environment's and config file's address, token and TLS
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()] if args.hosts else [settings.address]
     if not hosts:
         raise ValueError("--hosts: give daemon addresses, e.g. 10.0.0.5:7070,10.0.0.6:7070")
     book = TokenBook.read(args.token_file) if args.token_file else None
-    tls = _tls(args)
-    refuse_plaintext_tokens(tokens_for(hosts, args.token, book), tls, args.insecure, CLI_OPTIONS)  # before any work
+    token = args.token or (settings.token if book is None else None)
+    tls = settings.tls
+    refuse_plaintext_tokens(tokens_for(hosts, token, book), tls, settings.insecure, CLI_OPTIONS)  # before any work
     text = read_text(args.file)
     config, tokenizer = gguf_config(args.model or find_smollm2_gguf())
     if args.tokens:
@@ -196,12 +196,21 @@ def cmd_locate(args: argparse.Namespace) -> int:
         token_ids, _ = document_prompt(tokenizer, text, "")  # as `kvstore ingest` stores it
     namespace = config_namespace(config, args.dtype, args.tenant)
     keys = prefix_keys(namespace, token_ids)
-    result = locate(hosts, keys, deadline_s=args.deadline, token=args.token, tokens=book, tls=tls,
-                    insecure=args.insecure, names=CLI_OPTIONS)
+    ask = dict(deadline_s=args.deadline, token=token, tokens=book, tls=tls, insecure=settings.insecure,
+               names=CLI_OPTIONS)
+    result = locate(hosts, keys, **ask)
+    hint = None
+    if keys and result.best is None:  # a miss of everything: held under another dtype? (the caller's keys only)
+        for dtype in SUPPORTED_DTYPES:
+            if dtype != args.dtype and locate(hosts, prefix_keys(config_namespace(config, dtype, args.tenant),
+                                                                 token_ids)[:1], **ask).best is not None:
+                hint = (f"the first chunk is cached under --dtype {dtype}, not {args.dtype}: "
+                        f"locate with the dtype ingest (or the engine) stored")
+                break
     if args.json:
         print(json.dumps({"keys": result.keys, "chunk_tokens": namespace.chunk_tokens,
                           "best": result.best.address if result.best else None,
-                          "hosts": [dataclasses.asdict(h) for h in result.hosts]}, indent=2))
+                          "hosts": [dataclasses.asdict(h) for h in result.hosts], "hint": hint}, indent=2))
         return 0
     print(f"{len(token_ids)} tokens, {result.keys} full chunks of {namespace.chunk_tokens} tokens")
     for host in result.hosts:
@@ -211,4 +220,6 @@ def cmd_locate(args: argparse.Namespace) -> int:
         else:
             print(f"{host.address:<32} unreachable: {host.error}")
     print(f"best: {result.best.address}" if result.best else "best: none (no host holds the first chunk)")
+    if hint:
+        print(f"hint: {hint}")
     return 0

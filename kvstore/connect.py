@@ -3,12 +3,17 @@ Shared by `engine_adapter.client.KVStoreClient`, `kvstore.locate` and the CLI's 
 
 - TLS (`ClientTLS`) applies to TCP addresses; a unix socket is private already (mode 0600) and
   is always plaintext.
+- Where a client's settings come from (`client_settings`, every client: the CLI's commands,
+  `KVStoreClient`, the vLLM connector, `locate`): the caller's arguments (flags), then the
+  ``KVSTORE_*`` environment, then the daemon's own config file (``--config`` / ``KVSTORE_CONFIG``:
+  its ``listen``, its tokens, and a ``[client]`` table the daemon skips).
 - A bearer token comes from the caller, else a token file (`TokenBook`: one token, or one per
-  address), else ``KVSTORE_AUTH_TOKEN``.
+  address), else ``KVSTORE_AUTH_TOKEN``, else the config file.
 - A token is never sent over plaintext TCP to an address that is not loopback unless the caller
   says ``insecure`` (`plaintext_token_refusal`).
-- A call that fails is explained in one line (`explain`): no daemon there, a TLS port met in
-  plaintext or a plaintext port met with TLS, a certificate the CA does not vouch for, a token refused.
+- A call that fails is explained in one line (`explain`, `DaemonError`): no daemon there, a TLS
+  port met in plaintext or a plaintext port met with TLS, a certificate the CA does not vouch for,
+  a token refused.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ import socket
 import ssl
 import tomllib
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import grpc
 
-from kvstore.host import is_loopback_host, readable_by_others
+from kvstore.host import default_listen, is_loopback_host, readable_by_others
+from kvstore.user_input import parse_bool, read_toml
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +38,15 @@ log = logging.getLogger(__name__)
 #: and, for the CLI, the CA that signed TCP daemons' certificates.
 TOKEN_ENV = "KVSTORE_AUTH_TOKEN"
 TLS_CA_ENV = "KVSTORE_TLS_CA"
+#: The daemon's address (its own ``listen`` setting), the name its certificate carries, and the
+#: config file both read (``kvstore serve --config``; kvstore/daemon/config.py reads it too).
+ADDRESS_ENV = "KVSTORE_LISTEN"
+TLS_SERVER_NAME_ENV = "KVSTORE_TLS_SERVER_NAME"
+CONFIG_ENV = "KVSTORE_CONFIG"
+#: The config file's table for clients only (the daemon skips it): how to reach the daemon where
+#: its own settings do not say (a CA, the certificate's name, a token file, a client certificate).
+CLIENT_TABLE = "client"
+CLIENT_KEYS = ("address", "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "insecure")
 
 
 @dataclass(frozen=True)
@@ -115,6 +130,104 @@ def client_tls(ca: str | bytes | None = None, cert: str | bytes | None = None, k
             raise ValueError(f"{names.client_cert} and {names.server_name} apply to TLS: give {names.ca} too")
         return None
     return ClientTLS(ca, cert, key, server_name)
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """How one client reaches its daemon, resolved (`client_settings`)."""
+
+    address: str
+    token: str | None
+    tls: ClientTLS | None  # for TCP addresses: a unix socket is always plaintext
+    insecure: bool
+
+
+def read_client_table(config_file: str | os.PathLike) -> dict[str, Any]:
+    """What a client takes from the daemon's config file: its ``listen`` (as ``address``), its
+    ``auth_token`` and admin token, and the ``[client]`` table's keys; ValueError naming the file."""
+    table = read_toml(config_file, "config file")
+    client = table.get(CLIENT_TABLE, {})
+    if not isinstance(client, dict) or set(client) - set(CLIENT_KEYS):
+        raise ValueError(f"config file {config_file}: [{CLIENT_TABLE}] takes only {list(CLIENT_KEYS)}")
+    found = {key: client[key] for key in CLIENT_KEYS if key in client}
+    if "address" not in found and table.get("listen"):
+        found["address"] = reachable_address(str(table["listen"]))
+    for key in ("auth_token", "admin_token", "admin_token_file"):
+        if table.get(key):
+            found[key] = str(table[key])
+    return found
+
+
+def reachable_address(listen: str) -> str:
+    """The address a client on the same host uses for a daemon listening on ``listen``: a
+    wildcard host (0.0.0.0, [::]) becomes loopback."""
+    if is_unix(listen):
+        return listen
+    host, port = _host_port(listen)
+    if host in ("0.0.0.0", "", "*"):
+        return f"127.0.0.1:{port}"
+    if host == "::":
+        return f"[::1]:{port}"
+    return listen
+
+
+def client_settings(address: str | None = None, token: str | None = None,
+                    token_file: str | os.PathLike | None = None, tls_ca: str | bytes | None = None,
+                    tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None,
+                    tls_server_name: str | None = None, insecure: bool | None = None,
+                    config_file: str | os.PathLike | None = None, admin: bool = False,
+                    environ: Mapping[str, str] | None = None, names: OptionNames = PYTHON_OPTIONS) -> ClientSettings:
+    """Each setting from the caller (flags, arguments), else the ``KVSTORE_*`` environment, else
+    the daemon's config file (``config_file`` else ``KVSTORE_CONFIG``: `read_client_table`), else
+    the default (``kvstore serve``'s socket, no token, plaintext). ``admin``: the operator's
+    command (stats, clear), which takes the file's admin token before its ``auth_token``.
+    ValueError, one line, for a file or a combination that cannot be used."""
+    environ = os.environ if environ is None else environ
+    config_file = config_file or environ.get(CONFIG_ENV) or None
+    found = read_client_table(config_file) if config_file else {}
+    address = address or environ.get(ADDRESS_ENV) or found.get("address") or default_listen()
+    address = reachable_address(address)
+    token = resolve_token(token, token_file, address, environ)
+    if token is None and found.get("token_file"):
+        token = TokenBook.read(found["token_file"]).for_address(address)
+    if token is None:
+        file_admin = found.get("admin_token") or (_one_line(found["admin_token_file"]) if found.get("admin_token_file")
+                                                  else None)
+        token = (file_admin if admin else None) or found.get("auth_token") or file_admin or None
+    tls = client_tls(tls_ca or environ.get(TLS_CA_ENV) or found.get("tls_ca") or None,
+                     tls_cert or found.get("tls_cert") or None, tls_key or found.get("tls_key") or None,
+                     tls_server_name or environ.get(TLS_SERVER_NAME_ENV) or found.get("tls_server_name") or "",
+                     names=names)  # for TCP addresses (`locate` may ask several); a unix socket is plaintext
+    if insecure is None:
+        insecure = parse_bool(found.get("insecure", False)) if "insecure" in found else False
+    return ClientSettings(address, token, tls, bool(insecure))
+
+
+def _one_line(path: str) -> str | None:
+    """A token file's one token (the admin token file the daemon reads); None when unreadable (not
+    the operator: the daemon's files are its own)."""
+    try:
+        return TokenBook.read(path).default
+    except ValueError:
+        return None
+
+
+class DaemonError(grpc.RpcError):
+    """A call to a daemon that failed, in one line with its fix (``str``); ``code()`` and
+    ``details()`` are gRPC's, so a caller that handles `grpc.RpcError` handles it the same."""
+
+    def __init__(self, cause: grpc.RpcError, reason: str) -> None:
+        super().__init__(reason)
+        self.cause, self.reason = cause, reason
+
+    def code(self) -> grpc.StatusCode:
+        return self.cause.code()
+
+    def details(self) -> str:
+        return self.reason
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 def is_unix(address: str) -> bool:
@@ -265,6 +378,9 @@ def explain(exc: grpc.RpcError, address: str, tls: ClientTLS | None, token: str 
     if code == grpc.StatusCode.UNAUTHENTICATED:
         given = "" if token else " (none was given)"
         return f"{address} refused the bearer token{given}: pass the daemon's token with {names.token}"
+    if code == grpc.StatusCode.UNAVAILABLE and "http1.x server" in (exc.details() or ""):
+        return (f"{address} answers HTTP/1.1, not gRPC: it is the daemon's metrics port (metrics_listen: "
+                f"/metrics, /healthz, /readyz); give the address the daemon listens on (listen)")
     if code == grpc.StatusCode.UNAVAILABLE and probe_timeout > 0:
         return diagnose(address, tls, probe_timeout, names)
     return None

@@ -25,6 +25,18 @@ ROOT = Path(__file__).resolve().parent.parent
 if os.environ.get("KVSTORE_TEST_COMPILED_KERNELS") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every daemon, demo and native build a test starts keeps what it writes by default (the tenant
+# secret, disk blocks, compiled kernels: kvstore.host.default_cache_dir) in a folder of this session,
+# never in the user's ~/.cache (issue #57). Hugging Face's cache stays where it was.
+_REAL_CACHE = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+os.environ.setdefault("HF_HOME", os.path.join(_REAL_CACHE, "huggingface"))
+SESSION_CACHE = Path(tempfile.mkdtemp(prefix="kvstore-test-cache-"))
+os.environ["XDG_CACHE_HOME"] = str(SESSION_CACHE)
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(SESSION_CACHE, ignore_errors=True)
+
 
 class DaemonProcess(SpawnedDaemon):
     """A real ``kvstore serve`` subprocess on a unix socket in a test's temp folder."""

@@ -248,3 +248,124 @@ def test_the_vllm_connector_takes_tls_and_token_file_keys():
          "tls_server_name": "kvstore", "token_file": "/run/secrets/kvstore", "insecure": "false"})
     assert (settings.tls_ca, settings.token_file, settings.insecure) == ("/etc/kvstore/ca.pem", "/run/secrets/kvstore",
                                                                         False)
+
+
+def test_every_client_resolves_flags_then_environment_then_the_daemons_config_file(daemon_factory, certificate,
+                                                                                   short_tmp, monkeypatch):
+    """Issue #57: `kvstore stats` ignored KVSTORE_LISTEN and the config file, KVStoreClient ignored
+    KVSTORE_TLS_CA. Now the CLI, KVStoreClient and locate take the address, token, CA and server
+    name from flags, else KVSTORE_*, else the file `kvstore serve --config` reads (its listen and
+    auth_token, and a [client] table the daemon skips); the daemon starts from that same file."""
+    cert, key = certificate
+    port = free_port()
+    config = secret_file(short_tmp / "kvstore.toml",
+                         f'listen = "0.0.0.0:{port}"\nauth_token = "{TOKEN}"\ntls_cert = "{cert}"\n'
+                         f'tls_key = "{key}"\nallow_anonymous_loopback = false\n'
+                         f'[client]\ntls_ca = "{cert}"\ntls_server_name = "localhost"\n')
+    daemon = daemon_factory("configured", config=config, listen=f"0.0.0.0:{port}")
+    keys, payloads = make_blocks(1, seed=573)
+    # The file alone: 0.0.0.0 is reached on loopback, the token and CA come from it.
+    out = kvstore("stats", "--json", env={"KVSTORE_CONFIG": str(config)})
+    assert out.returncode == 0, out.stderr
+    with KVStoreClient(config_file=config) as client:
+        assert client.address == f"127.0.0.1:{port}" and client.tls.server_name == "localhost"
+        client.put(NS, [(keys[0], 64, payloads[0])])
+    # The environment wins over the file, a flag over the environment.
+    monkeypatch.setenv("KVSTORE_CONFIG", str(config))
+    monkeypatch.setenv("KVSTORE_LISTEN", "127.0.0.1:1")
+    with pytest.raises(Exception, match="no daemon at 127.0.0.1:1"):
+        with KVStoreClient(timeout=5) as client:
+            client.lookup(keys)
+    with KVStoreClient(f"127.0.0.1:{port}") as client:
+        assert client.lookup(keys).hits == 1
+    monkeypatch.delenv("KVSTORE_LISTEN")
+    monkeypatch.setenv("KVSTORE_TLS_SERVER_NAME", "kvstore.example")
+    assert one_line(kvstore("stats", env={"KVSTORE_CONFIG": str(config), "KVSTORE_TLS_SERVER_NAME": "kvstore.example"})) \
+        .startswith(f"kvstore: 127.0.0.1:{port}: its TLS certificate is not for kvstore.example (")
+    monkeypatch.delenv("KVSTORE_TLS_SERVER_NAME")
+    result = locate([f"127.0.0.1:{port}"], keys, **_located(config))
+    assert result.best is not None and result.best.hits == 1
+    # A [client] table with a key clients do not take is one line naming the file.
+    bad = secret_file(short_tmp / "bad.toml", f'listen = "127.0.0.1:{port}"\n[client]\nca = "x"\n')
+    assert one_line(kvstore("stats", "--config", bad)).startswith(f"kvstore: config file {bad}: [client] takes only")
+
+
+def _located(config) -> dict:
+    """`locate`'s token and TLS as the CLI resolves them from ``config``."""
+    from kvstore.connect import client_settings
+
+    settings = client_settings(config_file=config, environ={})
+    return {"token": settings.token, "tls": settings.tls}
+
+
+def test_the_python_client_fails_in_one_line_not_a_grpc_traceback(daemon_factory, certificate, monkeypatch):
+    """Issue #57: a KVStoreClient call that cannot reach the daemon raised gRPC's multi-line
+    _InactiveRpcError; now a DaemonError (still a grpc.RpcError, same code) whose text is the CLI's
+    one line in the library's own names, and KVSTORE_TLS_CA is taken."""
+    import grpc
+
+    from kvstore.connect import DaemonError
+
+    cert, _ = certificate
+    secure = tls_daemon(daemon_factory, certificate)
+    keys, _ = make_blocks(1, seed=574)
+    with KVStoreClient(secure.address, token=TOKEN, timeout=5) as client:
+        with pytest.raises(DaemonError) as failed:
+            client.lookup(keys)
+    assert str(failed.value) == f"{secure.address} speaks TLS: pass tls_ca"
+    assert isinstance(failed.value, grpc.RpcError) and failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    monkeypatch.setenv("KVSTORE_TLS_CA", str(cert))
+    with KVStoreClient(secure.address, token=TOKEN, timeout=5) as client:
+        assert client.lookup(keys).hits == 0
+    with KVStoreClient(secure.address, token="wrong-token-0123456789", timeout=5) as client:
+        with pytest.raises(DaemonError, match=r"^127\.0\.0\.1:\d+ refused the bearer token: pass the daemon's token"):
+            client.lookup(keys)
+
+
+def test_locate_hints_at_another_dtype_to_the_tenant_that_stored_it_only(daemon_factory, short_tmp):
+    """Issue #57: `locate --dtype bfloat16` after a float32 ingest said `0/3 chunks ... best: none`,
+    as for an empty cache. Now it adds a hint naming the dtype the first chunk is held under; the
+    hint asks with the caller's own token, so another tenant (whose keys derive from its token)
+    gets none."""
+    from engine_adapter.cached import config_namespace
+    from engine_adapter.loader import find_smollm2_gguf, gguf_config
+    from tests.test_tenancy import TOKEN_A, TOKEN_B, _tenants
+
+    try:
+        config, _ = gguf_config(find_smollm2_gguf())
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    namespace = config_namespace(config, "float32")
+    tokens = np.random.default_rng(57).integers(0, 40000, size=3 * namespace.chunk_tokens).tolist()
+    payload = np.zeros(namespace.layout.block_bytes(namespace.chunk_tokens), np.uint8)
+    daemon = daemon_factory(tenants_file=_tenants(short_tmp), log_level="INFO")
+    assert "no admin token (kvstore clear and daemon-wide stats need --admin-token-file)" in daemon.log.read_text()
+    with KVStoreClient(daemon.address, token=TOKEN_A) as client:
+        client.put(namespace, [(k, namespace.chunk_tokens, payload) for k in prefix_keys(namespace, tokens)])
+    ids = short_tmp / "ids.json"
+    ids.write_text(json.dumps(tokens))
+
+    def located(token: str, dtype: str) -> dict:
+        out = kvstore("locate", "--hosts", daemon.address, "--tokens", ids, "--dtype", dtype, "--json",
+                      env={"KVSTORE_AUTH_TOKEN": token})
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    mine = located(TOKEN_A, "bfloat16")
+    assert mine["best"] is None and mine["hint"].startswith("the first chunk is cached under --dtype float32, not "
+                                                            "bfloat16")
+    assert located(TOKEN_A, "float32")["hint"] is None, "a hit needs no hint"
+    theirs = located(TOKEN_B, "bfloat16")
+    assert theirs["best"] is None and theirs["hint"] is None, "tenant b learns nothing of a's blocks"
+    text = kvstore("locate", "--hosts", daemon.address, "--tokens", ids, "--dtype", "bfloat16",
+                   env={"KVSTORE_AUTH_TOKEN": TOKEN_A}).stdout
+    assert "best: none" in text and "hint: the first chunk is cached under --dtype float32" in text
+
+
+def test_a_client_pointed_at_the_metrics_port_says_so_in_one_line(daemon_factory):
+    """Issue #57: `kvstore stats --address` the metrics port printed gRPC's raw HTTP/2 parse error."""
+    port = free_port()
+    daemon_factory(metrics_listen=f"127.0.0.1:{port}")
+    assert one_line(kvstore("stats", "--address", f"127.0.0.1:{port}")) == \
+        (f"kvstore: 127.0.0.1:{port} answers HTTP/1.1, not gRPC: it is the daemon's metrics port (metrics_listen: "
+         f"/metrics, /healthz, /readyz); give the address the daemon listens on (listen)")

@@ -569,3 +569,124 @@ def test_the_sizing_example_is_the_bundled_models_kv():
     text = SIZING.read_text()
     assert f"{per_token:,}" in text
     assert f"{config.num_layers} x 2 x {config.num_kv_heads} x {config.head_dim} x 4" in text
+
+
+# -- the images (Dockerfile) ----------------------------------------------------------------------
+
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
+    """The Dockerfile as {stage name: [(instruction, arguments), ...]}, continuation lines joined."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        instruction, _, rest = line.strip().partition(" ")
+        if instruction.upper() == "FROM":
+            current = stages.setdefault(rest.split()[-1], [])
+        current.append((instruction.upper(), rest.strip()))
+    return stages
+
+
+def test_the_images_copy_every_package_and_run_as_a_numeric_non_root_user():
+    """Each folder pyproject.toml installs is copied into the build; both final images drop root
+    by number (a pod's `runAsNonRoot` needs one), and the pod names the images the file builds."""
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    copied = {source.rstrip("/") for op, args in dockerfile_stages()["build"] if op == "COPY"
+              for source in args.split()[:-1]}
+    assert {name.split(".")[0] for name in packages} <= copied
+    assert {"pyproject.toml", "README.md", "LICENSE"} <= copied
+    ignored = (ROOT / ".dockerignore").read_text()
+    assert all(f"!{name}" in ignored for name in copied - {"pyproject.toml", "README.md", "LICENSE"} | {"kernels"})
+    for stage in ("daemon", "vllm"):
+        users = [args for op, args in dockerfile_stages()[stage] if op == "USER"]
+        assert users and re.fullmatch(r"[1-9]\d*:[1-9]\d*", users[-1]), f"{stage} ends as a numeric non-root user"
+    tags = re.findall(r"--target (\w+)\s+-t (\S+)", DOCKERFILE.read_text())
+    images = {c["name"]: c["image"] for c in [*pod_spec(pod_documents())["initContainers"],
+                                              *pod_spec(pod_documents())["containers"]]}
+    assert dict(tags) == {"daemon": images["kvstore"], "vllm": images["vllm"]}
+
+
+def test_prebuilt_kernels_load_where_there_is_no_compiler(tmp_path, monkeypatch):
+    """`python -m kernels.native` (the image's build step) compiles every kernel into the package;
+    `build` then loads each from there with no compiler on PATH, as in the daemon image."""
+    from kernels import native
+
+    monkeypatch.setattr(native, "PREBUILT", tmp_path)
+    built = native.prebuild()
+    assert {p.name.rsplit("-", 1)[0] for p in built} == {c.stem for c in (ROOT / "kernels").glob("*.c")}
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    for source in (ROOT / "kernels").glob("*.c"):
+        library = native.build.__wrapped__(source, "test")
+        assert library is not None and Path(library._name).parent == tmp_path
+
+
+# -- the dashboard and alert rules --------------------------------------------------------------
+
+DASHBOARD = DEPLOY / "grafana-kvstore.json"
+ALERTS = DEPLOY / "kvstore-alerts.yml"
+#: Labels Prometheus adds to every scraped series, and a histogram's bucket bound.
+SCRAPE_LABELS = {"instance", "job", "le"}
+
+
+def monitoring_expressions() -> dict[str, str]:
+    """{where: PromQL} for every expression of the Grafana dashboard and the alert rules."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    found = {f"dashboard panel {p['title']!r} {t['refId']}": t["expr"] for p in dashboard["panels"]
+             for t in p["targets"]}
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            found[f"dashboard variable {variable['name']}"] = variable["definition"]
+    for group in yaml.safe_load(ALERTS.read_text())["groups"]:
+        found.update({f"alert {r['alert']}": r["expr"] for r in group["rules"]})
+    return found
+
+
+def test_every_series_the_dashboard_and_alerts_name_is_on_a_live_daemons_metrics(daemon_factory):
+    """Each kvstore_* series in docs/deploy/grafana-kvstore.json and kvstore-alerts.yml is one a
+    real daemon's /metrics exposes (a counter's _total, a histogram's _bucket/_count/_sum), and
+    each label it groups or matches by is one that metric has."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine_adapter.client import KVStoreClient
+    from kvstore.daemon.metrics import Metrics
+    from tests.test_daemon import BLOCK, NS, make_blocks
+
+    port = free_port()
+    d = daemon_factory(metrics_listen=f"127.0.0.1:{port}")
+    keys, payloads = make_blocks(2, seed=575)
+    with KVStoreClient(d.address, shared_memory=False) as client:
+        client.put(NS, [(k, 64, p) for k, p in zip(keys, payloads)])
+        client.get(keys, BLOCK)
+        client.lookup(keys)
+    status, text = http_status(port, "/metrics")
+    assert status == 200
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
+    series = {f.name + suffix for f in text_string_to_metric_families(text) for suffix in suffixes.get(f.type, ("",))}
+    labels = {m._name: set(m._labelnames) for m in vars(Metrics()).values() if hasattr(m, "_labelnames")}
+    expressions = monitoring_expressions()
+    assert len(expressions) >= 15
+    for where, expr in expressions.items():
+        names = set(re.findall(r"\bkvstore_[a-z_]+\b", expr))
+        assert names or "up{" in expr, f"{where}: names no kvstore series"
+        for name in names:
+            assert name in series, f"{where}: {name} is not on /metrics"
+        allowed = SCRAPE_LABELS.union(*(labels[re.sub(r"_(total|bucket|count|sum)$", "", n)] for n in names))
+        used = set(re.findall(r"(\w+)\s*(?:=~|!=|!~|=)\s*\"", expr)) | {
+            label.strip() for group in re.findall(r"\bby\s*\(([^)]*)\)", expr) for label in group.split(",")}
+        assert used <= allowed, f"{where}: labels {sorted(used - allowed)} are not {sorted(names)}'s"
+
+
+def test_promtool_accepts_the_alert_rules():
+    """`promtool check rules` (Debian's prometheus package), where it is installed."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    out = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr

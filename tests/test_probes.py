@@ -261,3 +261,60 @@ def test_a_summary_line_reports_each_interval_what_changed(daemon_factory):
     with pytest.raises(ValueError, match="summary_interval must be 0"):
         load_config(overrides={"summary_interval": "-1"}, environ={})
     assert load_config(overrides={"summary_interval": "0"}, environ={}).summary_interval == 0
+
+
+def test_readyz_names_a_disk_tier_that_keeps_failing_and_stays_200(daemon_factory):
+    """A lower tier that keeps failing (issue #57: the disk folder made unwritable) makes /readyz
+    answer 200 "degraded: tier disk ..." (the daemon still serves from memory; a 503 would take the
+    pod out of its Service), sets kvstore_tier_degraded{tier="disk"} and logs it once."""
+    port = free_port()
+    d = daemon_factory(metrics_listen=f"127.0.0.1:{port}", log_level="INFO")
+    assert http(port, "/readyz")[::2] == (200, "ready\n")
+    disk = d.folder / "disk"
+    disk.rename(d.folder / "disk.gone")  # unwritable even for root: a file where the folder was
+    disk.write_text("")
+    keys, payloads = make_blocks(4, seed=571)
+    with KVStoreClient(d.address, shared_memory=False) as client:
+        client.put(NS, [(k, 64, p) for k, p in zip(keys, payloads)])
+        deadline = time.monotonic() + 15
+        while (answer := http(port, "/readyz"))[2] == "ready\n" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        status, _, body = answer
+        assert status == 200 and body.startswith("degraded: tier disk 3+ write errors in 60 s"), answer
+        assert body.rstrip().endswith("Error (Not a directory)"), body
+        assert not re.search(r"[0-9a-f]{32}", body), "a key (a block's file name) never shows on the metrics port"
+        assert len(client.get(keys, BLOCK)) == 4, "the CPU tier still serves every block"
+    metrics = http(port, "/metrics")[2]
+    assert 'kvstore_tier_degraded{tier="disk"} 1.0' in metrics and 'kvstore_tier_degraded{tier="cpu"} 0.0' in metrics
+    assert re.search(r'kvstore_write_errors_total\{tier="disk"\} [1-9]', metrics)
+    assert d.log.read_text().count("tier disk degraded") == 1
+
+
+def test_tier_health_counts_errors_over_a_window_and_a_tier_that_says_it_is_down():
+    """3 write errors within 60 s degrade a tier until 60 s after the burst; an unavailable lower
+    tier (S3's breaker open) is degraded; an unavailable top tier is not ready (503)."""
+    from types import SimpleNamespace
+
+    from kvstore.daemon.tier_health import TierHealth
+
+    now = [1000.0]
+    cpu, disk = SimpleNamespace(name="cpu", available=True, shared=False), \
+        SimpleNamespace(name="disk", available=True, shared=False)
+    s3 = SimpleNamespace(name="s3", available=True, shared=True)
+    health = TierHealth([cpu, disk, s3], clock=lambda: now[0])
+    for _ in range(2):
+        health.note_write_error("disk", OSError(30, "Read-only file system"))
+    assert health.degraded() == {} and health.degraded_text() is None
+    now[0] += 59
+    health.note_write_error("disk", OSError(30, "Read-only file system"))  # 3 within 59 s
+    assert list(health.degraded()) == ["disk"] and health.not_ready() is None
+    assert health.degraded_text() == "degraded: tier disk 3+ write errors in 60 s, last 0 s ago: OSError (Read-only " \
+                                     "file system)"
+    now[0] += 2  # the first error has left the window: 2 in the last 60 s
+    assert health.degraded() == {}
+    s3.available = False
+    assert health.degraded() == {"s3": "unavailable (circuit open)"}
+    cpu.available = False
+    assert health.not_ready() == "tier cpu unavailable"
+    with pytest.raises(ValueError, match="errors must be >= 1"):
+        TierHealth([cpu], errors=0)

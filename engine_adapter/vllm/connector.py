@@ -75,7 +75,7 @@ from engine_adapter.vllm.worker import ConnectorWorker, KVStoreEvents, cpu_cache
 from blend.controller import Ratio
 from blend.engine import DEFAULT_RATIO
 from blend.select import DEFAULT_SELECTOR, check_selector
-from kvstore.host import default_listen
+from kvstore.connect import ClientSettings, client_settings
 from kvstore.dtypes import TORCH_DTYPE_NAMES
 from kvstore.keys import KVLayout, Namespace
 
@@ -104,7 +104,9 @@ BLEND_WEIGHTS = ("vllm", "copy")
 class ConnectorSettings:
     """``kv_connector_extra_config`` keys, validated."""
 
-    address: str = ""            # daemon address, e.g. "unix:/run/kvstore.sock"; default: kvstore's default socket
+    address: str = ""            # daemon address, e.g. "unix:/run/kvstore.sock"; default: KVSTORE_LISTEN, else the
+                                 # config file's listen, else kvstore's default socket (kvstore.connect.client_settings)
+    config_file: str = ""        # the daemon's config file (default: KVSTORE_CONFIG): address, tokens, [client] TLS
     model_id: str = ""           # namespace model id; default: the model folder's name (the GGUF stem)
     tenant: str = ""             # namespace tenant salt
     chunk_tokens: int = 256      # tokens per block; must match the other engines sharing the cache
@@ -136,7 +138,7 @@ class ConnectorSettings:
     blend_max_passages: int = 128   # a request marking more is served as a plain prompt
     token_file: str = ""         # the daemon's bearer token (or one per address, kvstore.connect.TokenBook);
                                  # default: KVSTORE_AUTH_TOKEN
-    tls_ca: str = ""             # TLS to a TCP daemon: PEM of the CA that signed its certificate
+    tls_ca: str = ""             # TLS to a TCP daemon: PEM of the CA that signed its certificate; default: KVSTORE_TLS_CA
     tls_cert: str = ""           # client certificate (PEM, with tls_key) for a daemon that asks for one
     tls_key: str = ""
     tls_server_name: str = ""    # the name the daemon's certificate carries, when the address names it otherwise
@@ -214,16 +216,18 @@ def daemon_cache(settings: ConnectorSettings, namespace: Namespace, role: KVConn
     The worker moves blocks through a shared-memory arena; the scheduler moves none, and on a
     unix socket registers a 1 MiB arena only to map the daemon's key index, so its per-step
     Lookups need no round trip."""
-    address = settings.address or default_listen()
+    def link() -> ClientSettings:  # again at each connection: a token file rotated meanwhile is read anew
+        return client_settings(settings.address or None, None, settings.token_file or None, settings.tls_ca or None,
+                               settings.tls_cert or None, settings.tls_key or None, settings.tls_server_name or None,
+                               settings.insecure or None, config_file=settings.config_file or None)
+
+    address = link().address  # a setting that cannot be used fails the connector's start, in one line
     worker = role == KVConnectorRole.WORKER
     arena_bytes = settings.arena_bytes if worker else 2**20
 
     def connect() -> KVStoreClient:
-        client = KVStoreClient(address, shared_memory=True if worker else None, arena_bytes=arena_bytes,
-                               timeout=settings.timeout_s, token_file=settings.token_file or None,
-                               tls_ca=settings.tls_ca or None, tls_cert=settings.tls_cert or None,
-                               tls_key=settings.tls_key or None, tls_server_name=settings.tls_server_name,
-                               insecure=settings.insecure)
+        client = KVStoreClient(settings=link(), shared_memory=True if worker else None, arena_bytes=arena_bytes,
+                               timeout=settings.timeout_s)
         try:
             client.check(timeout=settings.timeout_s)  # why it cannot be used, in the outage's one line
         except BaseException:

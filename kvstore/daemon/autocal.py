@@ -13,7 +13,7 @@ into the tier, without the model (`compression/blind.py`)::
 
 With ``auto_layer_group`` N > 1 a calibration's rows span up to N consecutive layers
 (`Calibration.layer_group`; `layer_group_for` fits N to each layout's bounds): fewer bytes at
-better quality, slower decode and larger calibrations (docs/compression.md measures both).
+better quality, slower decode and larger calibrations (docs/notes/compression-log.md measures both).
 
 Until a namespace has `auto_calibration_tokens` tokens sampled, its blocks go down as they are:
 nothing lossy happens to a namespace the daemon knows nothing about. Sampling and calibrating run
@@ -70,7 +70,7 @@ from kvstore.keys import KVLayout
 log = logging.getLogger("kvstore.daemon.autocal")
 
 AUTO_SPEC = "kvtc@auto"
-#: Relative steps of the daemon's calibrations (docs/compression.md, "Calibrated by the daemon").
+#: Relative steps of the daemon's calibrations (docs/notes/compression-log.md, "Calibrated by the daemon").
 AUTO_ALLOCATION = Allocation(key_step=0.4, value_step=0.3, drop=0.2)
 MAX_BLOCK_BYTES = 32 << 20  # decoded size of a block the calibrator reads (a 256-token Llama-3-8B block: 32 MiB)
 MAX_SAMPLING = 4  # namespaces sampled at once (each holds its warm-up blocks and rows * C^2 float64 sums)

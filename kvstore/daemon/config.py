@@ -58,7 +58,7 @@ class DaemonConfig:
     disk_o_direct: bool = False
     #: Codec blocks are re-encoded into when they move down to disk: "raw" (exact), "int8",
     #: "int4", "int8+shuffle+zstd", "kvtc@<calibration id>", "kvtc@auto" (the daemon calibrates
-    #: each namespace from its first blocks: kvstore/daemon/autocal.py), ... (see docs/compression.md).
+    #: each namespace from its first blocks: kvstore/daemon/autocal.py), ... (see docs/notes/compression-log.md).
     disk_codec: str = "raw"
     #: write-through: every put is also queued for the lower tiers; write-back: blocks move down
     #: only when evicted.
@@ -88,7 +88,7 @@ class DaemonConfig:
     #: blocks, and the namespace's until then, are stored as they are).
     auto_calibration_tokens: int = 8192
     #: With "kvtc@auto": consecutive layers coded as one row, at most (rows of at most 2,048 channels
-    #: and calibrations within the size bound; 1 = a row per layer). docs/compression.md measures 5.
+    #: and calibrations within the size bound; 1 = a row per layer). docs/notes/compression-log.md measures 5.
     auto_layer_group: int = 1
     #: Where calibrations are read from (kvtc@<id>) and the daemon's own are kept (kvtc@auto);
     #: "": $KVSTORE_CALIBRATION_DIR, else ~/.cache/kvstore/calibrations (`kvstore calibrate` writes there).
@@ -369,7 +369,8 @@ def field_names() -> list[str]:
 
 def load_config(file: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None,
                 environ: Mapping[str, str] | None = None) -> DaemonConfig:
-    """Defaults, then the TOML ``file``, then ``KVSTORE_*`` variables, then ``overrides`` (flags).
+    """Defaults, then the TOML ``file`` (else ``KVSTORE_CONFIG``'s; its ``[client]`` table is the
+    clients', skipped here), then ``KVSTORE_*`` variables, then ``overrides`` (flags).
 
     Raises ValueError naming the source of a bad value: the file and key, the variable, or the flag
     (see the module docstring). A ``tenants_file`` is read here once too, so that a missing,
@@ -380,14 +381,16 @@ def load_config(file: str | os.PathLike | None = None, overrides: Mapping[str, A
     #: Where each value came from, as the error messages name it.
     sources: dict[str, str] = {}
     names = field_names()
+    environ = os.environ if environ is None else environ
+    file = file or environ.get(ENV_PREFIX + "CONFIG") or None  # the clients read it too (kvstore/connect.py)
     if file:
         table = read_toml(file, "config file")
+        table.pop("client", None)  # how clients reach this daemon: kvstore.connect.read_client_table checks it
         unknown = set(table) - set(names)
         if unknown:
             raise ValueError(f"config file {file}: unknown keys {sorted(unknown)}; known: {names}")
         values.update(table)
         sources.update({name: f"config file {file}: {name}" for name in table})
-    environ = os.environ if environ is None else environ
     for name in names:
         env = ENV_PREFIX + name.upper()
         if env in environ:

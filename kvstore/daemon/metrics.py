@@ -42,6 +42,9 @@ class Metrics:
                                     ["tier"], registry=r)
         self.corrupt = Counter("kvstore_corrupt_blocks", "Blocks that failed validation (deleted)", ["tier"], registry=r)
         self.write_errors = Counter("kvstore_write_errors", "Failed writes to a tier", ["tier"], registry=r)
+        self.tier_degraded = Gauge("kvstore_tier_degraded", "1 while a tier keeps failing: write errors over a "
+                                   "window, or unreachable (S3's circuit open); /readyz names it "
+                                   "(kvstore/daemon/tier_health.py)", ["tier"], registry=r)
         self.queue_dropped = Counter("kvstore_queue_dropped",
                                      "Write-through copies skipped because the queue was full", registry=r)
         self.queue_depth = Gauge("kvstore_queue_depth", "Pending lower-tier writes", registry=r)

@@ -49,6 +49,7 @@ from kvstore.daemon.promotion import Promoter
 from kvstore.daemon.reads import BlockGoneError, GetResult, Reader
 from kvstore.daemon.residency import Residency, WalkBudget
 from kvstore.shm_index import TICK_S, KeyIndexWriter
+from kvstore.daemon.tier_health import TierHealth
 from kvstore.daemon.tier_io import TierIO
 from kvstore.daemon.write_behind import WriteBehind
 from tiers.base import Tier, TierError, TierUnavailableError
@@ -111,6 +112,8 @@ class BlockStore:
         #: One discovery in flight per tenant: a tenant's flood of Lookups waits behind itself.
         self._discovering: dict[str, asyncio.Lock] = {}
         self._error_log = LogLimit()
+        #: Tiers that keep failing (write errors over a window, S3's breaker open): /readyz, a gauge.
+        self.health = TierHealth(tiers, self.metrics.tier_degraded)
         self.evictor = Evictor(tiers, self.residency, self.holds, self.io, self.metrics, codecs=self.codecs,
                                quotas=self.quotas, admits=self.admits, count_write_error=self.count_write_error)
         self.write_behind = WriteBehind(tiers, self.residency, self.io, self.lock, self.metrics, codecs=self.codecs,
@@ -398,6 +401,7 @@ class BlockStore:
         error, with how many more there were (a flood of bad blocks writes no flood of lines)."""
         self.write_errors += 1
         self.metrics.write_errors.labels(target.name).inc()
+        self.health.note_write_error(target.name, exc)
         if isinstance(exc, TierUnavailableError):
             self.metrics.unavailable.labels(target.name).inc()
             log.debug("%s to %s failed: %s", what, target.name, exc)

@@ -6,7 +6,9 @@ readiness ``/readyz``; every other path is 404. See docs/operations.md, "Probes"
   (10 s) is wedged: 503 saying for how long. Shutdown does not fail liveness.
 - ``/readyz``: 503 ``starting`` until the daemon serves gRPC (tiers opened, the disk index rebuilt,
   the store's workers running), then 200 ``ready``; 503 ``stopping`` from the first moment of a
-  graceful stop (while queued writes drain); 503 naming the tier while the top tier is unreachable.
+  graceful stop (while queued writes drain); 503 naming the tier while the top tier is unreachable;
+  200 ``degraded: tier disk ...`` while a lower tier keeps failing (kvstore/daemon/tier_health.py
+  says why 200: the daemon still serves, from the tiers above).
 - ``/metrics``: the daemon's registry in the format the scraper asks for (``Accept``), as
   prometheus_client's own server gives it.
 
@@ -71,13 +73,14 @@ class ProbeServer:
     """``/metrics``, ``/healthz`` and ``/readyz`` on one address, served from a thread of its own.
 
     ``not_ready`` (called on the server's thread for each ``/readyz`` once ready) returns why the
-    daemon cannot serve now (e.g. "tier s3 unavailable"), or None."""
+    daemon cannot serve now (e.g. "tier cpu unavailable"), or None; ``degraded``, what it serves
+    without (e.g. "degraded: tier disk ..."), the body of a 200, or None."""
 
     def __init__(self, address: str, registry, not_ready: Callable[[], str | None] | None = None,
-                 stall_s: float = LIVENESS_STALL_S, read_timeout_s: float = READ_TIMEOUT_S,
+                 degraded: Callable[[], str | None] | None = None, stall_s: float = LIVENESS_STALL_S, read_timeout_s: float = READ_TIMEOUT_S,
                  max_connections: int = MAX_CONNECTIONS) -> None:
         self.registry = registry
-        self.not_ready = not_ready
+        self.not_ready, self.degraded = not_ready, degraded
         self.stall_s = stall_s
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
@@ -127,11 +130,12 @@ class ProbeServer:
                 return 503, _TEXT, f"{self.state}\n".encode()
             try:
                 reason = self.not_ready() if self.not_ready is not None else None
+                degraded = self.degraded() if self.degraded is not None and not reason else None
             except Exception as exc:  # a readiness check that fails is not ready
                 reason = f"readiness check failed: {exc}"
             if reason:
                 return 503, _TEXT, f"{reason}\n".encode()
-            return 200, _TEXT, b"ready\n"
+            return 200, _TEXT, f"{degraded}\n".encode() if degraded else b"ready\n"
         from prometheus_client.exposition import choose_encoder
 
         encoder, content_type = choose_encoder(accept)

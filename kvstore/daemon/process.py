@@ -212,10 +212,9 @@ class Daemon:
     def _start_metrics(self) -> None:
         """/metrics, /healthz and /readyz on metrics_listen (kvstore/daemon/probes.py), and the heartbeat
         /healthz watches; an address that cannot be served fails the start."""
-        top = self.store.tiers[0]
         try:
             self.probes = ProbeServer(self.config.metrics_listen, self.metrics.registry,
-                                      not_ready=lambda: None if top.available else f"tier {top.name} unavailable")
+                                      not_ready=self.store.health.not_ready, degraded=self.store.health.degraded_text)
         except OSError as exc:  # asked for and not served: refuse to start rather than run unwatched
             reason = "address in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc)).lower()
             raise OSError(f"cannot serve metrics on {self.config.metrics_listen}: {reason}") from None
@@ -228,6 +227,12 @@ class Daemon:
         named = sum(1 for t in self.tenants.tenants if t.name)
         auth = (f"tenants file {config.tenants_file}" if config.tenants_file
                 else "bearer token" if self.tenants.required else "no token")
+        if config.admin_token_file:  # the operator's token for `kvstore clear` and daemon-wide stats
+            auth += f", admin token from {config.admin_token_file}"
+        elif config.admin_token:
+            auth += ", admin token set"
+        elif config.tenants_file:
+            auth += ", no admin token (kvstore clear and daemon-wide stats need --admin-token-file)"
         metrics = (f"http://{_http_host(config.metrics_listen)}:{self.probes.port} (/metrics, /healthz, /readyz)"
                    if self.probes is not None else "off")
         events = "off"
