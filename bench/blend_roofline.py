@@ -74,8 +74,9 @@ DEVICES = {
     "h100": Device("H100 SXM (989 TFLOP/s bf16 dense, 3.35 TB/s)", 989e12, 3.35e12),
     "h200": Device("H200 (989 TFLOP/s bf16 dense, 4.8 TB/s)", 989e12, 4.8e12),
 }
-# bench/vllm_rag.py's MuSiQue prompts (SmolLM2's tokenizer): head, passages, question
-PROMPTS = {"top-3": (60, [190, 200, 210], 30), "all 10": (60, [190] * 10, 30)}
+# bench/vllm_rag.py's MuSiQue prompts (SmolLM2's tokenizer: about 1,900 tokens at top-3, 6,000
+# with all 10 passages): head, passages, question
+PROMPTS = {"top-3": (60, [600, 610, 620], 30), "all 10": (60, [590] * 10, 30)}
 
 
 def step_seconds(shape: Shape, device: Device, rows: int, context: int, causal: bool, layers: int | None = None,
