@@ -50,7 +50,8 @@ enum { AHEAD = 32 };  /* source rows read ahead (prefetched) of the rows being m
 
 /* Prefetch `rows` source rows of `row_bytes` bytes, `ss` bytes apart. The rows the loops move
  * next, AHEAD rows on: rows past a run are the block's next tokens, or nothing (a prefetch never
- * faults). Without it the transposes wait on memory: KT_HALVES 1.3-1.5x a memcpy, 1.0-1.1x with. */
+ * faults). Without it the transposes wait on memory (KT_HALVES was 1.2-1.4x the time with it, on
+ * the 2-core AVX-512 VM). */
 static inline void prefetch_rows(const char *src, int64_t ss, int64_t rows, int64_t row_bytes) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t at = 0; at < row_bytes; at += 64)

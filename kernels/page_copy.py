@@ -5,8 +5,9 @@ page_tokens]`` per page and head; ISA ``amx``: dim pairs transposed in 16-row ti
 row pairs interleaved), so a load's bytes are mostly a transpose. vLLM's own cache-write
 op does it token by token (about 6x a memcpy of the same bytes); torch's strided copies are no
 faster. `page_copy.c` copies whole runs of a page as vector tiles (SSE2, AVX2 where the CPU has
-it), reading the block ahead and writing whole stretches of a page with streamed stores: about a
-memcpy of the same bytes for every layout (`bench/vllm_ttft.py --copy-only --layout all`).
+it), reading the block ahead and writing whole stretches of a page with streamed stores: 0.9-1.5x
+a one-thread memcpy of the same bytes, `kt_halves` the slowest (`bench/vllm_ttft.py --copy-only
+--layout all`; docs/benchmarks.md, "Page writer per layout").
 
 The C file is compiled once per machine by `kernels.native`; :func:`native_library` returns None
 where there is no compiler or the build fails, and callers then keep the engine's own op. The
