@@ -27,7 +27,13 @@ Sections (each in its own try/except; each prints its result and lands in the JS
               against the CPU decode, and the time of encode and decode of a block (the entropy
               stage, `ans`, runs on the CPU either way) with each Triton kernel's own time; then the
               same with rows over 10 layers (1,920 channels, `Calibration.layer_group`);
-10. pytest    ``python -m pytest -q -m cuda`` when any test is marked cuda.
+10. pytest    ``python -m pytest -q -m cuda`` when any test is marked cuda;
+11. page write (bench/gpu_blend_checks.py) on the CPU, before the CUDA sections: the native page
+              writer against its reference, every layout, and against memcpy (a GPU host's CPU, often
+              one with AMX, is another host kind); on CUDA, the connector's `split` page write against
+              the reference and a device copy;
+12. blend speed  CacheBlend's full prefill, naive reuse and blend r = 0.15 on CUDA on a SmolLM2-shaped
+              model at bench/vllm_rag.py's prompt shapes, beside bench/blend_roofline.py's H100 model.
 
 Rows are laid out as the codecs lay them out: int8 rows are (layer, k/v, head, token) over head_dim;
 low-bit keys are (layer, head, channel) over tokens (a transposed copy, made before timing), values
@@ -57,6 +63,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gpu_quant_checks import (  # noqa: E402  (sections 2-6: the quant kernels and the codecs)
     BLOCK_SHAPE, cuda_time, kv_block, section_codecs, section_copy, section_cpu_smoke, section_match, section_speed)
+from bench.gpu_blend_checks import (  # noqa: E402  (sections 11-12: page writes, the blend's speed)
+    section_blend_speed, section_page_write_cpu, section_page_write_cuda)
 
 BATCH_BLOCKS = 64
 IRREGULAR_SHAPE = (7, 2, 3, 250, 64)  # 250 tokens: key rows end in a tail group
@@ -319,6 +327,7 @@ def main() -> int:
     run_section(report, "cpu_smoke", section_cpu_smoke)
     run_section(report, "kvtc_cpu", lambda: section_kvtc("cpu"))
     run_section(report, "kvtc_layers10_cpu", lambda: section_kvtc("cpu", layer_group=10))
+    run_section(report, "page_write_cpu", section_page_write_cpu)
     if not torch.cuda.is_available():
         print("\nno CUDA device: nothing to check")
         return finish("no CUDA device: nothing to check")
@@ -359,6 +368,8 @@ def main() -> int:
         device_copy = max(measured, key=lambda v: v["bytes"])["traffic_gbps"] / 2
     run_section(report, "gpu_tier", lambda: section_gpu_tier(device_copy))
     run_section(report, "blend", section_blend)
+    run_section(report, "blend_speed", section_blend_speed)
+    run_section(report, "page_write_cuda", section_page_write_cuda)
     run_section(report, "kvtc", section_kvtc)
     run_section(report, "kvtc_layers10", lambda: section_kvtc("cuda", layer_group=10))
     run_section(report, "pytest_cuda", section_pytest)

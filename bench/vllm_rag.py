@@ -21,7 +21,13 @@ much per token as the full prefill). TTFT is vLLM's own first-token latency of t
 front end to first token, before detokenizing the logprobs); KL is KL(P_full || P) of the first
 new token over the whole vocabulary; top-1 agreement with full; F1 of the greedy answer. The
 reference engine's own blend KL (``BlendEngine`` at the first ratio against its own full prefill)
-is printed beside vLLM's.
+is printed beside vLLM's. The report starts with the host's ISA flags (vLLM's CPU attention and
+matrix products take other paths with AMX, AVX-512 or AVX2 alone), and every figure has its spread:
+TTFT and KL min-max over questions, ratios min-max over questions and repeats.
+
+Targets (issue #55): blend at the first ratio >= 3x full prefill at top-3 (>= 4x with all 10
+passages), recompute cost (blend - naive) / full / r <= 1.3, KL <= 0.5x naive's, worse than naive
+on at most 1 question in 10.
 
     .venv-vllm/bin/python bench/vllm_rag.py --questions 20 [--top-k 3] [--ratios 0.15 0.3] [--repeats 3]
         [--markers] [--no-reference] [--json out.json] [--plot bench/vllm_rag.png]
@@ -50,6 +56,7 @@ from engine_adapter.loader import load_hf_folder  # noqa: E402
 from engine_adapter.vllm.blend import BLEND_PARAM  # noqa: E402
 from engine_adapter.vllm.hf_folder import write_hf_folder  # noqa: E402
 from kvstore.spawn import DaemonProcess  # noqa: E402
+from bench.host_isa import isa_line, isa_summary  # noqa: E402
 from bench.musique import MUSIQUE_DEV, SEP, bm25_top_k, build_prompt, f1_score, musique_items, prompt_text  # noqa: E402
 
 
@@ -87,9 +94,9 @@ def ttft(output: dict) -> float:
     return output.get("first_token_latency_s") or output["seconds"]
 
 
-def spread(values: list[float]) -> str:
+def spread(values: list[float], digits: int = 2) -> str:
     """min-max of ``values`` (e.g. a ratio over questions and repeats), as text."""
-    return f"{min(values):.2f}-{max(values):.2f}"
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
 
 
 def main() -> None:
@@ -243,12 +250,13 @@ def main() -> None:
                 [outputs[i, k, f"blend r={r}"] for k in range(args.repeats)])] if r > 0 else []
         records.append(record)
 
+    print(isa_line())
     print(f"{len(records)} questions, top-{args.top_k or 'all'} passages, "
           f"{statistics.mean(r['prompt_tokens'] for r in records):.0f} prompt tokens on average")
     print(f"full, naive and blends timed in one vLLM process, alternating order, {args.repeats} repeat(s) each; "
-          f"'vs full' is the median of per-question, per-repeat ratios (spread: min-max)")
-    print(f"{'mode':<14}{'TTFT p50':>10}{'vs full':>9}{'spread':>12}{'KL mean':>10}{'top-1':>8}{'F1':>7}"
-          f"{'worse than naive':>18}")
+          f"'vs full' is the median of per-question, per-repeat ratios; spreads min-max (TTFT, KL: over questions)")
+    print(f"{'mode':<14}{'TTFT p50':>10}{'spread ms':>12}{'vs full':>9}{'spread':>12}{'KL mean':>10}{'spread':>16}"
+          f"{'top-1':>7}{'F1':>7}{'worse than naive':>18}")
     summary = {}
     for mode in modes:
         rows = [r["modes"][mode] for r in records]
@@ -256,9 +264,10 @@ def main() -> None:
         speedups = [x for row in rows for x in row["speedups"]]
         speedup = statistics.median(speedups)
         worse = sum(r["modes"][mode]["kl"] > r["modes"]["naive"]["kl"] for r in records)
-        summary[mode] = {"ttft_p50_s": statistics.median(ttfts), "speedup_vs_full": speedup,
-                         "speedup_min": min(speedups), "speedup_max": max(speedups),
-                         "kl_mean": statistics.mean(row["kl"] for row in rows),
+        kls = [row["kl"] for row in rows]
+        summary[mode] = {"ttft_p50_s": statistics.median(ttfts), "ttft_spread_s": [min(ttfts), max(ttfts)],
+                         "speedup_vs_full": speedup, "speedup_min": min(speedups), "speedup_max": max(speedups),
+                         "kl_mean": statistics.mean(kls), "kl_spread": [min(kls), max(kls)],
                          "agree": statistics.mean(row["agree"] for row in rows),
                          "f1": statistics.mean(row["f1"] for row in rows), "worse_than_naive": worse}
         costs = [x for row in rows for x in row.get("recompute_cost", [])]
@@ -266,8 +275,9 @@ def main() -> None:
             summary[mode]["recompute_cost"] = statistics.median(costs)
             summary[mode]["recompute_cost_spread"] = [min(costs), max(costs)]
         s = summary[mode]
-        print(f"{mode:<14}{s['ttft_p50_s'] * 1e3:>8.0f}ms{speedup:>8.2f}x{spread(speedups):>12}{s['kl_mean']:>10.4f}"
-              f"{s['agree']:>8.0%}{s['f1']:>7.3f}{worse:>18}")
+        print(f"{mode:<14}{s['ttft_p50_s'] * 1e3:>8.0f}ms{spread([t * 1e3 for t in ttfts], 0):>12}{speedup:>8.2f}x"
+              f"{spread(speedups):>12}{s['kl_mean']:>10.4f}{spread(kls, 4):>16}{s['agree']:>7.0%}{s['f1']:>7.3f}"
+              f"{worse:>18}")
     for r in args.ratios:
         s = summary[f"blend r={r}"]
         if "recompute_cost" in s:
@@ -280,17 +290,23 @@ def main() -> None:
         print(f"reference engine's own blend at r={args.ratios[0]}: KL mean "
               f"{statistics.mean(reference_kl):.4f} (vLLM's: {summary[first]['kl_mean']:.4f})")
     s, naive = summary[first], summary["naive"]
-    checks = [("TTFT vs full prefill >= 3x", s["speedup_vs_full"], s["speedup_vs_full"] >= 3.0),
-              ("KL <= 0.7x naive", s["kl_mean"] / max(naive["kl_mean"], 1e-12), s["kl_mean"] <= 0.7 * naive["kl_mean"]),
-              ("worse than naive <= 1 in 5", s["worse_than_naive"] / len(records), s["worse_than_naive"] <= len(records) / 5)]
+    floor = 4.0 if not args.top_k or args.top_k >= 10 else 3.0  # issue #55: 3x at top-3, 4x at all 10 passages
+    checks = [(f"TTFT vs full prefill >= {floor:.0f}x", s["speedup_vs_full"], s["speedup_vs_full"] >= floor,
+               spread([s["speedup_min"], s["speedup_max"]])),
+              ("KL <= 0.5x naive", s["kl_mean"] / max(naive["kl_mean"], 1e-12), s["kl_mean"] <= 0.5 * naive["kl_mean"],
+               None),
+              ("worse than naive <= 1 in 10", s["worse_than_naive"] / len(records),
+               s["worse_than_naive"] <= len(records) / 10, None)]
     if "recompute_cost" in s:
-        checks.append(("recompute cost (blend - naive) / full / r <= 1.3", s["recompute_cost"], s["recompute_cost"] <= 1.3))
-    for name, value, met in checks:
-        print(f"target {name} at {first}: {value:.2f} {'met' if met else 'MISSED'}")
+        checks.append(("recompute cost (blend - naive) / full / r <= 1.3", s["recompute_cost"],
+                       s["recompute_cost"] <= 1.3, spread(s["recompute_cost_spread"])))
+    for name, value, met, each in checks:
+        print(f"target {name} at {first}: {value:.2f}{f' ({each})' if each else ''} {'met' if met else 'MISSED'}")
     if args.json:
         settings = {"dtype": args.dtype, "selector": args.selector, "top_k": args.top_k, "ratios": args.ratios,
                     "skip": args.skip, "questions": args.questions, "repeats": args.repeats}
-        args.json.write_text(json.dumps({"settings": settings, "summary": summary, "records": records,
+        args.json.write_text(json.dumps({"host": isa_summary(), "settings": settings, "summary": summary,
+                                         "records": records,
                                          "reference_blend_kl": reference_kl}))
     if args.plot:
         matplotlib.use("Agg")

@@ -4,7 +4,10 @@ vLLM's CPU attention stores keys transposed within each page (ISA ``vec``: ``[he
 page_tokens]`` per page and head; ISA ``amx``: dim pairs transposed in 16-row tiles, values with
 row pairs interleaved), so a load's bytes are mostly a transpose. vLLM's own cache-write
 op does it token by token (about 6x a memcpy of the same bytes); torch's strided copies are no
-faster. `page_copy.c` copies whole runs of a page as 8x8 SSE2 tiles, layers shared among threads.
+faster. `page_copy.c` copies whole runs of a page as vector tiles (SSE2, AVX2 where the CPU has
+it), reading the block ahead and writing whole stretches of a page with streamed stores: 0.9-1.5x
+a one-thread memcpy of the same bytes, `kt_halves` the slowest (`bench/vllm_ttft.py --copy-only
+--layout all`; docs/benchmarks.md, "Page writer per layout").
 
 The C file is compiled once per machine by `kernels.native`; :func:`native_library` returns None
 where there is no compiler or the build fails, and callers then keep the engine's own op. The
@@ -37,9 +40,17 @@ def native_library() -> ctypes.CDLL | None:
     library.kvstore_write_pages.restype = ctypes.c_int
     library.kvstore_write_pages.argtypes = [
         ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_void_p, _I64, _I64, _I64, _I64, ctypes.c_void_p, _I64, _I64, ctypes.c_int,
+        ctypes.c_void_p, _I64, _I64, _I64, _I64, ctypes.c_void_p, _I64, _I64, ctypes.c_int, ctypes.c_int,
     ]
+    library.kvstore_page_copy_avx2.restype = ctypes.c_int
+    library.kvstore_page_copy_avx2.argtypes = []
     return library
+
+
+def avx2_paths() -> bool:
+    """Whether the page writer takes its AVX2 paths on this CPU (False without the library)."""
+    library = native_library()
+    return library is not None and bool(library.kvstore_page_copy_avx2())
 
 
 def page_runs(slots: torch.Tensor, page_tokens: int) -> torch.Tensor:
@@ -67,9 +78,11 @@ class PageWriter:
     ``threads`` share out the layers. One is the default: a copy is bound by memory bandwidth, vLLM
     binds its worker's threads to cores (threads started from one inherit its single core), and on
     this project's busy 2-core VM two threads were slower than one (1.4-2.3x memcpy against 2.0-3.4x).
+    ``simd`` False keeps the kernel to the paths a CPU without AVX2 takes (same bytes; the tests
+    compare both on any host).
     """
 
-    def __init__(self, caches: Sequence[torch.Tensor], layout: str, threads: int = 1) -> None:
+    def __init__(self, caches: Sequence[torch.Tensor], layout: str, threads: int = 1, simd: bool = True) -> None:
         if layout not in _LAYOUT_CODES:
             raise ValueError(f"unknown page layout {layout!r}; known: {', '.join(PLANE_LAYOUTS)}")
         if not caches:
@@ -95,6 +108,7 @@ class PageWriter:
         self.head_dim = width // 2
         self.dtype = first.dtype
         self.threads = max(1, threads)
+        self.simd = bool(simd)
         self._pointers = (ctypes.c_uint64 * len(caches))(*(cache.data_ptr() for cache in caches))
 
     def write(self, block: torch.Tensor, slots: torch.Tensor, first_layer: int = 0) -> None:
@@ -119,5 +133,5 @@ class PageWriter:
         slot_count = self.pages * self.page_tokens
         if self._write(_LAYOUT_CODES[self.layout], block.element_size(), pointers, layers, self.heads,
                        self.page_tokens, self.head_dim, block.data_ptr(), s_layer, s_kind, s_head, s_token,
-                       slots.data_ptr(), slots.numel(), slot_count, self.threads) != 0:
+                       slots.data_ptr(), slots.numel(), slot_count, self.threads, int(self.simd)) != 0:
             raise ValueError(f"slots {int(slots.min())}..{int(slots.max())} outside the caches' {slot_count} slots")

@@ -2,7 +2,9 @@
 
 Bit for bit: a page copy moves bytes, so every case compares with ``torch.equal`` on random
 irregular inputs (odd head dims and token counts, runs starting mid-page and ending mid-tile,
-scattered page tables, strided block views), for every named layout and 2- and 4-byte dtypes.
+scattered page tables, strided block views, caches off the vector alignment, pages and heads too
+large for the kernel's scratch buffer), for every named layout, 2- and 4-byte dtypes, and both the
+AVX2 paths and the ones a CPU without AVX2 takes (``simd=False``).
 The vLLM-side tests (the real `cpu_attn_reshape_and_cache` op against this writer) are in
 tests/test_vllm.py.
 """
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from engine_adapter.vllm.layout import PagedKV, PagedSpan, PageLayout
-from kernels.page_copy import PageWriter, native_library, page_runs
+from kernels.page_copy import PageWriter, avx2_paths, native_library, page_runs
 from kernels.page_copy_ref import PLANE_LAYOUTS, plane_offsets, write_pages_ref
 
 
@@ -36,6 +38,16 @@ def test_the_library_builds_here():
     assert native_library() is not None
 
 
+def test_the_avx2_paths_run_where_the_cpu_has_avx2():
+    """So that the tests below hold both paths to the reference on such a host."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags here")
+    assert avx2_paths() == ("avx2" in flags)
+
+
+@pytest.mark.parametrize("simd", [True, False])
 @pytest.mark.parametrize("layout", PLANE_LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("page_tokens,head_dim,tokens,offset", [
@@ -44,32 +56,95 @@ def test_the_library_builds_here():
     (13, 10, 61, 12),    # nothing a multiple of 8
     (32, 8, 1, 31),      # one token, in the last row of a page
 ])
-def test_native_writer_matches_the_reference(layout, dtype, page_tokens, head_dim, tokens, offset):
+def test_native_writer_matches_the_reference(layout, dtype, page_tokens, head_dim, tokens, offset, simd):
     if layout == "amx" and (page_tokens % 16 or head_dim % 16):
         pytest.skip("the amx layout holds page_tokens and head_dim multiples of 16 only (tested below)")
-    check_against_reference(layout, dtype, page_tokens, head_dim, tokens, offset)
+    check_against_reference(layout, dtype, page_tokens, head_dim, tokens, offset, simd=simd)
 
 
+@pytest.mark.parametrize("simd", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("page_tokens,head_dim,tokens,offset", [
     (32, 64, 77, 3),     # odd start row (a lone V row first), mid-tile ends, runs across 16-row tiles
     (128, 64, 300, 50),  # vLLM's CPU page and SmolLM2's head size
     (48, 16, 50, 17),    # one 16-dim V block, an odd start and an odd length
     (16, 32, 2, 15),     # two tokens over a page edge: two runs of one row each
+    (64, 128, 128, 0),   # whole pages only: every stretch streamed
 ])
-def test_native_amx_writer_matches_the_reference(dtype, page_tokens, head_dim, tokens, offset):
-    check_against_reference("amx", dtype, page_tokens, head_dim, tokens, offset)
+def test_native_amx_writer_matches_the_reference(dtype, page_tokens, head_dim, tokens, offset, simd):
+    check_against_reference("amx", dtype, page_tokens, head_dim, tokens, offset, simd=simd)
 
 
-def check_against_reference(layout, dtype, page_tokens, head_dim, tokens, offset):
-    layers, heads, pages = 3, 3, 3 + (offset + tokens) // page_tokens
+@pytest.mark.parametrize("simd", [True, False])
+@pytest.mark.parametrize("layout", PLANE_LAYOUTS)
+@pytest.mark.parametrize("seed", range(6))
+def test_random_irregular_writes_match_the_reference(layout, seed, simd):
+    """Random shapes, dtypes, page tables and several blocks' worth of runs: a block's tokens in
+    pieces of random length at random rows, so runs start and end anywhere, some pages whole."""
+    rng = torch.Generator().manual_seed(1000 + seed)
+
+    def pick(*choices):
+        return choices[int(torch.randint(len(choices), (1,), generator=rng))]
+
+    if layout == "amx":  # multiples of 16 only
+        page_tokens, head_dim = pick(16, 32, 48, 64, 128), pick(16, 32, 48, 64, 80, 128)
+    else:
+        page_tokens, head_dim = pick(7, 8, 13, 16, 29, 64), pick(6, 16, 24, 40, 64, 96, 128)
+    dtype = pick(torch.bfloat16, torch.float16, torch.float32)
+    layers, heads, pages, pad = pick(1, 2, 3), pick(1, 2, 3, 5), 12, pick(0, 0, 3, 8)
+    caches = random_caches(layers, pages, heads, page_tokens, head_dim, dtype, seed=seed)
+    expected = [cache.clone() for cache in caches]
+    writer = PageWriter(caches, layout, threads=pick(1, 2), simd=simd)
+    for _ in range(4):  # pieces: up to 3 pages of consecutive rows from a random row of a random page table
+        tokens = int(torch.randint(1, 3 * page_tokens + 2, (1,), generator=rng))
+        row = pick(0, 0, 1, page_tokens // 2, page_tokens - 1)
+        slots = scattered_slots(tokens, pages, page_tokens, row, seed=int(torch.randint(1 << 30, (1,), generator=rng)))
+        # rows of a token not contiguous with the next (pad) and a block cut out of a longer one
+        source = torch.randn(layers, 2, heads, tokens + 5, head_dim + pad, generator=rng).to(dtype)
+        block = source[:, :, :, 3 : 3 + tokens, :head_dim]
+        writer.write(block, slots)
+        write_pages_ref(expected, layout, block, slots)
+    assert all(torch.equal(got, want) for got, want in zip(caches, expected))
+
+
+@pytest.mark.parametrize("simd", [True, False])
+@pytest.mark.parametrize("layout", PLANE_LAYOUTS)
+def test_caches_off_the_vector_alignment(layout, simd):
+    """Caches whose memory starts 2 bytes past a 64-byte line: the streamed stores' edges go plainly."""
+    layers, pages, heads, page_tokens, head_dim = 2, 5, 2, 32, 64
+    storage = [torch.randn(pages * heads * page_tokens * 2 * head_dim + 1).to(torch.bfloat16) for _ in range(layers)]
+    caches = [flat[1:].view(pages, heads, page_tokens, 2 * head_dim) for flat in storage]
+    assert all(cache.data_ptr() % 32 == 2 for cache in caches)
+    expected = [cache.clone() for cache in caches]
+    block = torch.randn(layers, 2, heads, 70, head_dim).to(torch.bfloat16)
+    slots = scattered_slots(70, pages, page_tokens, 0, seed=5)  # two whole pages and a part
+    PageWriter(caches, layout, simd=simd).write(block, slots)
+    write_pages_ref(expected, layout, block, slots)
+    assert all(torch.equal(got, want) for got, want in zip(caches, expected))
+
+
+@pytest.mark.parametrize("simd", [True, False])
+@pytest.mark.parametrize("layout,page_tokens,head_dim", [
+    ("kt_halves", 2112, 8),  # a page whose K half holds fewer than 8 dims in scratch: plain transpose
+    ("split", 4, 4200),      # a [K | V] row larger than scratch
+    ("halves", 4, 8200),     # a K row larger than scratch, from rows not contiguous in the block
+    ("amx", 16, 528),        # a 16-row K tile larger than scratch
+])
+def test_pages_and_heads_larger_than_the_scratch_buffer(layout, page_tokens, head_dim, simd):
+    check_against_reference(layout, torch.float32, page_tokens, head_dim, 2 * page_tokens + 3, 1, simd=simd,
+                            layers=1, heads=1, pad=8)
+
+
+def check_against_reference(layout, dtype, page_tokens, head_dim, tokens, offset, simd=True, layers=3, heads=3,
+                            pad=0):
+    pages = 3 + (offset + tokens) // page_tokens
     caches = random_caches(layers, pages, heads, page_tokens, head_dim, dtype, seed=tokens)
     expected = [cache.clone() for cache in caches]
     generator = torch.Generator().manual_seed(offset)
-    source = torch.randn(layers, 2, heads, tokens + 9, head_dim, generator=generator).to(dtype)
-    block = source[:, :, :, 4 : 4 + tokens]  # a strided view, as an arena block cut to a piece is
+    source = torch.randn(layers, 2, heads, tokens + 9, head_dim + pad, generator=generator).to(dtype)
+    block = source[:, :, :, 4 : 4 + tokens, :head_dim]  # a strided view, as an arena block cut to a piece is
     slots = scattered_slots(tokens, pages, page_tokens, offset, seed=tokens + offset)
-    PageWriter(caches, layout, threads=2).write(block, slots)
+    PageWriter(caches, layout, threads=2, simd=simd).write(block, slots)
     write_pages_ref(expected, layout, block, slots)
     assert all(torch.equal(got, want) for got, want in zip(caches, expected))
 

@@ -173,26 +173,34 @@ def test_vllm_cpu_write_op_scatter_is_bit_identical_to_the_layout_path():
         assert all(torch.equal(a, b) for a, b in zip(native, theirs)), isa
 
 
-@pytest.mark.parametrize("isa,name,page_tokens,head_dim", [
-    ("vec", "kt_halves", 128, 64), ("vec16", "kt_halves", 16, 64),
-    ("amx", "amx", 128, 64), ("amx", "amx", 32, 128),
+@pytest.mark.parametrize("isa,name,page_tokens,head_dim,dtype", [
+    ("vec", "kt_halves", 128, 64, torch.bfloat16), ("vec16", "kt_halves", 16, 64, torch.bfloat16),
+    ("vec16", "kt_halves", 16, 80, torch.bfloat16),   # a head size not a multiple of 32: vLLM picks vec16
+    ("vec16", "kt_halves", 128, 48, torch.bfloat16),
+    ("vec", "kt_halves", 128, 64, torch.float16), ("vec", "kt_halves", 64, 256, torch.float32),
+    ("amx", "amx", 128, 64, torch.bfloat16), ("amx", "amx", 32, 128, torch.bfloat16),
+    ("amx", "amx", 64, 256, torch.bfloat16),
+    ("amx", "kt_halves", 32, 80, torch.bfloat16),     # vLLM's amx op keeps vec's layout for such a head
 ])
-def test_every_cpu_isa_layout_is_one_the_native_writer_knows(isa, name, page_tokens, head_dim):
+@pytest.mark.parametrize("simd", [True, False])
+def test_every_cpu_isa_layout_is_one_the_native_writer_knows(isa, name, page_tokens, head_dim, dtype, simd):
     """Whatever ISA this host picks, each CPU_ATTN page layout is measured from vLLM's own op and
-    named, so the connector writes it natively on any host; the writer matches the op bit for bit."""
+    named, so the connector writes it natively on any host (vLLM's ops write every ISA's layout on
+    any x86 host: the layout is memory, not instructions); the writer, with its AVX2 paths and
+    without, matches the op bit for bit on a piece starting mid-page, whole pages and a ragged end."""
     from engine_adapter.vllm.connector import cpu_cache_write
 
     write = cpu_cache_write(isa)
     try:
-        layout = measure_page_layout(write, 2, page_tokens, head_dim, torch.bfloat16)
+        layout = measure_page_layout(write, 2, page_tokens, head_dim, dtype)
     except RuntimeError as exc:  # an ISA this vLLM build cannot run here
         pytest.skip(f"vLLM's cache-write op for ISA {isa} does not run here: {exc}")
     assert layout.name() == name
-    block = torch.randn(2, 2, 2, 2 * page_tokens + 7, head_dim).to(torch.bfloat16)
+    block = torch.randn(2, 2, 2, 2 * page_tokens + 7, head_dim).to(dtype)
     span = PagedSpan((4, 0, 2), 5, 2 * page_tokens + 7)
-    ours = [torch.randn(5, 2, page_tokens, 2 * head_dim).to(torch.bfloat16) for _ in range(2)]
+    ours = [torch.randn(5, 2, page_tokens, 2 * head_dim).to(dtype) for _ in range(2)]
     theirs = [c.clone() for c in ours]
-    PagedKV(ours, layout, 2, page_tokens, native=PageWriter(ours, name)).scatter(block, span)
+    PagedKV(ours, layout, 2, page_tokens, native=PageWriter(ours, name, simd=simd)).scatter(block, span)
     PagedKV(theirs, layout, 2, page_tokens, write=write).scatter(block, span)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 

@@ -207,6 +207,7 @@ class PagedKV:
         # flat plane offset of each canonical element [2, N, D] -> [2ND], and its inverse
         self._plane_of = (layout.plane_rows * (2 * head_dim) + layout.plane_cols).flatten().to(device)
         self._canonical_of = torch.argsort(self._plane_of)
+        self._page_rows = torch.arange(page_tokens, dtype=torch.int64)  # [page_tokens], for slots
 
     @property
     def num_layers(self) -> int:
@@ -244,9 +245,15 @@ class PagedKV:
         return block
 
     def slots(self, span: PagedSpan) -> torch.Tensor:
-        """Each token's slot in the layer caches (kernel page * kernel page tokens + row), on their device."""
-        page, row = span.rows(self.page_tokens, self.layout.page_tokens)
-        return (page * self.layout.page_tokens + row).to(self.caches[0].device)
+        """Each token's slot in the layer caches (kernel page * kernel page tokens + row), on their device.
+
+        Kernel pages tile a scheduler page in order, so a token's slot is its scheduler page times
+        the scheduler page's tokens plus its row there: each page's slots one run, cut to the span.
+        Three small tensor ops per call, not :meth:`PagedSpan.rows`' ten (134 us a block, an eighth
+        of its page write, on the 2-core VM)."""
+        first = torch.tensor(span.page_ids, dtype=torch.int64) * self.page_tokens  # [P]
+        slots = (first.unsqueeze(1) + self._page_rows).flatten()[span.offset : span.offset + span.tokens]  # [T]
+        return slots.to(self.caches[0].device)
 
     def copy_pages(self, span: PagedSpan) -> tuple[torch.Tensor, PagedSpan]:
         """A plain copy of the kernel pages holding ``span`` ([layers, pages, H, N, 2D]), and the span
