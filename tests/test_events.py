@@ -344,8 +344,9 @@ def test_a_replay_from_before_the_kept_batches_starts_with_a_snapshot_of_what_is
         expected = {k: v for k, v in expected.items() if v}
         state, seqs = replayed_state(publisher.replay_endpoint)
         assert state == expected
-        # contiguous up to the last batch (an empty heartbeat batch may follow the last step)
-        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and seqs[-1] >= len(steps) and seqs[0] > 0
+        # contiguous, a snapshot first (under load two steps may share a batch, and an idle heartbeat
+        # batch may follow the last: neither changes the state)
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and seqs[0] > 0
         snapshot = decode_batch(publisher.snapshot(1)[0]).events
         assert isinstance(snapshot[0], AllBlocksCleared)
         order = {(TIER_OF[e.medium, e.locality], e.block_hashes[-1]): i for i, e in enumerate(snapshot[1:])}
