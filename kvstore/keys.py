@@ -22,7 +22,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Sequence
+from typing import Hashable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -203,3 +203,22 @@ def chunk_spans(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> lis
     """Prefix keys with the token range each one covers."""
     n = namespace.chunk_tokens
     return [ChunkSpan(i, i * n, (i + 1) * n, k) for i, k in enumerate(prefix_keys(namespace, tokens))]
+
+
+_Node = TypeVar("_Node", bound=Hashable)
+
+
+def parents_first(parent_of: Mapping[_Node, _Node | None]) -> list[_Node]:
+    """The keys of ``parent_of`` (key -> the key before it in its chain, or None/b"") in its order,
+    except that each comes after its parent where ``parent_of`` holds that too: routers drop a
+    block whose parent they have not seen, so announcements of held blocks go in this order."""
+    ordered: list[_Node] = []
+    done: set[_Node] = set()
+    for key in parent_of:
+        chain = []
+        while key in parent_of and key not in done:  # up to the first ancestor already out
+            done.add(key)
+            chain.append(key)
+            key = parent_of[key]
+        ordered.extend(reversed(chain))
+    return ordered

@@ -31,6 +31,7 @@ import msgspec
 import zmq
 
 from kvstore.block import BlockHeader
+from kvstore.keys import parents_first
 from kvstore.daemon.event_format import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash,
                                          sub_block_hashes, tier_medium)
 from kvstore.daemon.event_replay import REPLAY_BATCHES, SOCKET_OPTIONS, ReplayServer
@@ -328,17 +329,9 @@ class EventPublisher:
             return []
         if self._last_snapshot is not None and self._last_snapshot[:2] == (self._held_changes, batches):
             return self._last_snapshot[2]
-        ordered: list[bytes] = []
-        done: set[tuple[int, int]] = set()
-        for level, block in self._held:
-            chain = []
-            entry = (level, block)
-            while entry in self._held and entry not in done:  # up to the first ancestor already out
-                done.add(entry)
-                chain.append(entry)
-                parent = self._held[entry][0]
-                entry = (level, parent) if parent is not None else None
-            ordered.extend(self._held[e][1] for e in reversed(chain))
+        parent_of = {(level, block): (level, parent) if parent is not None else None
+                     for (level, block), (parent, _) in self._held.items()}
+        ordered = [self._held[entry][1] for entry in parents_first(parent_of)]
         per = max(BATCH_EVENTS, -(-(len(ordered) + 1) // batches))
         cleared = self._encoder.encode(AllBlocksCleared())
         events = [cleared, *ordered]

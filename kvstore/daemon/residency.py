@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 from kvstore.block import BlockHeader
+from kvstore.keys import parents_first
 from kvstore.daemon.adaptive import ArcOrder, EvictionDuel
 from kvstore.daemon.config import EVICTION_POLICIES
 from kvstore.shm_index import KeyIndexWriter
@@ -164,26 +165,16 @@ class TierLRU:
             self.arc.check_integrity(set(self._order))
 
 
-def parents_first(tier: Tier) -> list[bytes]:
-    """The keys a tier holds (found at start: its own order), each after the parent its header
-    names where the tier holds that too: routers drop a block whose parent they have not seen."""
-    keys = list(tier.keys())
+def held_parents_first(tier: Tier) -> list[bytes]:
+    """The keys a tier holds (found at start), each after the parent its header names where the
+    tier holds that too (`kvstore.keys.parents_first`), so KV events announce them in that order."""
     parent_of = {}
-    for key in keys:
+    for key in tier.keys():
         try:
             parent_of[key] = tier.header(key).parent
         except (KeyError, ValueError):  # gone, or unreadable: its reads will say so
             parent_of[key] = b""
-    ordered: list[bytes] = []
-    done: set[bytes] = set()
-    for key in keys:
-        chain = []
-        while key in parent_of and key not in done:  # up to the first ancestor already out
-            done.add(key)
-            chain.append(key)
-            key = parent_of[key]
-        ordered.extend(reversed(chain))
-    return ordered
+    return parents_first(parent_of)
 
 
 class Residency:
@@ -212,7 +203,7 @@ class Residency:
         #: keys read since they were stored (lower-tier admission ``reused``), while some tier holds them
         self._reused: set[bytes] = set()
         for level, tier in enumerate(tiers):
-            for key in parents_first(tier):
+            for key in held_parents_first(tier):
                 self._added(level, key, oldest=False)
 
     def __getitem__(self, level: int) -> TierLRU:
