@@ -59,6 +59,17 @@ def readable_by_others(path: str | os.PathLike) -> str | None:
     return f"{path}: group or others may read it (mode {stat.S_IMODE(mode):04o}), tokens included: chmod 600 it"
 
 
+def refuse_non_socket(path: str | os.PathLike) -> None:
+    """OSError when something other than a unix socket is at ``path`` (a stale socket may be
+    replaced by whoever holds its lock; any other file someone put there is kept)."""
+    try:
+        found = os.lstat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISSOCK(found):
+        raise OSError(f"{path} exists and is not a socket")
+
+
 def load_secret(path: str | os.PathLike) -> bytes:
     """The server secret in ``path``, created (32 random bytes, mode 0600) when missing. Raises
     ValueError naming the file when it is too short or others may read it."""

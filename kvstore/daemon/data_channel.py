@@ -44,7 +44,6 @@ import logging
 import os
 import socket
 import ssl
-import stat
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -55,6 +54,7 @@ from google.protobuf.message import DecodeError
 
 from kvstore.daemon.data_admission import HELLO_TIMEOUT_S, DataAdmission, Refused
 from kvstore.daemon.log_limit import LogLimit
+from kvstore.host import refuse_non_socket
 from kvstore.daemon.transfers import INLINE_WAIT_S, Transfers, status_of
 from kvstore.limits import MAX_ITEMS_PER_CALL
 from kvstore.proto import kvstore_pb2 as pb
@@ -131,12 +131,7 @@ def advertised_host(address: str) -> str:
 def listen_unix(path: Path) -> socket.socket:
     """A listening unix socket at ``path``, born 0600; a stale socket there is replaced (the caller
     holds the gRPC socket's lock), any other file refused (OSError)."""
-    try:
-        found = os.lstat(path).st_mode
-    except FileNotFoundError:
-        found = None
-    if found is not None and not stat.S_ISSOCK(found):
-        raise OSError(f"{path} exists and is not a socket")
+    refuse_non_socket(path)
     path.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o177)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import stat
 from pathlib import Path
 
 import grpc
@@ -19,6 +18,7 @@ from grpc_health.v1 import health, health_pb2
 
 from kvstore.daemon.auth import TenantDirectory
 from kvstore.daemon.server import SERVICE_NAME
+from kvstore.host import refuse_non_socket
 from kvstore.instance_lock import InstanceLock
 
 
@@ -130,11 +130,9 @@ def claim_socket(address: str, socket_path: Path) -> InstanceLock:
     # A file someone put at the socket path is never removed. Checked before the lock, so
     # that a failed start (which removes the socket path) never holds it.
     try:
-        found = os.lstat(socket_path).st_mode
-    except OSError:
-        found = None
-    if found is not None and not stat.S_ISSOCK(found):
-        raise OSError(f"cannot listen on {address}: {socket_path} exists and is not a socket")
+        refuse_non_socket(socket_path)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {address}: {exc}") from None
     # One daemon per socket: only the lock's holder may remove a stale socket file.
     try:
         lock = InstanceLock(socket_path.with_name(socket_path.name + ".lock"), f"unix socket {socket_path}")
