@@ -107,8 +107,8 @@ def trace_warm_hit(chunk_tokens: int = 32, chunks: int = 4) -> CallPath:
     import torch
 
     from engine_adapter.cached import CachedEngine
-    from engine_adapter.client import KVStoreClient
-    from engine_adapter.model import LlamaModel, ModelConfig
+    from engine_adapter.client.kvstore_client import KVStoreClient
+    from engine_adapter.reference.model import LlamaModel, ModelConfig
     from kvstore.daemon.config import DaemonConfig
     from kvstore.daemon.process import Daemon
 
