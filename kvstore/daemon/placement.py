@@ -252,7 +252,7 @@ class BlockStore:
         """Tell the shared key index which tiers can be read now (after each call that may have
         tripped or reset a tier's circuit breaker; the index's tick catches the rest)."""
         if self.key_index is not None:
-            self.key_index.set_available(t.available for t in self.tiers)
+            self.key_index.set_available([t.available for t in self.tiers])
 
     def header(self, key: bytes) -> BlockHeader | None:
         level = self.locate(key)
