@@ -207,8 +207,10 @@ class BlockStore:
         same timeout, and finds nothing if it cannot start): a tenant that floods Lookups of
         unknown keys delays its own, never another tenant's."""
         shared = [(level, t) for level, t in enumerate(self.tiers) if t.shared and t.available]
+        if not shared:  # no tier another host writes: nothing to find (and no key to look at)
+            return 0
         first = next((i for i, k in enumerate(keys) if self.locate(k) is None), None)
-        if not shared or first is None:
+        if first is None:
             return 0
         deadline = time.monotonic() + self.discover_timeout_s
         gate = self._discovering.setdefault(owner, asyncio.Lock())
