@@ -395,8 +395,8 @@ def secret_file(documents: list[dict], spec: dict, container: dict, path: str) -
 
 def connector_fields() -> dict[str, str]:
     """kv_connector_extra_config keys the connector takes: ConnectorSettings' fields and their types,
-    read from its source (importing it needs vLLM)."""
-    tree = ast.parse((ROOT / "engine_adapter" / "vllm" / "connector.py").read_text())
+    read from its source as written."""
+    tree = ast.parse((ROOT / "engine_adapter" / "vllm" / "settings.py").read_text())
     settings = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "ConnectorSettings")
     return {n.target.id: ast.unparse(n.annotation) for n in settings.body
             if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
