@@ -14,6 +14,7 @@ from compression.calibration_store import CALIBRATION_DIR_ENV
 from kvstore.daemon.autocal import AUTO_SPEC
 from kvstore.daemon.config import DaemonConfig
 from kvstore.host import s3_mac_key
+from tiers.at_rest import AtRestKey
 from tiers.base import Tier
 from tiers.cpu import CpuTier
 from tiers.disk import DiskTier
@@ -65,8 +66,10 @@ def build_tiers(config: DaemonConfig) -> list[Tier]:
         tiers.append(CpuTier(config.cpu_capacity, pin=config.cpu_pin))
     if config.disk_path:
         tiers.append(DiskTier(config.disk_path, config.disk_capacity, fsync=config.disk_fsync,
-                              o_direct=config.disk_o_direct))
+                              o_direct=config.disk_o_direct,
+                              at_rest=AtRestKey.derived("disk", config.tenant_secret_file) if config.disk_encrypt else None))
     if config.s3_bucket:
         mac_key = s3_mac_key(config.tenant_secret_file)  # objects are MAC'd under the hosts' shared secret
-        tiers.append(S3Tier(config.s3_config, mac_key=mac_key))  # TierError saying what to fix when unusable
+        tiers.append(S3Tier(config.s3_config, mac_key=mac_key,  # TierError saying what to fix when unusable
+                            at_rest=AtRestKey.derived("s3", config.tenant_secret_file) if config.s3_encrypt else None))
     return tiers
