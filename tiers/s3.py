@@ -377,17 +377,18 @@ class S3Tier(HeaderIndex, Tier):
         payload = memoryview(dest).cast("B")[: header.payload_len]
         plain = self.at_rest is None
         try:
-            if self._stored_len(header) <= self.config.part_bytes:
-                got = self._get_whole(object_key, memoryview(head), payload, hashed=plain)
-            else:
-                got = self._get_ranged(object_key, memoryview(head), payload, hashed=plain)
             if not plain:
-                opened = self.at_rest.open_head(head)
-                if opened.packed != packed:
+                on_bucket, checksum = self._get_sealed(object_key, memoryview(head), payload)
+                if on_bucket != packed:
                     raise CorruptBlockError("header differs from the indexed one")
-                if _open_in_place(opened, payload) != header.checksum:
+                if checksum != header.checksum:
                     raise CorruptBlockError("payload checksum mismatch")
-            elif bytes(head) != packed:
+                return header
+            if self._stored_len(header) <= self.config.part_bytes:
+                got = self._get_whole(object_key, memoryview(head), payload)
+            else:
+                got = self._get_ranged(object_key, memoryview(head), payload)
+            if bytes(head) != packed:
                 raise CorruptBlockError("header differs from the indexed one")
             elif got.checksum.intdigest() != header.checksum:
                 raise CorruptBlockError("payload checksum mismatch")
@@ -400,9 +401,38 @@ class S3Tier(HeaderIndex, Tier):
             raise CorruptBlockError(f"{self.name}: {object_key}: {exc}") from None
         return header
 
-    def _get_whole(self, object_key: str, head: memoryview, payload: memoryview, hashed: bool = True) -> _Read:
-        """One GET of the whole object, its payload hashed (checksum and MAC) as it streams in
-        (unless not ``hashed``: a sealed payload is hashed once opened)."""
+    def _get_sealed(self, object_key: str, head: memoryview, payload: memoryview) -> tuple[bytes, int]:
+        """Read a sealed object: its head into ``head``, its payload opened into ``payload``; the
+        tag checked. Returns the header as packed and the payload's checksum. Nothing is opened
+        from, nor hashed in, ``payload`` (a client's memory, maybe): ciphertext is opened from
+        the bytes received, a chunk at a time into a small buffer, hashed there, then copied.
+
+            whole GET   body chunks -> open -> scratch -> hash, copy -> payload
+            ranged      parts -> a staging buffer of the tier's; then the same from it
+        """
+        if len(head) + len(payload) <= self.config.part_bytes:
+            opening: list[_Opening] = []
+
+            def attempt() -> None:
+                response = self._s3.get_object(Bucket=self.config.bucket, Key=object_key)
+                if response["ContentLength"] != len(head) + len(payload):
+                    response["Body"].close()
+                    raise CorruptBlockError(f"object is {response['ContentLength']} bytes, index says "
+                                            f"{len(head) + len(payload)}")
+                opening[:] = [_Opening(self.at_rest, head, payload)]  # afresh on a retry
+                stream_body(response["Body"], head, payload, (), sink=opening[0])
+
+            self._call(f"GET {object_key}", attempt)
+            return opening[0].finish()
+        staging = memoryview(bytearray(len(payload)))
+        self._get_ranged(object_key, head, staging, hashed=False)
+        opening_ = _Opening(self.at_rest, head, payload)
+        for at in range(0, len(staging), STREAM_CHUNK):
+            opening_(staging[at : at + STREAM_CHUNK])
+        return opening_.finish()
+
+    def _get_whole(self, object_key: str, head: memoryview, payload: memoryview) -> _Read:
+        """One GET of the whole object, its payload hashed (checksum and MAC) as it streams in."""
         total = len(head) + len(payload)
         read: list[_Read] = []
 
@@ -412,7 +442,7 @@ class S3Tier(HeaderIndex, Tier):
                 response["Body"].close()
                 raise CorruptBlockError(f"object is {response['ContentLength']} bytes, index says {total}")
             got = _Read(xxhash.xxh3_64(), self.mac.block_hasher(), response.get("Metadata", {}))
-            stream_body(response["Body"], head, payload, (got.checksum, got.mac) if hashed else ())
+            stream_body(response["Body"], head, payload, (got.checksum, got.mac))
             read[:] = [got]
 
         self._call(f"GET {object_key}", attempt)
@@ -526,17 +556,40 @@ class _Read:
     metadata: dict[str, str]
 
 
-def _open_in_place(opened: at_rest.OpenedHead, payload: memoryview) -> int:
-    """Open the sealed payload that fills ``payload`` where it lies: each ``STREAM_CHUNK`` copied
-    into a small buffer and opened back over itself, hashed while in cache; the tag checked
-    (CorruptBlockError). Returns the payload checksum."""
-    hasher = xxhash.xxh3_64()
-    scratch = memoryview(bytearray(min(STREAM_CHUNK, len(payload))))
-    for at in range(0, len(payload), STREAM_CHUNK):
-        out = payload[at : at + STREAM_CHUNK]
-        sealed = scratch[: len(out)]
-        sealed[:] = out
-        opened.payload.open_into(sealed, out)
-        hasher.update(out)
-    opened.payload.finish()
-    return hasher.intdigest()
+
+class _Opening:
+    """A sealed payload opened as it arrives, in order: each piece opened into a small buffer,
+    hashed there, then copied to its place in ``payload``. The head is opened at the first piece
+    (it is whole by then) or at :meth:`finish`."""
+
+    def __init__(self, key: AtRestKey, head: memoryview, payload: memoryview) -> None:
+        self._key, self._head, self._payload = key, head, payload
+        self._opened: at_rest.OpenedHead | None = None
+        self._scratch = memoryview(bytearray(min(STREAM_CHUNK, len(payload))))
+        self._hasher = xxhash.xxh3_64()
+        self._pos = 0
+
+    def _open_head(self) -> at_rest.OpenedHead:
+        if self._opened is None:
+            self._opened = self._key.open_head(self._head)
+        return self._opened
+
+    def __call__(self, piece: memoryview) -> None:
+        opened = self._open_head()
+        if self._pos + len(piece) > len(self._payload):
+            raise CorruptBlockError("object is longer than its header says")
+        for at in range(0, len(piece), STREAM_CHUNK):
+            sealed = piece[at : at + STREAM_CHUNK]
+            out = self._scratch[: len(sealed)]
+            opened.payload.open_into(sealed, out)
+            self._hasher.update(out)
+            self._payload[self._pos : self._pos + len(out)] = out
+            self._pos += len(out)
+
+    def finish(self) -> tuple[bytes, int]:
+        """The header as packed and the payload's checksum, once the tag checks (CorruptBlockError)."""
+        opened = self._open_head()
+        if self._pos != len(self._payload):
+            raise CorruptBlockError(f"sealed payload of {self._pos} bytes, header says {len(self._payload)}")
+        opened.payload.finish()
+        return opened.packed, self._hasher.intdigest()
