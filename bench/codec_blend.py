@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from bench.codec_eval import STORE_DTYPE
-from engine_adapter.model import LlamaModel
+from engine_adapter.reference.model import LlamaModel
 
 
 def blend_parts(tokenizer, data: Path, index: int):

@@ -17,9 +17,9 @@ from bench.warm_prefix import put_chunks, wait_in_tier
 from compression import calibration_store
 from compression.transform import TransformCodec
 from engine_adapter.cached import CachedEngine
-from engine_adapter.client import KVStoreClient
-from engine_adapter.kv_cache import KVCache
-from engine_adapter.model import LlamaModel
+from engine_adapter.client.kvstore_client import KVStoreClient
+from engine_adapter.reference.kv_cache import KVCache
+from engine_adapter.reference.model import LlamaModel
 from kvstore.keys import prefix_keys
 from kvstore.spawn import DaemonProcess
 from tiers.disk import block_path

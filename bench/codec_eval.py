@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine_adapter.generate import decode_loop, prefill
-from engine_adapter.kv_cache import KVCache
-from engine_adapter.model import LlamaModel
-from engine_adapter.prompts import document_prompt
+from engine_adapter.reference.generate import decode_loop, prefill
+from engine_adapter.reference.kv_cache import KVCache
+from engine_adapter.reference.model import LlamaModel
+from engine_adapter.reference.prompts import document_prompt
 
 CHUNK_TOKENS = 256
 STORE_DTYPE = torch.float16

@@ -20,9 +20,9 @@ import torch
 from bench.codec_blend import blend_parts
 from bench.codec_eval import CHUNK_TOKENS, chunk_bounds
 from compression import get_codec
-from compression.model_calibration import SENSITIVITY_ALLOCATION, SENSITIVITY_LIMIT
-from engine_adapter.model import LlamaModel
-from engine_adapter.prompts import document_prompt
+from engine_adapter.calibrate import SENSITIVITY_ALLOCATION, SENSITIVITY_LIMIT
+from engine_adapter.reference.model import LlamaModel
+from engine_adapter.reference.prompts import document_prompt
 
 
 def parse_kvtc(text: str) -> dict:
@@ -50,13 +50,13 @@ def parse_kvtc(text: str) -> dict:
 
 
 def calibration_stats(model: LlamaModel, tokenizer, args, log, on: str = "contexts"):
-    """`compression.model_calibration.collect` over --calibration-items, cached in --cache-dir.
+    """`engine_adapter.calibrate.collect` over --calibration-items, cached in --cache-dir.
 
     ``on="contexts"``: each item's whole document prompt, prefilled at 0..n-1 (a stored prefix's KV);
     ``on="passages"``: each of its passages alone at 0..n-1, cut as the blend case cuts them (the
     KV that `BlendEngine` stores per chunk).
     """
-    from compression.model_calibration import collect
+    from engine_adapter.calibrate import collect
 
     items = json.loads(args.data.read_text())
     texts = []
@@ -84,8 +84,8 @@ def calibration_stats(model: LlamaModel, tokenizer, args, log, on: str = "contex
 
 
 def cached_sensitivity(model: LlamaModel, texts: list[list[int]], stats, calibration, cache_dir: Path, log):
-    """`compression.model_calibration.row_sensitivity` of the calibration texts under ``calibration``, cached by its id."""
-    from compression.model_calibration import row_sensitivity
+    """`engine_adapter.calibrate.row_sensitivity` of the calibration texts under ``calibration``, cached by its id."""
+    from engine_adapter.calibrate import row_sensitivity
     from compression.transform import TransformCodec
 
     path = cache_dir / f"sensitivity-{calibration.id[:20]}.pt"
@@ -126,7 +126,7 @@ def kvtc_codecs(model: LlamaModel, tokenizer, args, evaluated: set[int], log) ->
     overlap = evaluated & set(args.calibration_items)
     if overlap:
         raise SystemExit(f"--calibration-items {sorted(overlap)} are also evaluated; calibrate on other contexts")
-    from compression.model_calibration import sensitivity_scale
+    from engine_adapter.calibrate import sensitivity_scale
 
     # the per-row sensitivities are always measured on whole contexts (row_sensitivity needs texts
     # longer than a chunk plus its probe; passages are shorter), under the chosen basis

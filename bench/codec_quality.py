@@ -74,8 +74,8 @@ from bench.codec_eval import (  # noqa: E402  (one question's evaluation)
 )
 from bench.codec_kvtc import kvtc_codecs  # noqa: E402
 from compression import get_codec  # noqa: E402
-from engine_adapter.generate import decode_loop, prefill  # noqa: E402
-from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
+from engine_adapter.reference.generate import decode_loop, prefill  # noqa: E402
+from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf  # noqa: E402
 from bench.musique import MUSIQUE_DEV, f1_score, musique_items  # noqa: E402  (the benches' one data path, its check, F1)
 from codec_disk import disk_ttft, o_direct_read_gbps, print_disk_ttft  # noqa: E402
 

@@ -16,7 +16,10 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from engine_adapter.client import KVStoreClient
+try:
+    from engine_adapter.client.kvstore_client import KVStoreClient
+except ImportError:  # a revision before engine_adapter/client/ (bench/ab_pairs.py runs this file there too)
+    from engine_adapter.client import KVStoreClient
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16")
@@ -63,14 +66,25 @@ def client_put(args) -> tuple[float, int]:
 
 
 def client_put_rows(args) -> tuple[float, int]:
-    """Puts of ``n`` blocks from a KV cache in shared memory (engine_adapter/shared_kv.py), as the
+    """Puts of ``n`` blocks from a KV cache in shared memory (engine_adapter/client/shared_kv.py), as the
     reference engine stores a prompt's chunks: the daemon copies each block's rows out of the cache
     (``batch`` chunks of it, rows capacity * head_dim apart), one copy in all. Revisions without
     Puts in rows raise ImportError (the benchmark then skips the row)."""
     import torch
 
-    from engine_adapter.kv_cache import KVCache
-    from engine_adapter.shared_kv import SharedKVMemory, block_to_store, put_rows
+    try:
+        from engine_adapter.client.blocks import BlockToPut
+        from engine_adapter.client.shared_kv import SharedKVMemory, block_to_store
+        from engine_adapter.reference.kv_cache import KVCache
+
+        def put_rows(client, ns, blocks):
+            return client.put_rows(ns, blocks)
+    except ImportError:  # a revision before engine_adapter/client/ (bench/ab_pairs.py)
+        from engine_adapter.kv_cache import KVCache
+        from engine_adapter.shared_kv import SharedKVMemory, block_to_store, put_rows
+
+        def BlockToPut(key, tokens, payload):  # noqa: N802 - that revision's tuple
+            return key, tokens, payload
 
     address, client_id, n, batch, ready = args
     keys = keys_for(client_id, n)
@@ -90,7 +104,7 @@ def client_put_rows(args) -> tuple[float, int]:
         wait_until(ready)
         start = time.perf_counter()
         for i in range(0, n, batch):
-            put_rows(client, ns, [(k, CHUNK, b) for k, b in zip(keys[i:i + batch], blocks)])
+            put_rows(client, ns, [BlockToPut(k, CHUNK, b) for k, b in zip(keys[i:i + batch], blocks)])
         took = time.perf_counter() - start
         del blocks, kv
         memory.close()

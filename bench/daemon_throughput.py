@@ -11,7 +11,7 @@ Blocks are the size of one 256-token SmolLM2-135M chunk: 30 layers x 2 x 3 kv he
 
 Transports: ``shm`` is a client that copies each payload into its staging arena, whence the
 daemon copies it (two copies for a Put); ``rows`` is a Put from a KV cache in shared memory
-(engine_adapter/shared_kv.py), which the daemon copies out of in rows (one copy: what the
+(engine_adapter/client/shared_kv.py), which the daemon copies out of in rows (one copy: what the
 reference engine and the transformers adapter do); ``inline`` carries payloads in gRPC messages.
 
 Disk reads of both the daemon and the baseline come from the page cache (the files were just
@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 from bench.daemon_clients import (  # noqa: E402  (the blocks and one client's work)
     BLOCK, CHUNK, blocks_for, client_get, client_put, client_put_rows, keys_for, lookup_latencies,
     lookups_during_puts, namespace, run_clients)
-from engine_adapter.client import KVStoreClient  # noqa: E402
+from bench.daemon_clients import KVStoreClient  # noqa: E402  (either revision's: bench/ab_pairs.py)
 from kvstore.spawn import DaemonProcess  # noqa: E402
 
 
@@ -337,14 +337,17 @@ def main() -> int:
 
         # CPU tier: a daemon whose CPU tier holds everything.
         try:  # older revisions (bench/ab_pairs.py) have no Puts in rows
-            from engine_adapter.shared_kv import put_rows  # noqa: F401
+            try:
+                from engine_adapter.client.kvstore_client import KVStoreClient as _rows  # noqa: F401
+            except ImportError:
+                from engine_adapter.shared_kv import put_rows  # noqa: F401
             puts_in_rows = True
         except ImportError:
             puts_in_rows = False
         cpu_bytes = max(per_client[c] * c for c in args.clients) * (BLOCK + 8192) * (3 if puts_in_rows else 2)
         (scratch / "cpu-run").mkdir()
         proc, address = start_daemon(scratch / "cpu-run", cpu_capacity=cpu_bytes, disk_path="")
-        time.sleep(cpu_bytes / 250e6)  # let the arena finish faulting in (slow on VMs; see tiers/memory.py)
+        time.sleep(cpu_bytes / 250e6)  # let the arena finish faulting in (slow on VMs; see kvstore/memory.py)
         try:
             for shm in (True, False):
                 transport = "shm" if shm else "inline"

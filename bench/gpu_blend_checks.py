@@ -100,7 +100,7 @@ def section_blend_speed(device: str = "cuda", ratio: float = 0.15, runs: int = 5
     from blend.assemble import BlendLayout, chunk_block, place_block
     from blend.recompute import blend_prefill
     from blend.select import DEFAULT_SELECTOR, get_selector
-    from engine_adapter.model import LlamaModel, ModelConfig
+    from engine_adapter.reference.model import LlamaModel, ModelConfig
 
     shape = SHAPES["smollm2-135m"]
     config = ModelConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,

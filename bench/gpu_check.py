@@ -100,7 +100,7 @@ def section_gpu_tier(copy_gbps: float | None, blocks: int = 32) -> dict:
     import tempfile
     from pathlib import Path
 
-    from engine_adapter.client import KVStoreClient
+    from engine_adapter.client.kvstore_client import KVStoreClient
     from kvstore.block import BlockHeader
     from kvstore.keys import KEY_BYTES, KVLayout, Namespace, prefix_keys
     from kvstore.spawn import DaemonProcess
@@ -163,7 +163,7 @@ def section_blend(device: str = "cuda") -> dict:
     from blend.assemble import BlendLayout, chunk_block, place_block
     from blend.recompute import blend_prefill
     from blend.select import SELECTORS, get_selector
-    from engine_adapter.model import LlamaModel, ModelConfig
+    from engine_adapter.reference.model import LlamaModel, ModelConfig
 
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,

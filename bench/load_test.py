@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine_adapter.client import KVStoreClient  # noqa: E402
+from engine_adapter.client.kvstore_client import KVStoreClient  # noqa: E402
 from kvstore.keys import KVLayout, Namespace, prefix_keys  # noqa: E402
 from kvstore.spawn import DaemonProcess  # noqa: E402
 

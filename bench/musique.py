@@ -2,7 +2,7 @@
 
 The benches that read MuSiQue (`reuse_vs_rag.py`, `vllm_rag.py`, `codec_quality.py`, `warm_prefix.py`)
 take the dev set from `MUSIQUE_DEV` or a ``--data`` file, checked by `musique_items`. The prompt (`prompt_text`, `build_prompt`) is the CacheBlend paper's MuSiQue prompt in
-the model's chat template, each passage a chunk of its own, cut at ``SEP`` by `blend.engine.split_prompt`.
+the model's chat template, each passage a chunk of its own, cut at ``SEP`` by `blend.prompt.split_prompt`.
 
 MuSiQue: https://github.com/StonyBrookNLP/musique (CC BY 4.0).
 """
@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from blend.engine import split_prompt
+from blend.prompt import split_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 MUSIQUE_DEV = ROOT.parent / "shared" / "data" / "musique" / "dev.json"

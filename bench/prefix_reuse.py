@@ -50,13 +50,13 @@ sys.path.insert(0, str(ROOT))
 from bench.warm_prefix import (  # noqa: E402  (the corpus, daemons, storing a context, ceilings, one run)
     Run, load_corpus, memcpy_gbps, o_direct_read_gbps, run_engine, start_daemon, stop_daemon, store_context)
 from engine_adapter.cached import CachedEngine  # noqa: E402
-from engine_adapter.client import KVStoreClient  # noqa: E402
+from engine_adapter.client.kvstore_client import KVStoreClient  # noqa: E402
 from kvstore.spawn import DaemonProcess  # noqa: E402
-from engine_adapter.generate import sample_next  # noqa: E402
-from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
-from engine_adapter.kv_cache import KVCache  # noqa: E402
-from engine_adapter.model import LlamaModel  # noqa: E402
-from engine_adapter.prompts import document_prompt  # noqa: E402
+from engine_adapter.reference.generate import sample_next  # noqa: E402
+from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf  # noqa: E402
+from engine_adapter.reference.kv_cache import KVCache  # noqa: E402
+from engine_adapter.reference.model import LlamaModel  # noqa: E402
+from engine_adapter.reference.prompts import document_prompt  # noqa: E402
 from kvstore.keys import prefix_keys  # noqa: E402
 
 MODES = ("cold", "cpu", "disk", "resident")

@@ -49,12 +49,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.musique import (  # noqa: E402  (the data, the prompt, retrieval, F1)
     MUSIQUE_DEV, Prompt, bm25_top_k, build_prompt, f1_score, musique_items)
-from blend.engine import BlendEngine  # noqa: E402
+from engine_adapter.blend_engine import BlendEngine  # noqa: E402
 from blend.select import DEFAULT_SELECTOR, SELECTORS  # noqa: E402
 from engine_adapter.cached import fetch_slot_bytes, fetched_tensor, model_namespace  # noqa: E402
-from engine_adapter.client import KVStoreClient  # noqa: E402
-from engine_adapter.generate import decode_after, sample_next  # noqa: E402
-from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
+from engine_adapter.client.kvstore_client import KVStoreClient  # noqa: E402
+from engine_adapter.reference.generate import decode_after, sample_next  # noqa: E402
+from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf  # noqa: E402
 from kvstore.keys import prefix_keys  # noqa: E402
 
 

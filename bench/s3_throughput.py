@@ -166,9 +166,9 @@ def ttft(endpoint: str, folder: Path, context: int, repeats: int, threads: int) 
     import torch
 
     from engine_adapter.cached import CachedEngine
-    from engine_adapter.client import KVStoreClient
-    from engine_adapter.loader import find_smollm2_gguf, load_gguf
-    from engine_adapter.prompts import document_prompt
+    from engine_adapter.client.kvstore_client import KVStoreClient
+    from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf
+    from engine_adapter.reference.prompts import document_prompt
     from kvstore.keys import prefix_keys
     from bench.warm_prefix import load_corpus, run_engine, start_daemon, stop_daemon, store_context
 

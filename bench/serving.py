@@ -273,7 +273,7 @@ def plot(table: dict[str, dict[float, dict]], path: str, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from engine_adapter.loader import find_smollm2_gguf, gguf_config
+    from engine_adapter.reference.loader import find_smollm2_gguf, gguf_config
     from vllm_ttft import document_setup, vllm_env
 
     began = time.perf_counter()

@@ -49,10 +49,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from blend.engine import BlendEngine, split_prompt  # noqa: E402
+from blend.prompt import split_prompt  # noqa: E402
+from engine_adapter.blend_engine import BlendEngine  # noqa: E402
 from blend.select import DEFAULT_SELECTOR, SELECTORS  # noqa: E402
-from engine_adapter.client import KVStoreClient  # noqa: E402
-from engine_adapter.loader import load_hf_folder  # noqa: E402
+from engine_adapter.client.kvstore_client import KVStoreClient  # noqa: E402
+from engine_adapter.reference.loader import load_hf_folder  # noqa: E402
 from engine_adapter.vllm.blend import BLEND_PARAM  # noqa: E402
 from engine_adapter.vllm.hf_folder import write_hf_folder  # noqa: E402
 from kvstore.spawn import DaemonProcess  # noqa: E402

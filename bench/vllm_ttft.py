@@ -61,8 +61,8 @@ def spread(values: list[float], digits: int = 2) -> str:
 def document_setup(tokens: int, question: int, prefix: str) -> tuple[list[int], Path, Path]:
     """A ``tokens``-long document prompt (the bundled MuSiQue sample, question ``question`` last),
     a scratch folder named ``prefix...``, and the SmolLM2 HF folder vLLM loads, written in it."""
-    from engine_adapter.loader import find_smollm2_gguf, load_gguf
-    from engine_adapter.prompts import document_prompt
+    from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf
+    from engine_adapter.reference.prompts import document_prompt
     from engine_adapter.vllm.hf_folder import write_hf_folder
 
     sample = json.loads(resources.files("engine_adapter").joinpath("data/musique_sample.json").read_text())
@@ -189,7 +189,7 @@ def copy_benchmark(tokens: int, rounds: int = 9, layout_name: str | None = None)
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        from engine_adapter.vllm.worker import cpu_cache_write
+        from engine_adapter.vllm.layout import cpu_cache_write
         isa = _get_attn_isa(torch.bfloat16, page, head_dim)
     except ImportError:
         if layout_name is None:

@@ -23,8 +23,8 @@ import numpy as np
 
 from bench.musique import MUSIQUE_DEV
 from engine_adapter.cached import CachedEngine
-from engine_adapter.client import KVStoreClient
-from engine_adapter.kv_cache import KVCache
+from engine_adapter.client.kvstore_client import KVStoreClient
+from engine_adapter.reference.kv_cache import KVCache
 from kvstore.spawn import DaemonProcess
 
 ROOT = Path(__file__).resolve().parent.parent

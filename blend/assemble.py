@@ -29,8 +29,7 @@ from typing import Sequence
 import torch
 
 import kernels
-from engine_adapter.kv_cache import KVCache
-from engine_adapter.model import LlamaModel
+from blend.model import BlendCache, BlendModel
 
 SEGMENT_KINDS = ("prefix", "glue", "chunk", "query")
 
@@ -115,7 +114,7 @@ def rerotate_keys(keys: torch.Tensor, old_positions: torch.Tensor, new_positions
     return kernels.rope_ops(keys).rerotate_keys(keys, old_positions, new_positions, inv_freq.to(keys.device))
 
 
-def place_block(model: LlamaModel, kv: KVCache, block: torch.Tensor, segment: Segment) -> None:
+def place_block(model: BlendModel, kv: BlendCache, block: torch.Tensor, segment: Segment) -> None:
     """Write a block computed alone at 0..n-1 ([layers, 2, kv_heads, n, head_dim]) into ``kv`` at
     ``segment``, keys rotated to segment.start..end-1. Any segment order; ``kv.length`` is not moved."""
     n = segment.length
@@ -129,7 +128,7 @@ def place_block(model: LlamaModel, kv: KVCache, block: torch.Tensor, segment: Se
     kv.write_layers(segment.start, keys, block[:, 1])  # one copy for every layer
 
 
-def rotate_into_place(model: LlamaModel, kv: KVCache, segment: Segment) -> None:
+def rotate_into_place(model: BlendModel, kv: BlendCache, segment: Segment) -> None:
     """Rotate the keys of a block already in ``kv`` at ``segment``, as computed alone at 0..n-1
     (a Get copied it there in rows), to segment.start..end-1, in place: what `place_block` does
     on the way in."""
@@ -141,7 +140,7 @@ def rotate_into_place(model: LlamaModel, kv: KVCache, segment: Segment) -> None:
 
 
 @torch.inference_mode()
-def chunk_block(model: LlamaModel, token_ids: Sequence[int]) -> torch.Tensor:
+def chunk_block(model: BlendModel, token_ids: Sequence[int]) -> torch.Tensor:
     """The KV of ``token_ids`` computed alone at positions 0..n-1, as a block
     [layers, 2, kv_heads, n, head_dim]: what is stored under the tokens' chunk key."""
     n = len(token_ids)

@@ -45,8 +45,7 @@ import torch.nn.functional as F
 from blend.assemble import BlendLayout
 from blend.select import (CheckLayerView, StaleReadView, TokenSelector, attention_probs, hidden_keys, kv_deviation,
                           row_blocks)
-from engine_adapter.kv_cache import KVCache
-from engine_adapter.model import LlamaModel
+from blend.model import BlendCache, BlendModel
 from kernels.query_probs import query_probs
 
 
@@ -120,7 +119,7 @@ class SdpaRows:
         return heads[0] if len(heads) == 1 else torch.cat(heads, dim=1)
 
 
-def row_attention(model: LlamaModel, rows: torch.Tensor, total: int) -> Callable[..., torch.Tensor]:
+def row_attention(model: BlendModel, rows: torch.Tensor, total: int) -> Callable[..., torch.Tensor]:
     """The attention a partial layer computes its sorted ``rows`` with, planned once per row set:
     the model's own kernel where it has one, else `SdpaRows`."""
     own = model.row_attention(rows, total)
@@ -149,7 +148,7 @@ def _gather(rows: torch.Tensor, subset: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def stale_query_attention(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids: torch.Tensor,
+def stale_query_attention(model: BlendModel, kv: BlendCache, layout: BlendLayout, token_ids: torch.Tensor,
                           cos_all: torch.Tensor, sin_all: torch.Tensor) -> torch.Tensor:
     """[L, N] attention mass the query tokens put on each chunk token (N = layout.chunk_positions),
     per layer, when the query is computed over ``kv`` as assembled: the query and glue rows through
@@ -204,7 +203,7 @@ def stale_query_attention(model: LlamaModel, kv: KVCache, layout: BlendLayout, t
 
 
 @torch.inference_mode()
-def blend_prefill(model: LlamaModel, kv: KVCache, layout: BlendLayout, token_ids: torch.Tensor,
+def blend_prefill(model: BlendModel, kv: BlendCache, layout: BlendLayout, token_ids: torch.Tensor,
                   selector: TokenSelector, ratio: float, kv_only: bool = False) -> BlendPrefill:
     """Prefill ``token_ids`` [T] over ``kv``, which holds the assembled cached KV of every
     non-query segment. Writes recomputed K/V into ``kv`` and sets ``kv.length = T``.

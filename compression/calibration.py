@@ -3,7 +3,7 @@
 Per (layer, k/v, head group) a PCA basis and a bit allocation. Learned once per namespace (model,
 layout, dtype) from KV blocks: their statistics (`compression/calibration_stats.py`), fitted
 (`compression/calibration_fit.py`: the metric, the PCA), with the model
-(`compression/model_calibration.py`, `kvstore calibrate`) or without it (`compression/blind.py`,
+(`engine_adapter/calibrate.py`, `kvstore calibrate`) or without it (`compression/blind.py`,
 the daemon's `kvtc@auto`). Stored content-addressed (`Calibration.id` is the SHA-256 of its
 bytes) and named by that id in every block's codec params, so any reader that can fetch the id
 decodes the block; see `compression/calibration_store.py` for where calibrations live and
@@ -31,7 +31,7 @@ rare, huge-norm keys that every query reads) are left out of the statistics and 
 
 Per-row steps: ``allocation.row_scale`` multiplies each row's relative step, e.g. from a measured
 sensitivity of the model's output to each layer's keys and values
-(`compression.model_calibration.row_sensitivity`).
+(`engine_adapter.calibrate.row_sensitivity`).
 
 Layer groups (``layer_group`` N > 1, format v4): a row is N consecutive layers' keys (or values)
 side by side, C = N * H/G * D channels, so one basis also takes out what neighbouring layers share

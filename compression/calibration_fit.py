@@ -118,7 +118,7 @@ def calibrate(blocks: list[torch.Tensor], allocation: Allocation, groups: int = 
     """A calibration from KV blocks [L, 2, H, T_i, D] of one namespace (any token counts).
 
     Per row: mean and covariance over all tokens of all blocks (float64); with ``metric``
-    [B, C, C] (symmetric PSD per row, e.g. `compression.model_calibration.ModelStats.metric`) the
+    [B, C, C] (symmetric PSD per row, e.g. `engine_adapter.calibrate.ModelStats.metric`) the
     covariance is taken in the whitened space; eigenvectors by falling eigenvalue are the basis,
     sqrt(eigenvalue) the component std; steps from `allocation`.
 

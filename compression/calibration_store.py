@@ -146,7 +146,7 @@ def calibration_block(calibration: Calibration) -> tuple[bytes, int, bytes]:
 
 def put_calibration(client: Any, calibration: Calibration, tenant: str = "", durable: bool = False) -> int:
     """Store a calibration through a `KVStoreClient` (every tier, S3 included); returns blocks stored."""
-    # "exact": the daemon never re-encodes this block for a lossy lower tier (kvstore/transcode.py).
+    # "exact": the daemon never re-encodes this block for a lossy lower tier (compression/transcode.py).
     return client.put(calibration_namespace(tenant), [calibration_block(calibration)], durable=durable,
                       codec_params={"exact": True})
 

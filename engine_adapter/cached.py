@@ -30,13 +30,14 @@ from typing import Sequence
 
 import torch
 
-from engine_adapter.client import KVStoreClient
-from engine_adapter.generate import decode_after, sample_next
-from engine_adapter.kv_cache import KVCache
-from engine_adapter.model import LlamaModel, ModelConfig
-from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
-from engine_adapter.shared_kv import SharedKVMemory, block_to_store, region_of
-from engine_adapter.tokenizer import Tokenizer
+from engine_adapter.client.blocks import BlockToPut
+from engine_adapter.client.kvstore_client import KVStoreClient
+from engine_adapter.reference.generate import decode_after, sample_next
+from engine_adapter.reference.kv_cache import KVCache
+from engine_adapter.reference.model import LlamaModel, ModelConfig
+from engine_adapter.client.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
+from engine_adapter.client.shared_kv import SharedKVMemory, block_to_store, region_of
+from engine_adapter.reference.tokenizer import Tokenizer
 from kvstore.dtypes import TORCH_DTYPE_NAMES
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 
@@ -114,16 +115,10 @@ class CachedEngine:
         """Daemon failures so far (each one cost misses, not a request)."""
         return self.cache.errors
 
-    def _load_prefix(self, keys: list[bytes], kv, tiers: list[str]) -> int:
-        """Load the longest stored run of ``keys`` into ``kv``; returns tokens loaded."""
-        n = self.namespace.chunk_tokens
-        region = region_of(kv.data)
-        if region is not None:  # one copy: the daemon writes the blocks' rows into the cache
-            loaded = self.cache.load_rows(keys, kv, region, tiers)
-        else:
-            loaded = self.cache.load_run(keys, lambda c, block: kv.load(block, c * n), tiers)
-        kv.truncate(min(kv.length, loaded * n))
-        return loaded * n
+    def _load_prefix(self, keys: list[bytes], kv: KVCache, tiers: list[str]) -> int:
+        """Load the longest stored run of ``keys`` into ``kv`` (in one copy where it is in shared
+        memory: `PrefixCache.load`); returns tokens loaded."""
+        return self.cache.load(keys, kv, tiers) * self.namespace.chunk_tokens
 
     def _prefill_layerwise(self, keys: list[bytes], prompt_ids: list[int], kv, tiers: list[str]
                            ) -> torch.Tensor | None:
@@ -224,8 +219,8 @@ class CachedEngine:
         with torch.inference_mode():
             for c in range(present, len(keys)):
                 self.model(torch.tensor(context_ids[c * n : (c + 1) * n], dtype=torch.long), kv, c * n, last_only=True)
-                self.client.put(self.namespace, [(keys[c], n, kv.export(c * n, (c + 1) * n), keys[c - 1] if c else b"",
-                                                  context_ids[c * n : (c + 1) * n])])
+                self.client.put(self.namespace, [BlockToPut(keys[c], n, kv.export(c * n, (c + 1) * n),
+                                                            keys[c - 1] if c else b"", context_ids[c * n : (c + 1) * n])])
                 if progress:
                     progress(1)
         return len(keys) - present, present

@@ -71,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from engine_adapter.cached import CachedEngine
-    from engine_adapter.client import KVStoreClient
-    from engine_adapter.loader import find_smollm2_gguf, load_gguf
-    from engine_adapter.prompts import document_prompt
+    from engine_adapter.client.kvstore_client import KVStoreClient
+    from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf
+    from engine_adapter.reference.prompts import document_prompt
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     sample = load_sample()

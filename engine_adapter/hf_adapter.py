@@ -33,11 +33,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from engine_adapter.cached import GenerationResult
-from engine_adapter.prefix_cache import PrefixCache
-from engine_adapter.client import KVStoreClient
-from engine_adapter.kv_cache import KVCache
-from engine_adapter.shared_kv import SharedKVMemory, region_of
-from engine_adapter.loader import hf_rope
+from engine_adapter.client.prefix_cache import PrefixCache
+from engine_adapter.client.kvstore_client import KVStoreClient
+from engine_adapter.reference.kv_cache import KVCache
+from engine_adapter.client.shared_kv import SharedKVMemory, region_of
+from engine_adapter.reference.loader import hf_rope
 from kvstore.dtypes import TORCH_DTYPE_NAMES
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 
@@ -146,16 +146,15 @@ class HFCachedGenerator:
     def _load(self, keys: list[bytes], tiers: list[str]) -> DynamicCache:
         """A cache holding the longest stored run of ``keys`` (one chunk each, tiers appended).
         On the CPU with shared memory the daemon copies the blocks into a `KVCache` in an arena
-        (`PrefixCache.load_rows`) and the DynamicCache views it: one copy; else the blocks are
+        (`PrefixCache.load`) and the DynamicCache views it: one copy; else the blocks are
         copied out of the fetch and concatenated."""
         config, n = self.model.config, self.namespace.chunk_tokens
         if self._allocate is not None and keys:
             layout = self.namespace.layout
             kv = KVCache(layout.num_layers, layout.num_kv_heads, layout.head_dim, len(keys) * n, self.model.dtype,
                          "cpu", self._allocate)
-            region = region_of(kv.data)
-            if region is not None:
-                return cache_over(kv, self.cache.load_rows(keys, kv, region, tiers) * n, config)
+            if region_of(kv.data) is not None:
+                return cache_over(kv, self.cache.load(keys, kv, tiers) * n, config)
         blocks: list[torch.Tensor] = []  # copies: the fetched views die with their fetch
         self.cache.load_run(keys, lambda c, block: blocks.append(block.clone()), tiers)
         return cache_from_blocks([b.to(device=self.model.device, dtype=self.model.dtype) for b in blocks], config)

@@ -6,7 +6,7 @@ rotations of one frequency compose by adding angles::
 
     k_new = k_old * cos(delta * f) + rotate_half(k_old) * sin(delta * f)
 
-with the half-split layout of `engine_adapter.model.rotate_half` (pairs (i, i + D/2) share the
+with the half-split layout of `engine_adapter.reference.model.rotate_half` (pairs (i, i + D/2) share the
 frequency f_i = inv_freq[i]). Linear and llama3 RoPE scaling only change `inv_freq`, never the
 linearity in position, so the same formula holds for them.
 

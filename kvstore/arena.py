@@ -17,7 +17,7 @@ Why sealed memfds: a client can do nothing to the pages' file that hurts the dae
 shrink it (a daemon copy past the end would die of SIGBUS) or grow it, and the size is the
 daemon's choice within its caps, so whatever pages the daemon ever fills in are bounded. The
 daemon allocates and maps every page when it creates the arena, in a worker thread and without
-the GIL (``tiers.memory.populate``: MADV_POPULATE_WRITE through ctypes), so its event loop keeps
+the GIL (``kvstore.memory.populate``: MADV_POPULATE_WRITE through ctypes), so its event loop keeps
 serving while the pages are zeroed (~200 ms per 118 MB arena here). Neither ``mmap.madvise`` nor,
 on CPython 3.11, ``mmap.mmap(..., MAP_POPULATE)`` drops the GIL: either stalled every other
 client's Put for the whole zeroing, 8 clients' Puts measured 20-30% slower; not faulting them in
@@ -40,7 +40,7 @@ import socket
 import time
 from pathlib import Path
 
-from tiers.memory import populate, prefault
+from kvstore.memory import populate, prefault
 
 #: Seals every arena carries: its size is fixed for good.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL

@@ -5,7 +5,7 @@
     kvstore clear [--address ADDR] [--tier cpu] [--tier disk]
     kvstore locate --hosts ADDR,ADDR,... FILE [--tokens]
 
-Client commands (stats, clear, ingest, locate; kvstore/client_commands.py) take the address, the
+Client commands (stats, clear, ingest, locate; engine_adapter/commands.py) take the address, the
 token (for clear with tenants: the daemon's admin token) and TLS from their flags, else the
 KVSTORE_* environment, else the daemon's config file (--config or KVSTORE_CONFIG;
 kvstore.connect.client_settings); they check the
@@ -22,9 +22,10 @@ import logging
 import os
 import sys
 
-from kvstore.client_commands import cmd_clear, cmd_ingest, cmd_locate, cmd_stats
+from engine_adapter.commands import cmd_clear, cmd_ingest, cmd_locate, cmd_stats
 from kvstore.daemon.config import ENV_PREFIX, DaemonConfig, load_config
 from kvstore.host import default_listen
+from kvstore.instance_lock import LockError
 from tiers.base import TierError
 
 _FIELD_HELP = {
@@ -193,7 +194,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
-#: `compression.model_calibration`'s defaults, as `kvstore calibrate --help` shows them (written out here:
+#: `engine_adapter.calibrate`'s defaults, as `kvstore calibrate --help` shows them (written out here:
 #: importing that module imports torch; tests/test_operator_errors.py holds them equal).
 CALIBRATE_DEFAULTS = {"key_step": 0.3, "value_step": 0.6, "sink_tokens": 4, "sensitivity_limit": 4.0}
 
@@ -237,9 +238,9 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from compression import model_calibration  # the transform codec's calibration (kvtc): needs torch
+    from engine_adapter import calibrate  # the transform codec's calibration (kvtc): needs torch
 
-    return model_calibration.run(args)
+    return calibrate.run(args)
 
 
 def _namespace_arguments(parser: argparse.ArgumentParser) -> None:
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: no traceback (ingest and demo say what they kept themselves)
         print("kvstore: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, TierError) as exc:  # the message names the setting, file or tier to fix
+    except (ValueError, TierError, LockError) as exc:  # the message names the setting, file or tier to fix
         print(f"kvstore: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:

@@ -1,5 +1,5 @@
 """How any client reaches a daemon: TLS, bearer tokens, and one line saying why it could not.
-Shared by `engine_adapter.client.KVStoreClient`, `kvstore.locate` and the CLI's client commands.
+Shared by `engine_adapter.client.kvstore_client.KVStoreClient`, `kvstore.locate` and the CLI's client commands.
 
 - TLS (`ClientTLS`) applies to TCP addresses; a unix socket is private already (mode 0600) and
   is always plaintext.

@@ -20,7 +20,10 @@ import threading
 import time
 from pathlib import Path
 
-from tiers.base import TierError
+
+
+class LockError(RuntimeError):
+    """The lock cannot be taken: another daemon holds it, or its path is not a plain file."""
 
 _held: dict[tuple[int, int], list[int]] = {}  # (st_dev, st_ino) of the file -> [fd, holders in this process]
 _guard = threading.Lock()
@@ -57,14 +60,14 @@ def _alive(pid: int) -> bool:
 
 def _open(path: Path) -> tuple[int, os.stat_result]:
     """The lock file at ``path`` and its stat, opened read-write (created 0600) in its folder as
-    given, never through a symlink and never truncated. TierError naming ``path`` when it is a
+    given, never through a symlink and never truncated. LockError naming ``path`` when it is a
     symlink or not a plain file of one link; OSError when the folder or file cannot be opened."""
     folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fd = os.open(path.name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise TierError(f"{path} is a symbolic link: refusing to follow it (remove it)") from None
+            raise LockError(f"{path} is a symbolic link: refusing to follow it (remove it)") from None
         raise
     finally:
         os.close(folder)
@@ -72,13 +75,13 @@ def _open(path: Path) -> tuple[int, os.stat_result]:
     if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:
         os.close(fd)
         what = "not a plain file" if not stat.S_ISREG(found.st_mode) else f"a file with {found.st_nlink} links"
-        raise TierError(f"{path} is {what}: refusing to use it as a lock file (remove it)")
+        raise LockError(f"{path} is {what}: refusing to use it as a lock file (remove it)")
     return fd, found
 
 
 class InstanceLock:
     def __init__(self, path: Path, what: str) -> None:
-        """Take the lock at ``path`` or raise TierError naming ``what`` and the holder's pid (or
+        """Take the lock at ``path`` or raise LockError naming ``what`` and the holder's pid (or
         ``path``, when something other than a lock file is there)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -105,7 +108,7 @@ class InstanceLock:
                 holder = _holder(fd)
             finally:
                 os.close(fd)
-            raise TierError(f"{what} is in use by a running daemon (pid {holder})")
+            raise LockError(f"{what} is in use by a running daemon (pid {holder})")
 
     def release(self) -> None:
         with _guard:

@@ -55,7 +55,7 @@ def encode_get_response(replies: list[tuple[pb.GetResult, memoryview | None]]) -
     return b"".join(pieces)
 
 
-# -- the data channel's frames (kvstore/daemon/data_channel.py, engine_adapter/data_channel.py) ---
+# -- the data channel's frames (kvstore/daemon/data_channel.py, engine_adapter/client/data_channel.py) ---
 #
 #   frame   = head (kind: u8, body length: u32, big-endian) || body
 #   client  HELLO(token)  then  GET(GetRequest)            | PUT(PutRequest) || payloads

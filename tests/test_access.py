@@ -18,7 +18,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.arena import ArenaLease, arena_socket_path
 from kvstore.daemon.arena_registry import MAX_ARENAS
 from kvstore.daemon.auth import TenantDirectory
@@ -207,10 +207,10 @@ def test_one_tenant_holding_many_small_arenas_leaves_the_others_theirs(daemon_fa
         assert "error" in reply
         with KVStoreClient(d.address, token=TOKEN_B, arena_bytes=1 << 20) as b:
             assert b.shared_memory                 # B still gets its arena
-        caplog.set_level(logging.WARNING, logger="engine_adapter.client")
+        caplog.set_level(logging.WARNING, logger="engine_adapter.client.kvstore_client")
         with KVStoreClient(d.address, token=TOKEN_A, arena_bytes=1 << 20) as a:
             assert not a.shared_memory             # A's own client moves bytes inline, and says why
-        said = [r.getMessage() for r in caplog.records if r.name == "engine_adapter.client"]
+        said = [r.getMessage() for r in caplog.records if r.name == "engine_adapter.client.kvstore_client"]
         assert len(said) == 1 and f"your share is {share}" in said[0], said
     finally:
         for connection in held:

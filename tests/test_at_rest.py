@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.block import MAGIC as PLAIN_MAGIC
 from kvstore.block import BlockHeader, CorruptBlockError, payload_checksum
 from kvstore.keys import KVLayout

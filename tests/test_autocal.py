@@ -96,8 +96,8 @@ def test_no_rope_frame_when_no_theta_explains_the_keys():
 def test_blind_calibration_on_the_real_model():
     """SmolLM2's own KV, 256-token chunks in the order an engine stores them: theta 100000 found
     to 1%, every chunk's start found, keys coded before RoPE with lower error than post-RoPE."""
-    from engine_adapter.generate import prefill
-    from engine_adapter.loader import find_smollm2_gguf, load_gguf
+    from engine_adapter.reference.generate import prefill
+    from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf
 
     model, tokenizer = load_gguf(find_smollm2_gguf(), dtype=torch.float32)
     text = " ".join(f"Item {i}: the {['red', 'green', 'blue', 'amber'][i % 4]} valve of pump {i * 7 % 13} "
@@ -148,7 +148,7 @@ def prefix_blocks(n: int, seed: int, ns: Namespace = AUTO_NS, first_start: int =
 
 def on_disk(client, keys: list[bytes]) -> list:
     """The blocks as the disk tier holds them: the CPU tier cleared first (promotion is off)."""
-    from engine_adapter.prefix_cache import fetch_slot_bytes
+    from engine_adapter.client.prefix_cache import fetch_slot_bytes
 
     client.clear(["cpu"])
     with client.fetch(keys, fetch_slot_bytes(AUTO_LAYOUT, 256)) as fetched:
@@ -178,8 +178,8 @@ def auto_daemon(daemon_factory, short_tmp, name: str = "d0", **settings):
 
 
 def test_daemon_calibrates_a_namespace_from_its_first_blocks(daemon_factory, short_tmp, tmp_path, monkeypatch):
-    from engine_adapter.client import KVStoreClient
-    from engine_adapter.prefix_cache import PrefixCache, fetched_tensor
+    from engine_adapter.client.kvstore_client import KVStoreClient
+    from engine_adapter.client.prefix_cache import PrefixCache, fetched_tensor
 
     d = auto_daemon(daemon_factory, short_tmp)
     keys, blocks = prefix_blocks(10, seed=1)
@@ -235,7 +235,7 @@ def test_daemon_calibrates_a_namespace_from_its_first_blocks(daemon_factory, sho
 def test_tenants_get_calibrations_of_their_own(daemon_factory, short_tmp):
     """The same client namespace under two tenants: two calibrations, each made from that tenant's
     blocks only, coding only that tenant's blocks, stored where that tenant (and no other) can fetch it."""
-    from engine_adapter.client import KVStoreClient
+    from engine_adapter.client.kvstore_client import KVStoreClient
     from kvstore.daemon.auth import Tenant, tenant_key
     from kvstore.host import load_secret
     from kvstore.block import parse_block
@@ -274,7 +274,7 @@ def test_hostile_first_blocks_cannot_make_later_blocks_lossy(daemon_factory, sho
     """A client's first blocks shape its namespace's calibration. Blocks unlike the rest (here 1e4
     times larger, no RoPE structure) make one that codes the normal blocks badly: the daemon's check
     stores those as they are. A non-finite block is never sampled, and is stored bit for bit."""
-    from engine_adapter.client import KVStoreClient
+    from engine_adapter.client.kvstore_client import KVStoreClient
 
     d = auto_daemon(daemon_factory, short_tmp)
     keys, normal = prefix_blocks(9, seed=5)
@@ -309,8 +309,8 @@ def test_another_host_sharing_the_bucket_decodes_auto_coded_blocks(daemon_factor
     """Host A codes for disk and S3 with kvtc@auto: one calibration, from 4 distinct blocks (each passes
     the calibrator twice, on its way to disk and then to S3). Host B shares only the bucket: an engine
     of B's decodes A's coded blocks, the calibration coming from S3 through B."""
-    from engine_adapter.client import KVStoreClient
-    from engine_adapter.prefix_cache import PrefixCache, fetched_tensor
+    from engine_adapter.client.kvstore_client import KVStoreClient
+    from engine_adapter.client.prefix_cache import PrefixCache, fetched_tensor
 
     s3 = {"s3_endpoint": moto_server.url, "s3_bucket": s3_bucket}
     a = auto_daemon(daemon_factory, short_tmp, "a", s3_codec="kvtc@auto", **s3)
@@ -406,8 +406,8 @@ def test_daemon_groups_layers_when_told(daemon_factory, short_tmp):
     """auto_layer_group: the daemon's calibration has rows over that many layers (format v4), and the
     blocks it codes with it pass the same per-block checks."""
     from compression.calibration import Calibration
-    from engine_adapter.client import KVStoreClient
-    from engine_adapter.prefix_cache import PrefixCache, fetched_tensor
+    from engine_adapter.client.kvstore_client import KVStoreClient
+    from engine_adapter.client.prefix_cache import PrefixCache, fetched_tensor
 
     d = auto_daemon(daemon_factory, short_tmp, auto_layer_group="3")
     keys, blocks = prefix_blocks(8, seed=4)
@@ -548,10 +548,10 @@ def test_the_reference_engine_reuses_auto_coded_blocks_from_disk(daemon_factory,
     from importlib import resources
 
     from engine_adapter.cached import CachedEngine
-    from engine_adapter.client import KVStoreClient
-    from engine_adapter.generate import generate
-    from engine_adapter.loader import find_smollm2_gguf, load_gguf
-    from engine_adapter.prompts import document_prompt
+    from engine_adapter.client.kvstore_client import KVStoreClient
+    from engine_adapter.reference.generate import generate
+    from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf
+    from engine_adapter.reference.prompts import document_prompt
     from kvstore.keys import prefix_keys
 
     model, tokenizer = load_gguf(find_smollm2_gguf(), dtype=torch.float32)
@@ -587,7 +587,7 @@ def test_a_coded_block_may_not_claim_more_than_a_raw_one(daemon):
     more than the largest raw block the daemon takes (max_message_bytes) is refused at Put."""
     import grpc
 
-    from engine_adapter.client import KVStoreClient
+    from engine_adapter.client.kvstore_client import KVStoreClient
 
     tokens = (512 << 20) // AUTO_LAYOUT.block_bytes(1)
     with KVStoreClient(daemon.address) as client:

@@ -17,12 +17,13 @@ import torch.nn.functional as F
 
 from blend.assemble import BlendLayout, chunk_block, place_block
 from blend.controller import ControllerConfig, LoadingController
-from blend.engine import BlendEngine, BlendPrompt, split_prompt
+from blend.prompt import BlendPrompt, split_prompt
+from engine_adapter.blend_engine import BlendEngine
 from blend.recompute import blend_prefill, row_causal_mask
 from blend.select import DEFAULT_SELECTOR, SELECTORS, TokenSelector, get_selector, top_positions
-from engine_adapter.client import KVStoreClient
-from engine_adapter.model import LlamaModel, ModelConfig, causal_mask
-from engine_adapter.shared_kv import region_of
+from engine_adapter.client.kvstore_client import KVStoreClient
+from engine_adapter.reference.model import LlamaModel, ModelConfig, causal_mask
+from engine_adapter.client.shared_kv import region_of
 
 TOL = 1e-4
 
@@ -528,7 +529,7 @@ def test_split_prompt():
 
 @pytest.mark.slow
 def test_smollm2_blend_through_the_daemon(daemon):
-    from engine_adapter.loader import find_smollm2_gguf, load_gguf
+    from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf
 
     torch.set_num_threads(1)
     model, tokenizer = load_gguf(find_smollm2_gguf(), dtype=torch.float32)
@@ -565,7 +566,7 @@ def test_smollm2_attention_selectors_beat_naive_reuse_on_musique(monkeypatch):
     import sys
     from pathlib import Path
 
-    from engine_adapter.loader import find_smollm2_gguf, load_gguf
+    from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf
 
     root = Path(__file__).resolve().parent.parent
     data_path = root.parent / "shared" / "data" / "musique" / "dev.json"

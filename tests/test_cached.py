@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from engine_adapter.cached import CachedEngine
-from engine_adapter.client import KVStoreClient
-from engine_adapter.generate import generate
-from engine_adapter.loader import find_smollm2_gguf, load_gguf
-from engine_adapter.prompts import document_prompt
+from engine_adapter.client.kvstore_client import KVStoreClient
+from engine_adapter.reference.generate import generate
+from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf
+from engine_adapter.reference.prompts import document_prompt
 
 pytestmark = pytest.mark.slow
 

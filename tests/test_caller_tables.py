@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.block import BlockHeader
 from kvstore.daemon.namespaces import NamespaceLayouts
 from kvstore.keys import KVLayout, Namespace, prefix_keys

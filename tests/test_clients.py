@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.keys import prefix_keys
 from kvstore.connect import TokenBook
 from kvstore.locate import locate
@@ -179,7 +179,7 @@ def test_locate_with_per_host_tokens_and_tls(daemon_factory, certificate, short_
     own token over TLS (the unix socket in plaintext), from a file of lines or of TOML. Before:
     one token for every host, in plaintext."""
     from engine_adapter.cached import config_namespace
-    from engine_adapter.loader import find_smollm2_gguf, gguf_config
+    from engine_adapter.reference.loader import find_smollm2_gguf, gguf_config
 
     try:
         config, _ = gguf_config(find_smollm2_gguf())
@@ -242,8 +242,9 @@ def test_token_files_one_token_lines_or_toml(short_tmp):
 
 
 def test_the_vllm_connector_takes_tls_and_token_file_keys():
-    connector = pytest.importorskip("engine_adapter.vllm.connector", exc_type=ImportError)
-    settings = connector.ConnectorSettings.from_extra_config(
+    from engine_adapter.vllm.settings import ConnectorSettings  # no vLLM needed
+
+    settings = ConnectorSettings.from_extra_config(
         {"address": "10.0.0.5:7070", "tls_ca": "/etc/kvstore/ca.pem", "tls_cert": "c.pem", "tls_key": "k.pem",
          "tls_server_name": "kvstore", "token_file": "/run/secrets/kvstore", "insecure": "false"})
     assert (settings.tls_ca, settings.token_file, settings.insecure) == ("/etc/kvstore/ca.pem", "/run/secrets/kvstore",
@@ -328,7 +329,7 @@ def test_locate_hints_at_another_dtype_to_the_tenant_that_stored_it_only(daemon_
     hint asks with the caller's own token, so another tenant (whose keys derive from its token)
     gets none."""
     from engine_adapter.cached import config_namespace
-    from engine_adapter.loader import find_smollm2_gguf, gguf_config
+    from engine_adapter.reference.loader import find_smollm2_gguf, gguf_config
     from tests.test_tenancy import TOKEN_A, TOKEN_B, _tenants
 
     try:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -287,7 +287,7 @@ def test_clients_leave_no_arena_file_even_when_killed(daemon):
         client.put(NS, [(k, 64, p) for k, p in zip(keys, payloads)])
         assert client.get(keys, BLOCK) == [p.tobytes() for p in payloads]
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from engine_adapter.client import KVStoreClient; "
+        [sys.executable, "-c", "import sys, time; from engine_adapter.client.kvstore_client import KVStoreClient; "
          f"c = KVStoreClient({daemon.address!r}, arena_bytes=8 * 2**20); print('ready', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     with KVStoreClient(daemon.address, shared_memory=False) as observer:
@@ -307,7 +307,7 @@ def test_clients_leave_no_arena_file_even_when_killed(daemon):
 def test_the_client_counts_arena_bytes_as_its_allocator_takes_them():
     """A call is refused only when it cannot fit: items whose sizes fill the arena exactly fit,
     one byte more does not (the allocator rounds each extent up to 4 KiB)."""
-    from engine_adapter.arena_space import slot_bytes as _slot_bytes
+    from engine_adapter.client.arena_space import slot_bytes as _slot_bytes
     from tiers.allocator import ExtentAllocator
 
     arena = ExtentAllocator(64 << 20, align=4096)

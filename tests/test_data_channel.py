@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import (ERROR, FRAME_HEAD, GET, GET_REPLY, HELLO, PUT, PUT_REPLY, READY, frame, layout_message,
@@ -452,7 +452,7 @@ def test_the_pool_learns_the_new_port_after_a_restart_and_never_dials_the_old_on
 def test_a_unix_data_socket_served_by_another_user_is_refused_before_the_token(daemon_factory):
     """The peer of the unix data socket must run as the owner of the daemon's socket (SO_PEERCRED):
     dialled as if the daemon were another user's, nothing is sent."""
-    from engine_adapter.data_channel import DataEndpoint, ImpostorError
+    from engine_adapter.client.data_channel import DataEndpoint, ImpostorError
 
     d = daemon_factory("d0", data_listen="127.0.0.1:0", auth_token=TOKEN)
     endpoint = DataEndpoint.advertised(d.address, data_port(d), "")

@@ -562,7 +562,7 @@ def test_every_probe_of_the_pod_answers_on_a_real_daemon(daemon_factory, short_t
 def test_the_sizing_example_is_the_bundled_models_kv():
     """docs/deploy/README.md's KV bytes per token of SmolLM2-135M in fp32 is what its GGUF says:
     layers x 2 x KV heads x head_dim x 4."""
-    from engine_adapter.loader import find_smollm2_gguf, gguf_config
+    from engine_adapter.reference.loader import find_smollm2_gguf, gguf_config
 
     config, _ = gguf_config(find_smollm2_gguf())
     per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
@@ -654,7 +654,7 @@ def test_every_series_the_dashboard_and_alerts_name_is_on_a_live_daemons_metrics
     each label it groups or matches by is one that metric has."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from engine_adapter.client import KVStoreClient
+    from engine_adapter.client.kvstore_client import KVStoreClient
     from kvstore.daemon.metrics import Metrics
     from tests.test_daemon import BLOCK, NS, make_blocks
 

@@ -13,11 +13,11 @@ import typing
 import pytest
 import torch
 
-from engine_adapter.generate import decode_after, decode_loop, generate, prefill, sample_next
-from engine_adapter.loader import find_smollm2_gguf, load_gguf, load_hf_folder
-from engine_adapter.kv_cache import KVCache
-from engine_adapter.model import LlamaModel, ModelConfig
-from engine_adapter.tokenizer import Tokenizer, byte_alphabet
+from engine_adapter.reference.generate import decode_after, decode_loop, generate, prefill, sample_next
+from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf, load_hf_folder
+from engine_adapter.reference.kv_cache import KVCache
+from engine_adapter.reference.model import LlamaModel, ModelConfig
+from engine_adapter.reference.tokenizer import Tokenizer, byte_alphabet
 
 LOGITS_TOLERANCE = 1e-4  # max abs difference in fp32
 

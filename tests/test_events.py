@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import zmq
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.daemon.config import load_config
 from kvstore.block import BlockHeader, pack_token_ids
 from kvstore.daemon.event_format import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, block_hash, decode_batch,

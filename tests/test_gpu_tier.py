@@ -112,7 +112,7 @@ def test_batched_reads_into_one_arena_copy_once():
 
 
 def test_daemon_with_a_gpu_tier_on_device_cpu(daemon_factory):
-    from engine_adapter.client import KVStoreClient
+    from engine_adapter.client.kvstore_client import KVStoreClient
     from tests.test_daemon import BLOCK, NS, make_blocks
 
     d = daemon_factory(gpu_capacity="1MiB", gpu_device="cpu", cpu_capacity="2MiB", write_policy="write-back")
@@ -127,7 +127,7 @@ def test_daemon_with_a_gpu_tier_on_device_cpu(daemon_factory):
 
 @pytest.mark.parametrize("top", ["gpu", "cpu"])
 def test_layerwise_get_delivers_every_layer_in_order(daemon_factory, top):
-    from engine_adapter.client import KVStoreClient
+    from engine_adapter.client.kvstore_client import KVStoreClient
     from tests.test_daemon import BLOCK, LAYOUT, NS, make_blocks
 
     settings = dict(gpu_capacity="4MiB", gpu_device="cpu") if top == "gpu" else {}
@@ -153,7 +153,7 @@ def test_layerwise_get_delivers_every_layer_in_order(daemon_factory, top):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_data_plane_maps_the_daemon_pool_and_copies_device_to_device(daemon_factory):
-    from engine_adapter.client import KVStoreClient
+    from engine_adapter.client.kvstore_client import KVStoreClient
     from tests.test_daemon import NS, make_blocks
 
     d = daemon_factory(gpu_capacity="64MiB", gpu_device="cuda")

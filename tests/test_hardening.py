@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.arena import Arena, arena_socket_path
 from kvstore.daemon.auth import Tenant, tenant_key
 from kvstore.host import load_secret

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine_adapter.cached import CachedEngine, model_namespace
-from engine_adapter.client import KVStoreClient
-from engine_adapter.loader import find_smollm2_gguf, load_gguf
+from engine_adapter.client.kvstore_client import KVStoreClient
+from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf
 from kvstore.keys import prefix_keys
 
 transformers = pytest.importorskip("transformers")
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # loads the real SmolLM2 twice
 
 from engine_adapter.hf_adapter import (HFCachedGenerator, blocks_from_cache, cache_from_blocks,  # noqa: E402
                                       cache_over, hf_namespace)
-from engine_adapter.kv_cache import KVCache  # noqa: E402
+from engine_adapter.reference.kv_cache import KVCache  # noqa: E402
 
 CHUNK = 256
 NEW_TOKENS = 12

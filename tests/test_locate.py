@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.keys import prefix_keys
 from kvstore.locate import locate
 from tests.test_daemon import BLOCK, NS, make_blocks
@@ -52,7 +52,7 @@ def test_locate_rejects_bad_input():
 def test_locate_command_with_token_ids(daemon_factory, short_tmp):
     """The CLI computes the keys of the bundled model's namespace from token ids."""
     from engine_adapter.cached import config_namespace
-    from engine_adapter.loader import find_smollm2_gguf, gguf_config
+    from engine_adapter.reference.loader import find_smollm2_gguf, gguf_config
 
     try:
         config, _ = gguf_config(find_smollm2_gguf())

@@ -15,7 +15,7 @@ import urllib.request
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import ROOT, free_port
@@ -115,7 +115,7 @@ def test_a_killed_client_loses_at_most_its_unsent_batch(daemon_factory):
     d = daemon_factory(metrics_listen=f"127.0.0.1:{port}")
     script = textwrap.dedent(f"""
         import os, sys, time
-        from engine_adapter.client import KVStoreClient
+        from engine_adapter.client.kvstore_client import KVStoreClient
         from tests.test_daemon import make_blocks
         keys, _ = make_blocks(4, seed=403)
         client = KVStoreClient({d.address!r})

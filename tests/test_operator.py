@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.spawn import DaemonProcess as SpawnedDaemon
 from tests.conftest import ROOT, DaemonProcess, free_port
 from tests.test_daemon import BLOCK, NS, make_blocks
@@ -85,28 +85,26 @@ def test_a_refused_daemon_waits_for_the_winners_pid(tmp_path):
     """The winner of a start-up race takes the flock, then writes its pid: in between, the loser
     finds the file empty or holding a dead former holder's pid, and must name the winner anyway
     (seen as "pid unknown" in a suite run on a busy 2-core host)."""
-    from kvstore.instance_lock import InstanceLock
-    from tiers.base import TierError
+    from kvstore.instance_lock import InstanceLock, LockError
 
     lock = tmp_path / "kvstore.lock"
     lock.write_text("999999999\n")  # beyond any pid_max: a holder long gone
     then = "time.sleep(0.3); os.ftruncate(fd, 0); os.pwrite(fd, f'{os.getpid()}\\n'.encode(), 0)"
     with holding_flock(lock, then) as winner:
-        with pytest.raises(TierError, match=f"in use by a running daemon \\(pid {winner.pid}\\)"):
+        with pytest.raises(LockError, match=f"in use by a running daemon \\(pid {winner.pid}\\)"):
             InstanceLock(lock, "the folder")
 
 
 def test_a_lock_file_without_a_live_pid_is_named_as_such(tmp_path, monkeypatch):
     """A holder that never writes its pid (another pid namespace, or a file someone wrote): after
-    the wait the refusal says what the file holds, and is still the one-line TierError."""
+    the wait the refusal says what the file holds, and is still the one-line LockError."""
     from kvstore import instance_lock
-    from tiers.base import TierError
 
     monkeypatch.setattr(instance_lock, "HOLDER_WAIT_S", 0.2)
     lock = tmp_path / "kvstore.lock"
     lock.write_text("\u00b2\n")  # a digit to str.isdigit, not to int()
     with holding_flock(lock):
-        with pytest.raises(TierError, match="pid unknown; the lock file says '\u00b2'"):
+        with pytest.raises(instance_lock.LockError, match="pid unknown; the lock file says '\u00b2'"):
             instance_lock.InstanceLock(lock, "the folder")
 
 
@@ -317,7 +315,7 @@ def test_ingest_of_a_text_shorter_than_a_chunk_says_it_stored_nothing(daemon_fac
     storing nothing silently. Loads the bundled model (several seconds)."""
     pytest.importorskip("gguf")
     try:
-        from engine_adapter.loader import find_smollm2_gguf
+        from engine_adapter.reference.loader import find_smollm2_gguf
 
         find_smollm2_gguf()
     except Exception as exc:  # noqa: BLE001 - no bundled model here

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from tests.conftest import ROOT, exec_after
 from tests.test_daemon import LAYOUT, NS, make_blocks
 from tests.test_operator import SMALL, finish, kvstore, one_line_error, serve
@@ -55,7 +55,7 @@ def _wait_for(condition, timeout: float = 30.0, what: str = "condition") -> None
 def _bundled_model() -> Path:
     pytest.importorskip("gguf")
     try:
-        from engine_adapter.loader import find_smollm2_gguf
+        from engine_adapter.reference.loader import find_smollm2_gguf
 
         return Path(find_smollm2_gguf())
     except Exception as exc:  # noqa: BLE001 - no bundled model here
@@ -188,7 +188,7 @@ def test_a_known_calibration_starts_and_codes_disk_blocks_without_a_torch_warnin
 
 
 def test_decoding_blocks_from_read_only_bytes_warns_nothing(short_tmp):
-    """Every payload decode on the daemon's paths (kvstore/transcode.py: raw views, re-encoding into
+    """Every payload decode on the daemon's paths (compression/transcode.py: raw views, re-encoding into
     int8 and kvtc, decoding those) from immutable ``bytes``, with warnings as errors, in a fresh
     process (PyTorch warns once per process, so an earlier test could hide it)."""
     script = f"""
@@ -202,7 +202,7 @@ from compression.base import tensor_bytes
 from compression.calibration import Allocation
 from compression.calibration_fit import calibrate
 from kvstore.block import BlockHeader, payload_checksum
-from kvstore.transcode import decode_payload, transcode
+from compression.transcode import decode_payload, transcode
 from tests.test_daemon import LAYOUT, make_blocks
 
 _, payloads = make_blocks(8, seed=9)
@@ -304,7 +304,7 @@ def test_ingest_past_the_models_context_warns_and_stores_only_usable_chunks(daem
 
 
 def test_the_context_overflow_is_the_tokens_past_the_context():
-    from kvstore.client_commands import context_overflow
+    from engine_adapter.commands import context_overflow
 
     assert context_overflow(9000, 8192) == 808
     assert context_overflow(8192, 8192) == 0
@@ -442,7 +442,7 @@ def test_every_serve_setting_is_described_in_words():
 
 def test_calibrate_help_shows_its_defaults_as_numbers():
     """`kvstore calibrate --help` said "default: compression.calibrate.DEFAULT_ALLOCATION"."""
-    from compression.model_calibration import DEFAULT_ALLOCATION, SENSITIVITY_LIMIT
+    from engine_adapter.calibrate import DEFAULT_ALLOCATION, SENSITIVITY_LIMIT
     from kvstore.cli import CALIBRATE_DEFAULTS
 
     assert CALIBRATE_DEFAULTS == {"key_step": DEFAULT_ALLOCATION.key_step, "value_step": DEFAULT_ALLOCATION.value_step,

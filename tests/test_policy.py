@@ -294,7 +294,7 @@ def test_through_the_daemon_the_clients_parents_keep_a_prompts_prefix(daemon_fac
     import grpc
     import numpy as np
 
-    from engine_adapter.client import KVStoreClient
+    from engine_adapter.client.kvstore_client import KVStoreClient
     from kvstore.keys import KVLayout, Namespace, prefix_keys
 
     layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, dtype="float16")
@@ -322,8 +322,8 @@ def test_a_pipelined_put_is_stored_in_the_batchs_order(daemon_factory, monkeypat
     once, a CI run saw the third block evicted)."""
     import numpy as np
 
-    import engine_adapter.arena_calls as arena_calls
-    from engine_adapter.client import KVStoreClient
+    import engine_adapter.client.arena_calls as arena_calls
+    from engine_adapter.client.kvstore_client import KVStoreClient
     from kvstore.keys import KVLayout, Namespace, prefix_keys
 
     monkeypatch.setattr(arena_calls, "PIPELINE_PART_BYTES", 1)  # a quarter of any batch per Put

@@ -1,4 +1,4 @@
-"""The engines' one guarded load/store path (engine_adapter/prefix_cache.py), against a real daemon:
+"""The engines' one guarded load/store path (engine_adapter/client/prefix_cache.py), against a real daemon:
 an outage costs misses and is said once when it starts and once when it ends; a connecting cache
 steps aside for ``retry_s``; the store thread keeps order and its queue bound."""
 
@@ -11,8 +11,8 @@ import time
 import numpy as np
 import torch
 
-from engine_adapter.client import KVStoreClient
-from engine_adapter.prefix_cache import PrefixCache
+from engine_adapter.client.kvstore_client import KVStoreClient
+from engine_adapter.client.prefix_cache import PrefixCache
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16")
@@ -37,7 +37,7 @@ def test_an_outage_is_said_once_costs_misses_and_ends_when_the_daemon_is_back(da
         return KVStoreClient(daemon.address, timeout=2)
 
     cache = PrefixCache(None, namespace, connect=connect, retry_s=0.5, address=daemon.address)
-    caplog.set_level(logging.DEBUG, logger="engine_adapter.prefix_cache")
+    caplog.set_level(logging.DEBUG, logger="engine_adapter.client.prefix_cache")
     assert cache.put(items, durable=True) and cache.lookup([k for k, _, _ in items]).hits == 3
     daemon.stop(signal_kill=True)
     assert not cache.put(items[:1])  # the daemon died: counted (Lookups may still read its key index)
@@ -106,8 +106,8 @@ def test_coded_blocks_are_decoded_ahead_in_order_and_waited_for_on_close():
     import pytest
 
     from compression import get_codec
-    from engine_adapter.blocks import FetchedBlock
-    from engine_adapter.prefix_cache import decoded_ahead, fetched_tensor
+    from engine_adapter.client.blocks import FetchedBlock
+    from engine_adapter.client.prefix_cache import decoded_ahead, fetched_tensor
 
     _, items = blocks(6, seed=3)
     codec = get_codec("int4-g32+shuffle+zstd")

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.daemon import process as daemon_module
 from kvstore.daemon.config import DaemonConfig, load_config
 from kvstore.daemon.process import Daemon

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from tests.test_daemon import BLOCK, NS, make_blocks
 
 ROOT = Path(__file__).resolve().parent.parent

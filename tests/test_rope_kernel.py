@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_adapter.model import ModelConfig, apply_rope, rope_inverse_frequencies
+from engine_adapter.reference.model import ModelConfig, apply_rope, rope_inverse_frequencies
 from kernels import rope_ref
 
 rope = pytest.importorskip("kernels.rope")  # needs triton; conftest set TRITON_INTERPRET

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import zmq
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.block import BlockHeader, pack_token_ids
 from kvstore.daemon.event_format import decode_batch
 from kvstore.daemon.event_replay import replay
@@ -422,8 +422,8 @@ def test_as_an_operator_runs_it_kvstore_ingest_then_clear(daemon_factory, short_
     a query with the document's tokens, then ``kvstore clear``."""
     from importlib import resources
 
-    from engine_adapter.loader import find_smollm2_gguf, load_gguf
-    from engine_adapter.prompts import document_prompt
+    from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf
+    from engine_adapter.reference.prompts import document_prompt
     from tests.test_operator import finish, kvstore
 
     sample = json.loads(resources.files("engine_adapter").joinpath("data/musique_sample.json").read_text())

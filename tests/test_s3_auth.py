@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.host import s3_mac_key
 from kvstore.block import BlockHeader, CorruptBlockError, payload_checksum
 from kvstore.keys import KVLayout

@@ -17,18 +17,11 @@ import pytest
 import torch
 
 from compression import get_codec
-from engine_adapter.client import KVStoreClient
-from engine_adapter.kv_cache import KVCache
-from engine_adapter.prefix_cache import PrefixCache
-from engine_adapter.shared_kv import (
-    Rows,
-    RowsInRegion,
-    SharedKVMemory,
-    SharedRegion,
-    block_to_store,
-    get_rows,
-    region_of,
-)
+from engine_adapter.client.kvstore_client import KVStoreClient
+from engine_adapter.reference.kv_cache import KVCache
+from engine_adapter.client.prefix_cache import PrefixCache
+from engine_adapter.client.blocks import Rows
+from engine_adapter.client.shared_kv import RowsInRegion, SharedKVMemory, SharedRegion, block_to_store, region_of
 from kvstore.block import CHECKSUM_STEP, payload_checksum
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 from kvstore.proto import kvstore_pb2 as pb
@@ -120,7 +113,7 @@ def test_a_get_in_rows_fills_a_shared_kv_cache_as_a_load_does(top_tier):
         assert region is not None
         kv.data.fill_(7.0)
         tiers_seen: list[str] = []
-        assert cache.load_rows(keys, kv, region, tiers_seen) == 5 and kv.length == 5 * N
+        assert cache.load(keys, kv, tiers_seen) == 5 and kv.length == 5 * N
         assert tiers_seen == [tiers] * 5
         assert torch.equal(kv.data[:, :, :, : 5 * N], _reference(keys, source, capacity).data[:, :, :, : 5 * N])
         assert bool((kv.data[:, :, :, 5 * N :] == 7.0).all())  # past the blocks: untouched
@@ -128,7 +121,7 @@ def test_a_get_in_rows_fills_a_shared_kv_cache_as_a_load_does(top_tier):
         # A run with a gap stops there: the chunks after the gap are not counted as loaded.
         other, _ = _context(2, seed=2)
         kv.truncate(0)
-        assert cache.load_rows([keys[0], other[1], keys[2]], kv, region, []) == 1 and kv.length == N
+        assert cache.load([keys[0], other[1], keys[2]], kv, []) == 1 and kv.length == N
         del kv, region
         gc.collect()
 
@@ -146,14 +139,14 @@ def test_a_coded_block_is_not_copied_in_rows_and_loads_the_usual_way(daemon):
         places = [Rows(region.offset_of(kv.data) + o, rb, s, r) for o, rb, s, r in
                   (kv.block_rows(c * N, N) for c in range(4))]
         kv.data.fill_(-3.0)
-        found = get_rows(client, region, keys, places)
-        assert [in_place for _, in_place in found] == [True, True, False, False]
-        assert [b.codec for b, _ in found] == ["raw", "raw", "int8", "int8"]
+        found = client.get_rows(region.arena_id, keys, places, NS.layout)
+        assert [g.in_place for g in found] == [True, True, False, False]
+        assert [g.codec for g in found] == ["raw", "raw", "int8", "int8"]
         assert bool((kv.data[:, :, :, 2 * N :] == -3.0).all())  # the coded blocks' rows: nothing copied
         plain = KVCache(5, 3, 48, 4 * N, torch.float32, "cpu")
         assert cache.load_run(keys, lambda c, b: plain.load(b, c * N), []) == 4
         kv.truncate(0)
-        assert cache.load_rows(keys, kv, region, []) == 4 and kv.length == 4 * N
+        assert cache.load(keys, kv, []) == 4 and kv.length == 4 * N
         assert torch.equal(kv.data, plain.data)  # the same bytes as a load through the staging arena
         assert not torch.equal(kv.data[:, :, :, 2 * N :], source.data[:, :, :, 2 * N :])  # int8: lossy, decoded
         del kv, region
@@ -274,7 +267,7 @@ def test_regions_a_restarted_daemon_no_longer_holds_are_not_reused(daemon):
         keys, source = _context(1, seed=7)
         with KVStoreClient(daemon.address) as fresh:
             _put(fresh, keys, source)
-            assert PrefixCache(fresh, NS).load_rows(keys, kv, new, []) == 1
+            assert PrefixCache(fresh, NS).load(keys, kv, []) == 1
         assert torch.equal(kv.data, source.data)
         del kv, new
         gc.collect()

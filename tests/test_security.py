@@ -11,7 +11,7 @@ import stat
 import grpc
 import pytest
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from tests.test_daemon import BLOCK, NS, make_blocks
 
 

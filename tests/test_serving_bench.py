@@ -146,7 +146,7 @@ def test_no_reuse_prompts_share_no_chunk(corpus):
 
 
 def test_no_reuse_with_the_real_tokenizer_shares_no_chunk():
-    from engine_adapter.loader import find_smollm2_gguf, gguf_config
+    from engine_adapter.reference.loader import find_smollm2_gguf, gguf_config
 
     try:
         _, tokenizer = gguf_config(find_smollm2_gguf())

@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore import shm_index
 from kvstore.shm_index import MIN_SLOTS, KeyIndexReader, KeyIndexWriter
 from tests.test_daemon import BLOCK, NS, make_blocks

@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 import zmq
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.daemon import event_replay as events  # the replay's bounds: events.REPLAY_BURST, ...
 from kvstore.daemon.config import load_config
 from kvstore.daemon.event_format import END_SEQ, block_hash, decode_batch

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from engine_adapter.client import KVStoreClient
+from engine_adapter.client.kvstore_client import KVStoreClient
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.placement import BlockStore

@@ -132,7 +132,7 @@ def test_resolve_from_directory_and_rejects_tampered_bytes(calibration, tmp_path
 
 def test_calibration_travels_through_the_daemon(calibration, daemon):
     """Put through KVStoreClient, drop every local copy, decode a block by Getting it back."""
-    from engine_adapter.client import KVStoreClient
+    from engine_adapter.client.kvstore_client import KVStoreClient
 
     block = kv_block(64, seed=11)
     encoded = TransformCodec(calibration).encode(block)
@@ -156,7 +156,7 @@ def test_exact_blocks_such_as_calibrations_are_never_transcoded():
 
     from kvstore.block import BlockHeader, payload_checksum
     from kvstore.keys import KVLayout
-    from kvstore.transcode import transcode
+    from compression.transcode import transcode
 
     layout = KVLayout(2, 1, 8, "float16")
     payload = np.random.default_rng(5).standard_normal(layout.block_bytes(4) // 2).astype(np.float16).tobytes()
@@ -283,7 +283,7 @@ def test_keys_before_rope_code_rotated_keys_better(rope_calibration):
 
 
 def test_sensitivity_scale_gives_sensitive_rows_finer_steps():
-    from compression.model_calibration import sensitivity_scale
+    from engine_adapter.calibrate import sensitivity_scale
 
     scale = sensitivity_scale(torch.tensor([1e-4, 4e-4, 1e-4, 1e-4]), groups=2)
     assert len(scale) == 8 and scale[0] == scale[1]  # one factor per head group
@@ -417,7 +417,7 @@ def test_calibrate_model_groups_layers_with_per_layer_sensitivities():
     sys.path.insert(0, str(Path(__file__).parent))
     from test_blend import tiny_model
 
-    from compression.model_calibration import calibrate_model
+    from engine_adapter.calibrate import calibrate_model
 
     model = tiny_model(seed=3)
     g = torch.Generator().manual_seed(5)
@@ -427,7 +427,7 @@ def test_calibrate_model_groups_layers_with_per_layer_sensitivities():
     grouped = calibrate_model(model, texts, allocation, sensitivity=True, layer_group=2)
     assert (per_layer.layer_group, grouped.layer_group) == (1, 2) and grouped.rows == 4 and grouped.channels == 64
     assert grouped.allocation.row_scale == per_layer.allocation.row_scale and len(grouped.allocation.row_scale) == 8
-    from engine_adapter.generate import prefill
+    from engine_adapter.reference.generate import prefill
 
     kv = model.new_cache(300)
     prefill(model, torch.randint(1, 97, (300,), generator=g).tolist(), kv, start_pos=0)
@@ -444,7 +444,7 @@ def test_calibrate_refuses_a_layer_group_before_any_work():
     """`kvstore calibrate --layer-group` says what is wrong before the forwards, in one line."""
     from types import SimpleNamespace
 
-    from compression.model_calibration import check_layer_group_early
+    from engine_adapter.calibrate import check_layer_group_early
 
     smollm2 = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
     check_layer_group_early(10, smollm2, 1, tokens=11_000)

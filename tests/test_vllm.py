@@ -37,10 +37,10 @@ if importlib.util.find_spec("vllm") is None:
                 allow_module_level=True)
 
 from engine_adapter.cached import CachedEngine, model_namespace  # noqa: E402
-from engine_adapter.client import KVStoreClient  # noqa: E402
-from engine_adapter.loader import find_smollm2_gguf, load_gguf  # noqa: E402
-from engine_adapter.prefix_cache import fetch_slot_bytes, fetched_tensor  # noqa: E402
-from engine_adapter.prompts import document_prompt  # noqa: E402
+from engine_adapter.client.kvstore_client import KVStoreClient  # noqa: E402
+from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf  # noqa: E402
+from engine_adapter.client.prefix_cache import fetch_slot_bytes, fetched_tensor  # noqa: E402
+from engine_adapter.reference.prompts import document_prompt  # noqa: E402
 from engine_adapter.vllm.hf_folder import write_hf_folder  # noqa: E402
 from kvstore.keys import prefix_keys  # noqa: E402
 from tests.conftest import ROOT, DaemonProcess, MotoServer  # noqa: E402

@@ -23,8 +23,9 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed here; CI runs this module from .venv-vllm (see .ci/run)",
                 allow_module_level=True)
 
-from blend.engine import BlendEngine, split_prompt  # noqa: E402
-from engine_adapter.client import KVStoreClient  # noqa: E402
+from blend.prompt import split_prompt  # noqa: E402
+from engine_adapter.blend_engine import BlendEngine  # noqa: E402
+from engine_adapter.client.kvstore_client import KVStoreClient  # noqa: E402
 from engine_adapter.vllm.blend import BLEND_PARAM  # noqa: E402
 from engine_adapter.vllm.hf_folder import write_hf_folder  # noqa: E402
 from kvstore.spawn import DaemonProcess  # noqa: E402
@@ -43,7 +44,7 @@ BLENDED = 6  # requests of MODES that the worker blends (not full, bad parameter
 
 @pytest.fixture(scope="module")
 def blend_case():
-    from engine_adapter.loader import load_hf_folder
+    from engine_adapter.reference.loader import load_hf_folder
 
     folder = write_hf_folder(Path(tempfile.gettempdir()) / "kvstore-test-hf-v1", dtype="bfloat16")
     model, tokenizer = load_hf_folder(folder, dtype=torch.bfloat16)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from blend.controller import Ratio
-from blend.engine import DEFAULT_SEPARATOR, BlendPrompt, split_prompt
-from engine_adapter.loader import find_smollm2_gguf, gguf_config
+from blend.prompt import DEFAULT_SEPARATOR, BlendPrompt, split_prompt
+from engine_adapter.reference.loader import find_smollm2_gguf, gguf_config
 from engine_adapter.vllm.blend import (BLEND_PARAM, BlendSpec, blend_request, blend_spec, check_blend_cost,
                                        separated_spec)
 
@@ -247,7 +247,7 @@ def test_the_blend_model_is_loaded_on_the_device_of_vllms_pages(monkeypatch):
     this checks that the device reaches the loader."""
     import torch
 
-    import engine_adapter.loader
+    import engine_adapter.reference.loader
     from engine_adapter.vllm.blend import VllmBlender
 
     seen = {}
@@ -256,7 +256,7 @@ def test_the_blend_model_is_loaded_on_the_device_of_vllms_pages(monkeypatch):
         seen.update(folder=folder, dtype=dtype, device=device)
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(engine_adapter.loader, "load_hf_folder", load)
+    monkeypatch.setattr(engine_adapter.reference.loader, "load_hf_folder", load)
     blender = VllmBlender("/models/m", torch.bfloat16, cache=None, namespace=None, device=torch.device("meta"))
     with pytest.raises(RuntimeError, match="stop here"):
         blender.engine()
@@ -270,19 +270,19 @@ def test_a_vllm_model_the_view_cannot_serve_falls_back_to_a_copy(monkeypatch, ca
     import torch
     from torch import nn
 
-    import engine_adapter.loader
-    from engine_adapter.loader import gguf_config, find_smollm2_gguf
+    import engine_adapter.reference.loader
+    from engine_adapter.reference.loader import gguf_config, find_smollm2_gguf
     from engine_adapter.vllm.blend import VllmBlender
 
     config, tokenizer = gguf_config(find_smollm2_gguf())
-    monkeypatch.setattr(engine_adapter.loader, "hf_folder_config", lambda folder: (config, tokenizer, []))
+    monkeypatch.setattr(engine_adapter.reference.loader, "hf_folder_config", lambda folder: (config, tokenizer, []))
     loads = []
 
     def load(folder, dtype, device="cpu"):
         loads.append(folder)
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(engine_adapter.loader, "load_hf_folder", load)
+    monkeypatch.setattr(engine_adapter.reference.loader, "load_hf_folder", load)
     for found, reason in [(None, "not found"), (nn.Linear(2, 2), "has no model.embed_tokens")]:
         blender = VllmBlender("/models/m", torch.bfloat16, cache=None, namespace=None, vllm_model=lambda: found)
         with caplog.at_level("WARNING", logger="vllm.kvstore_connector"), pytest.raises(RuntimeError, match="stop"):
@@ -298,7 +298,7 @@ def test_the_view_refuses_a_worker_with_other_heads_or_layers():
 
     from torch import nn
 
-    from engine_adapter.loader import find_smollm2_gguf, gguf_config
+    from engine_adapter.reference.loader import find_smollm2_gguf, gguf_config
     from engine_adapter.vllm.model_view import view_problem
 
     config = gguf_config(find_smollm2_gguf())[0]
@@ -337,7 +337,7 @@ def test_the_view_uses_vllms_row_kernel_only_where_it_applies_and_says_which(cap
 
     import torch
 
-    from engine_adapter.loader import find_smollm2_gguf, gguf_config
+    from engine_adapter.reference.loader import find_smollm2_gguf, gguf_config
     from engine_adapter.vllm.model_view import VllmModelView
 
     config = gguf_config(find_smollm2_gguf())[0]
@@ -365,7 +365,7 @@ def test_a_row_kernel_that_fails_costs_the_blend_speed_not_the_blend(monkeypatch
     import torch
 
     from blend.recompute import SdpaRows
-    from engine_adapter.loader import find_smollm2_gguf, gguf_config
+    from engine_adapter.reference.loader import find_smollm2_gguf, gguf_config
     from engine_adapter.vllm import model_view
 
     config = gguf_config(find_smollm2_gguf())[0]

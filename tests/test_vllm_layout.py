@@ -102,7 +102,7 @@ def test_scatter_then_gather_round_trips_on_irregular_page_tables(kind, page_tok
 def test_vllm_cpu_kernel_pages_read_back_through_the_measured_layout():
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from engine_adapter.vllm.connector import cpu_cache_write
+    from engine_adapter.vllm.layout import cpu_cache_write
 
     heads, page_tokens, head_dim = 3, 128, 64  # SmolLM2's heads and head size; vLLM's CPU page
     isa = _get_attn_isa(torch.bfloat16, page_tokens, head_dim)
@@ -149,7 +149,7 @@ def test_write_op_scatter_and_page_copies_match_the_layout_path(page_tokens, ker
 def test_vllm_cpu_write_op_scatter_is_bit_identical_to_the_layout_path():
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from engine_adapter.vllm.connector import cpu_cache_write
+    from engine_adapter.vllm.layout import cpu_cache_write
 
     heads, page_tokens, head_dim, layers = 3, 128, 64, 2
     isa = _get_attn_isa(torch.bfloat16, page_tokens, head_dim)
@@ -188,7 +188,7 @@ def test_every_cpu_isa_layout_is_one_the_native_writer_knows(isa, name, page_tok
     named, so the connector writes it natively on any host (vLLM's ops write every ISA's layout on
     any x86 host: the layout is memory, not instructions); the writer, with its AVX2 paths and
     without, matches the op bit for bit on a piece starting mid-page, whole pages and a ragged end."""
-    from engine_adapter.vllm.connector import cpu_cache_write
+    from engine_adapter.vllm.layout import cpu_cache_write
 
     write = cpu_cache_write(isa)
     try:
@@ -325,7 +325,7 @@ def test_plan_lost_load_is_saved_after_recompute():
 
 
 def test_connector_settings_are_validated():
-    from engine_adapter.vllm.connector import ConnectorSettings
+    from engine_adapter.vllm.settings import ConnectorSettings
 
     settings = ConnectorSettings.from_extra_config({"address": "unix:/x.sock", "chunk_tokens": "128"})
     assert settings.address == "unix:/x.sock" and settings.chunk_tokens == 128

@@ -26,7 +26,7 @@ from kvstore.block import CHECKSUM_STEP, BlockHeader, CorruptBlockError, copy_ch
 from kvstore.scatter import Gather, Scatter, Unfit, copy_streamed
 from tiers.allocator import ExtentAllocator
 from tiers.base import ExtentIndex, Tier, TierError, TierFullError
-from tiers.memory import prefault
+from kvstore.memory import prefault
 
 #: A cgroup memory limit at or above this is "no limit" (cgroup v1 writes 2**63 - page size).
 _UNLIMITED = 2**62

@@ -95,10 +95,12 @@ class DiskTier(HeaderIndex, Tier):
         except OSError as exc:
             raise TierError(f"{name}: cannot create the folder {self.root}: {exc.strerror}") from exc
         # One daemon per folder, locked before the rebuild deletes any temp file (another daemon's).
-        from kvstore.instance_lock import InstanceLock
+        from kvstore.instance_lock import InstanceLock, LockError
 
         try:
             self._instance = InstanceLock(self.root / ".lock", f"{name} folder {self.root}")
+        except LockError as exc:
+            raise TierError(str(exc)) from None
         except OSError as exc:
             raise TierError(f"{name}: {self.root} is not writable: {exc}") from exc
         self._rebuild_index()

@@ -10,12 +10,12 @@ A request asks for blending with ``kv_transfer_params`` (vLLM passes them throug
 
 The prompt's tokens are ``prefix + passage 1 + ... + passage n + query``; the query (at least one
 token) is what follows the lengths. :func:`blend_request` builds both from text marked with the
-separator of ``blend.engine.split_prompt``, each part tokenized on its own, so a passage's tokens,
+separator of ``blend.prompt.split_prompt``, each part tokenized on its own, so a passage's tokens,
 and its chunk key, are the same in every prompt and in ``BlendEngine``.
 
 Or a text prompt carries the markers itself (``prefix<sep>passage<sep>...<sep>query``, the
 connector's ``blend_separator``) and vLLM tokenizes it whole: :func:`separated_spec` cuts it with
-``blend.engine.split_tokens``. The separators' tokens are glue, computed on every layer
+``blend.prompt.split_tokens``. The separators' tokens are glue, computed on every layer
 (`blend.assemble`); each passage is its tokens in place, the same in every prompt, and the same
 blocks ``BlendEngine`` uses for ``split_prompt(..., whole=True)``.
 
@@ -55,17 +55,18 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from blend.controller import Ratio
-from blend.engine import DEFAULT_RATIO, DEFAULT_SEPARATOR, BlendEngine, split_prompt, split_tokens
+from blend.prompt import DEFAULT_RATIO, DEFAULT_SEPARATOR, split_prompt, split_tokens
+from engine_adapter.blend_engine import BlendEngine
 from blend.select import DEFAULT_SELECTOR, SELECTORS, check_selector
 from engine_adapter.vllm.layout import PagedSpan
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from blend.engine import BlendedPrompt
-    from engine_adapter.model import LlamaModel
-    from engine_adapter.prefix_cache import PrefixCache
-    from engine_adapter.tokenizer import Tokenizer
+    from engine_adapter.blend_engine import BlendedPrompt
+    from engine_adapter.reference.model import LlamaModel
+    from engine_adapter.client.prefix_cache import PrefixCache
+    from engine_adapter.reference.tokenizer import Tokenizer
     from engine_adapter.vllm.layout import PagedKV
     from kvstore.keys import Namespace
 
@@ -156,7 +157,7 @@ def blend_spec(params: dict[str, Any] | None, prompt_tokens: int) -> BlendSpec |
 def blend_request(tokenizer: "Tokenizer", text: str, separator: str = DEFAULT_SEPARATOR,
                   ratio: float | str | None = None, selector: str | None = None) -> tuple[list[int], dict[str, Any]]:
     """Prompt token ids and ``kv_transfer_params`` for ``text`` marked as for
-    ``blend.engine.split_prompt`` (``prefix<sep>passage<sep>...<sep>query``)::
+    ``blend.prompt.split_prompt`` (``prefix<sep>passage<sep>...<sep>query``)::
 
         ids, params = blend_request(tokenizer, text)
         llm.generate(TokensPrompt(prompt_token_ids=ids),
@@ -191,7 +192,7 @@ def check_blend_cost(spec: BlendSpec, max_passages: int) -> None:
 
 def separated_spec(tokenizer: "Tokenizer", prompt: Sequence[int], separator: str) -> BlendSpec | None:
     """The blend a tokenized text prompt marks with ``separator``, cut by
-    ``blend.engine.split_tokens`` (separator tokens are glue; the last one's go with the query,
+    ``blend.prompt.split_tokens`` (separator tokens are glue; the last one's go with the query,
     which vLLM computes), or None: no separator, or one only (no passage: a plain prompt). Raises
     ValueError (one line) for ids that are not their text's tokenization or an empty query."""
     cut = split_tokens(tokenizer, prompt, separator)
@@ -243,7 +244,7 @@ class BlendRequests:
         if self._tokenizer is None:
             self._tokenizer = False
             if self.separator:
-                from engine_adapter.tokenizer import Tokenizer
+                from engine_adapter.reference.tokenizer import Tokenizer
 
                 try:
                     self._tokenizer = Tokenizer.from_folder(self.tokenizer_folder)
@@ -332,7 +333,7 @@ class VllmBlender:
 
     def _model(self) -> tuple[LlamaModel, Tokenizer]:
         """The blend's model: a view of vLLM's own where it fits, else a copy from the folder."""
-        from engine_adapter import loader
+        from engine_adapter.reference import loader
 
         if self.vllm_model is not None:
             from engine_adapter.vllm.model_view import VllmModelView, view_problem

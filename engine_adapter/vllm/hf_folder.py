@@ -1,7 +1,7 @@
 """A Hugging Face folder (config.json, model.safetensors, tokenizer.json) from a GGUF file, for vLLM.
 
 vLLM's CPU build reads Hugging Face folders. The folder is written from the reference engine's own
-GGUF loader (`engine_adapter.loader.load_gguf`), so its weights are exactly the reference engine's:
+GGUF loader (`engine_adapter.reference.loader.load_gguf`), so its weights are exactly the reference engine's:
 the same dequantization and the same Q/K row order, cast once to ``dtype``. The folder is named
 after the GGUF file's stem ("SmolLM2-135M-Instruct.Q4_1"), which is the model id both engines put
 in the namespace, so their keys agree without any setting.
@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from engine_adapter.loader import find_smollm2_gguf, load_gguf
+from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf
 from kvstore.dtypes import TORCH_DTYPES
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

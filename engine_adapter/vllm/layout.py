@@ -137,6 +137,18 @@ def split_cache_write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tenso
     cache[pages, :, rows, d:] = value.to(cache.dtype)
 
 
+def cpu_cache_write(isa: str):
+    """vLLM's CPU cache-write op for ``isa`` in :func:`measure_page_layout`'s signature."""
+    from vllm import _custom_ops as ops
+
+    def write(key: torch.Tensor, value: torch.Tensor, plane: torch.Tensor, slots: torch.Tensor) -> None:
+        pages, heads, page_tokens, _ = plane.shape
+        key_cache, value_cache = plane.view(pages, heads, 2 * page_tokens, -1).chunk(2, dim=2)  # as CPU_ATTN does
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+    return write
+
+
 def measure_page_layout(write: CacheWrite, num_kv_heads: int, page_tokens: int, head_dim: int,
                         dtype: torch.dtype) -> PageLayout:
     """Find a backend's page layout by letting its own cache-write op place numbered elements.

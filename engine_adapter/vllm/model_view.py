@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from blend.recompute import SdpaRows
-from engine_adapter.model import DecoderLayer, LlamaModel, ModelConfig, apply_rope, rope_inverse_frequencies
+from engine_adapter.reference.model import DecoderLayer, LlamaModel, ModelConfig, apply_rope, rope_inverse_frequencies
 from engine_adapter.vllm.row_attention import NO_ISA_YET, PagedRows, row_attention_problem
 
 log = logging.getLogger("vllm.kvstore_connector")

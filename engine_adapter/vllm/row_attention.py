@@ -14,7 +14,7 @@ Each row then reads exactly the keys up to its position, as vLLM's own prefill r
 that kernel's speed: on a 2-core AVX-512 host, 7-8 ms a layer for ~280 rows of a 1,900-token
 prompt against 10-12 ms for the SDPA calls over row blocks (`blend.recompute.SdpaRows`; vLLM's
 whole causal prefill of the layer: 27-31 ms). The scratch cache is refilled from the blend's own
-cache on every layer (vLLM's own cache-write op, `worker.cpu_cache_write`; ~0.1-0.3 ms), so the blend's
+cache on every layer (vLLM's own cache-write op, `layout.cpu_cache_write`; ~0.1-0.3 ms), so the blend's
 cache stays the one truth and vLLM's pages are not touched before the blend is done.
 
 Only for vLLM's CPU backend, with what its kernel takes here: no sliding window, ALiBi, soft cap,
@@ -63,7 +63,7 @@ class PagedRows:
         from vllm import _custom_ops as ops
         from vllm import envs
 
-        from engine_adapter.vllm.worker import cpu_cache_write
+        from engine_adapter.vllm.layout import cpu_cache_write
 
         self._ops = ops
         self.isa = attention.isa

@@ -43,8 +43,9 @@ def kv_transfer_config(address: str, module: str = "engine_adapter.vllm.connecto
 def wait_stored(llm, address: str, prompts: list[list[int]], timeout: float) -> tuple[str, list[int]]:
     """Poll the daemon until it holds every piece (full chunks and tail) of each prompt;
     (namespace id hex, pieces stored per prompt)."""
-    from engine_adapter.client import KVStoreClient
-    from engine_adapter.vllm.connector import ConnectorSettings, vllm_namespace
+    from engine_adapter.client.kvstore_client import KVStoreClient
+    from engine_adapter.vllm.connector import vllm_namespace
+    from engine_adapter.vllm.settings import ConnectorSettings
     from kvstore.keys import paged_prefix_keys
 
     config = llm.llm_engine.vllm_config

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from engine_adapter.prefix_cache import PrefixCache
+from engine_adapter.client.prefix_cache import PrefixCache
 from engine_adapter.vllm.blend import BlendRequest, BlendRequests, BlendSpec, brief
 from engine_adapter.vllm.layout import PagedSpan
 from engine_adapter.vllm.plan import Planner, StepPlan
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from engine_adapter.vllm.connector import ConnectorSettings
+    from engine_adapter.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("vllm.kvstore_connector")
 

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.distributed.kv_events import KVConnectorKVEvents
 
-from engine_adapter.client import KVStoreClient
-from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
+from engine_adapter.client.kvstore_client import KVStoreClient
+from engine_adapter.client.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
 from engine_adapter.vllm.blend import BlendRequest, VllmBlender, brief
-from engine_adapter.vllm.layout import PagedKV, PageLayout, measure_page_layout, split_cache_write
+from engine_adapter.vllm.layout import PagedKV, PageLayout, cpu_cache_write, measure_page_layout, split_cache_write
 from engine_adapter.vllm.plan import ChunkLoad, StepPlan
 from kernels.page_copy import PageWriter
 from kvstore.dtypes import TORCH_DTYPES
@@ -44,7 +44,7 @@ from kvstore.keys import Namespace
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from engine_adapter.vllm.connector import ConnectorSettings
+    from engine_adapter.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("vllm.kvstore_connector")
 
@@ -54,18 +54,6 @@ def _find_vllm_model(layer_name: str, attention: object | None):
     from engine_adapter.vllm.model_view import find_vllm_model
 
     return None if attention is None else find_vllm_model(layer_name, attention)
-
-
-def cpu_cache_write(isa: str):
-    """vLLM's CPU cache-write op for ``isa`` in :func:`measure_page_layout`'s signature."""
-    from vllm import _custom_ops as ops
-
-    def write(key: torch.Tensor, value: torch.Tensor, plane: torch.Tensor, slots: torch.Tensor) -> None:
-        pages, heads, page_tokens, _ = plane.shape
-        key_cache, value_cache = plane.view(pages, heads, 2 * page_tokens, -1).chunk(2, dim=2)  # as CPU_ATTN does
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
-
-    return write
 
 
 class KVStoreEvents(KVConnectorKVEvents):

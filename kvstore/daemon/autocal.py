@@ -170,7 +170,7 @@ class AutoCalibrator:
             return as_is
 
     def _transcode(self, header: BlockHeader, payload) -> tuple[BlockHeader, memoryview] | None:
-        from kvstore.transcode import decode_payload
+        from compression.transcode import decode_payload
 
         if header.codec_params.get("exact") or header.codec.startswith("kvtc"):
             return None

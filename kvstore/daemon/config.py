@@ -210,7 +210,7 @@ class DaemonConfig:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         for name, codec in (("disk_codec", self.disk_codec), ("s3_codec", self.s3_codec)):
             if codec not in ("raw", "kvtc@auto"):
-                from kvstore.transcode import canonical_codec
+                from compression.transcode import canonical_codec
 
                 try:
                     canonical_codec(codec)  # ValueError naming the known codecs

@@ -126,7 +126,7 @@ def grpc_server(max_message_bytes: int, tenants: TenantDirectory) -> grpc.aio.Se
 def claim_socket(address: str, socket_path: Path) -> InstanceLock:
     """The lock of the unix socket at ``socket_path``, held by this daemon, with any stale socket
     file there removed. OSError naming ``address``: a file there that is not a socket (kept), a
-    folder that cannot be made or written; TierError (``InstanceLock``): another daemon holds it."""
+    folder that cannot be made or written; LockError (``InstanceLock``): another daemon holds it."""
     # A file someone put at the socket path is never removed. Checked before the lock, so
     # that a failed start (which removes the socket path) never holds it.
     try:

@@ -15,7 +15,7 @@ from typing import Callable, TypeVar
 
 from kvstore.block import BlockHeader
 from kvstore.scatter import Gather
-from kvstore.transcode import transcode
+from compression.transcode import transcode
 from tiers.base import Tier
 
 T = TypeVar("T")

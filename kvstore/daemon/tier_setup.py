@@ -2,13 +2,18 @@
 
 ``check_settings`` names, in one line, what would otherwise fail only later (a CPU tier larger than
 the memory available, a codec naming a calibration nobody can find); ``build_tiers`` opens the
-tiers (GPU, CPU, disk, S3: each where its setting asks for it). ``kvstore/daemon/process.py``
+tiers the config asks for, top first, from `TIER_KINDS`: the registry of tier kinds, each with the
+setting that asks for it and how it is made from the config (`register_tier` adds one; the order of
+registration is the order of the tiers, fastest first). What a tier can do, which the store
+branches on, its class declares (`tiers.base.Tier`'s attributes). ``kvstore/daemon/process.py``
 calls both, in that order, before the store is made.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 from compression.calibration_store import CALIBRATION_DIR_ENV
 from kvstore.daemon.autocal import AUTO_SPEC
@@ -58,18 +63,41 @@ def check_settings(config: DaemonConfig) -> None:
             raise ValueError(f"{setting} {spec}: the calibration in {folder} cannot be used: {exc}") from None
 
 
+@dataclass(frozen=True)
+class TierKind:
+    """A kind of tier: ``wanted(config)`` says whether the config asks for it, ``build(config)`` makes
+    it (raising TierError, in one line, when its storage cannot be used)."""
+    name: str
+    wanted: Callable[[DaemonConfig], bool]
+    build: Callable[[DaemonConfig], Tier]
+
+
+#: Tier kinds by name, top (fastest) first.
+TIER_KINDS: dict[str, TierKind] = {}
+
+
+def register_tier(kind: TierKind) -> None:
+    """Add a kind of tier below those registered before it; ValueError for a name taken."""
+    if kind.name in TIER_KINDS:
+        raise ValueError(f"a tier kind named {kind.name!r} is registered already")
+    TIER_KINDS[kind.name] = kind
+
+
+def _s3_tier(config: DaemonConfig) -> Tier:
+    mac_key = s3_mac_key(config.tenant_secret_file)  # objects are MAC'd under the hosts' shared secret
+    return S3Tier(config.s3_config, mac_key=mac_key,  # TierError saying what to fix when unusable
+                  at_rest=AtRestKey.derived("s3", config.tenant_secret_file) if config.s3_encrypt else None)
+
+
+register_tier(TierKind("gpu", lambda c: bool(c.gpu_capacity), lambda c: GpuTier(c.gpu_capacity, device=c.gpu_device)))
+register_tier(TierKind("cpu", lambda c: bool(c.cpu_capacity), lambda c: CpuTier(c.cpu_capacity, pin=c.cpu_pin)))
+register_tier(TierKind("disk", lambda c: bool(c.disk_path),
+                       lambda c: DiskTier(c.disk_path, c.disk_capacity, fsync=c.disk_fsync, o_direct=c.disk_o_direct,
+                                          at_rest=AtRestKey.derived("disk", c.tenant_secret_file)
+                                          if c.disk_encrypt else None)))
+register_tier(TierKind("s3", lambda c: bool(c.s3_bucket), _s3_tier))
+
+
 def build_tiers(config: DaemonConfig) -> list[Tier]:
-    tiers: list[Tier] = []
-    if config.gpu_capacity:
-        tiers.append(GpuTier(config.gpu_capacity, device=config.gpu_device))
-    if config.cpu_capacity:
-        tiers.append(CpuTier(config.cpu_capacity, pin=config.cpu_pin))
-    if config.disk_path:
-        tiers.append(DiskTier(config.disk_path, config.disk_capacity, fsync=config.disk_fsync,
-                              o_direct=config.disk_o_direct,
-                              at_rest=AtRestKey.derived("disk", config.tenant_secret_file) if config.disk_encrypt else None))
-    if config.s3_bucket:
-        mac_key = s3_mac_key(config.tenant_secret_file)  # objects are MAC'd under the hosts' shared secret
-        tiers.append(S3Tier(config.s3_config, mac_key=mac_key,  # TierError saying what to fix when unusable
-                            at_rest=AtRestKey.derived("s3", config.tenant_secret_file) if config.s3_encrypt else None))
-    return tiers
+    """The tiers ``config`` asks for, made top first (`TIER_KINDS`)."""
+    return [kind.build(config) for kind in TIER_KINDS.values() if kind.wanted(config)]

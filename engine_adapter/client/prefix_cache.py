@@ -1,7 +1,8 @@
 """Every engine's guarded view of the daemon: look up, load and store blocks, misses on failure.
 
 The one load/store path of the engine adapters: the reference engine and transformers load a
-prompt's stored run of chunks (`load_run`, `store_async`); CacheBlend loads whichever chunks are
+prompt's stored run of chunks into a KV cache (`load`, which copies once where the cache is in
+shared memory and twice otherwise; `store_async`); CacheBlend loads whichever chunks are
 stored (`fetch_blocks`, `store_blocks_async`); the vLLM connector looks up (`lookup`), loads
 (`fetch_blocks`) and stores from its step (`put`) or behind it (`store_blocks_async`).
 
@@ -30,16 +31,15 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from engine_adapter.blocks import FetchedBlock
-from engine_adapter.client import KVStoreClient
-from engine_adapter.kv_cache import KVCache
-from engine_adapter.shared_kv import Rows, RowsInRegion, SharedRegion, get_rows, put_rows, rows_fit, rows_in
+from engine_adapter.client.blocks import BlockToPut, FetchedBlock, Rows, RowsGot
+from engine_adapter.client.kvstore_client import KVStoreClient
+from engine_adapter.client.shared_kv import RowsInRegion, SharedRegion, region_of, rows_fit, rows_in
 from kvstore.keys import KVLayout, LookupResult, Namespace
-from kvstore.transcode import payload_tensor
+from compression.transcode import payload_tensor
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def fetch_slot_bytes(layout: KVLayout, tokens: int) -> int:
 
 
 class _StoreJob:
-    def __init__(self, count: int, block: Callable[[int], tuple[bytes, int, torch.Tensor]],
+    def __init__(self, count: int, block: Callable[[int], BlockToPut | tuple],
                  done: threading.Event | None, stored: Callable[[int], None] | None, durable: bool) -> None:
         self.count, self.block, self.done, self.stored, self.durable = count, block, done, stored, durable
 
@@ -254,46 +254,50 @@ class PrefixCache:
         self.fetch_blocks(keys[: found.hits], fetch_slot_bytes(layout, n), take)
         return loaded
 
-    def load_rows(self, keys: list[bytes], kv: KVCache, region: SharedRegion, tiers: list[str]) -> int:
-        """`load_run` into ``kv``, whose tensor is in ``region`` (engine_adapter/shared_kv.py): the
-        daemon copies each raw block's rows straight into the cache, one copy in all. Returns the
-        chunks loaded, and sets ``kv.length`` to their tokens. A block that is not raw (nothing was
-        copied for it) and the run after it load through `load_run`."""
-        n, layout = self.namespace.chunk_tokens, self.namespace.layout
-        if not rows_fit(kv, n):
+    def load(self, keys: list[bytes], kv: Any, tiers: list[str]) -> int:
+        """Load the longest stored run of ``keys`` (one chunk each) into the KV cache ``kv`` from
+        token 0 (a `KVCache`: ``capacity``, ``load(block, start)`` and, for one copy, what
+        `shared_kv.rows_in` reads); returns the chunks loaded, sets ``kv.length`` to their tokens
+        and appends each one's tier to ``tiers``. Where ``kv`` is in a shared region the daemon
+        holds (`shared_kv.SharedKVMemory`), the daemon copies each raw block's rows straight into
+        the cache, one copy in all; a coded block (nothing copied for it) and the run after it, and
+        any other cache, load the two-copy way (`load_run`: into the arena, then into the cache)."""
+        n = self.namespace.chunk_tokens
+        region = region_of(kv.data)
+        if region is None or not region.alive or not rows_fit(kv, n):
             kv.length = 0
-            return self.load_run(keys, lambda c, b: kv.load(b, c * n), tiers)
+            return self.load_run(keys, lambda c, block: kv.load(block, c * n), tiers)
         found = self.lookup(keys)
         if found is None or not found.hits:
+            kv.length = 0
             return 0
         hits = min(found.hits, kv.capacity // n)
-        blocks = self.get_rows(keys[:hits], region, [rows_in(kv, region, c * n, n) for c in range(hits)])
+        got = self.get_rows(keys[:hits], region, [rows_in(kv, region, c * n, n) for c in range(hits)])
         loaded = 0
-        for block, in_place in blocks:
-            if block is None or block.tokens != n or block.layout != layout or not in_place:
+        for block in got:
+            if not block.in_place:
                 break  # a gap ends the run; a coded block (not copied) loads below
             tiers.append(block.tier)
             loaded += 1
         kv.length = loaded * n
-        if loaded < len(blocks) and blocks[loaded][0] is not None and not blocks[loaded][1]:
+        if loaded < len(got) and got[loaded].found and got[loaded].codec != "raw":
             # A coded block: it and the run after it the two-copy way (decoded into the cache).
             loaded += self.load_run(keys[loaded:], lambda c, b: kv.load(b, (loaded + c) * n), tiers)
         return loaded
 
-    def get_rows(self, keys: list[bytes], region: SharedRegion, places: Sequence[Rows]
-                 ) -> list[tuple[FetchedBlock | None, bool]]:
-        """`shared_kv.get_rows`, guarded: per key the block found and whether it is in its rows;
-        every key a miss when the daemon is down or failed (counted)."""
+    def get_rows(self, keys: list[bytes], region: SharedRegion, places: Sequence[Rows]) -> list[RowsGot]:
+        """`KVStoreClient.get_rows` into ``region``, guarded: every key a miss when the daemon is
+        down or failed (counted)."""
         client = self.client() if keys else None
         if client is None:
-            return [(None, False)] * len(keys)
+            return [RowsGot(False, False)] * len(keys)
         try:
-            found = get_rows(client, region, keys, places)
+            got = client.get_rows(region.arena_id, keys, places, self.namespace.layout)
         except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
             self.failed("get", exc)
-            return [(None, False)] * len(keys)
+            return [RowsGot(False, False)] * len(keys)
         self.ok()
-        return found
+        return got
 
     def fetch_blocks(self, keys: list[bytes], slot: int, take: Callable[[int, FetchedBlock | None], bool],
                      batch_done: Callable[[float], None] | None = None) -> None:
@@ -329,25 +333,30 @@ class PrefixCache:
             fetches.close()  # the batches still in flight end before their arena space is reused
         self.ok()
 
-    def put(self, blocks: Sequence[tuple], durable: bool = False) -> bool:
-        """Put ``blocks`` (``(key, tokens, payload)``, or with the key before it in its chain and
-        the token ids after: `KVStoreClient.put`; a payload may be a `RowsInRegion`) now, in their order; False when the
-        daemon is down or failed.
+    def put(self, blocks: Sequence[BlockToPut | tuple], durable: bool = False) -> bool:
+        """Put ``blocks`` (`BlockToPut`s or their tuples: `KVStoreClient.put`; a payload may be a
+        `RowsInRegion`) now, in their order; False when the daemon is down or failed.
         ``durable``: return once a durable tier (fsynced disk, S3) holds them."""
         client = self.client() if blocks else None
         if client is None:
             return not blocks
+        # blocks in a KV cache's region go in rows (one copy, the daemon's), unless the daemon no
+        # longer holds the region (restarted): those are copied here and go as any other
+        blocks = [BlockToPut.of(b) for b in blocks]
+        blocks = [dataclasses.replace(b, payload=b.payload.copy()) if _in_rows(b) and not b.payload.region.alive
+                  else b for b in blocks]
         try:
-            # blocks in a KV cache's region go in rows (one copy, the daemon's), unless the daemon no
-            # longer holds the region (restarted): those are copied here and go as any other
-            blocks = [(*b[:2], b[2].copy(), *b[3:]) if isinstance(b[2], RowsInRegion) and not b[2].region.alive
-                      else b for b in blocks]
-            for in_rows, run in itertools.groupby(blocks, lambda b: isinstance(b[2], RowsInRegion)):
+            for in_rows, run in itertools.groupby(blocks, _in_rows):
                 run = list(run)
-                if in_rows:
-                    put_rows(client, self.namespace, run, durable)
-                else:
+                if not in_rows:
                     client.put(self.namespace, run, durable=durable)
+                    continue
+                try:
+                    client.put_rows(self.namespace, run, durable)
+                except BaseException:
+                    for block in run:  # the daemon may still be copying out of them after a timeout
+                        block.payload.region.retire()
+                    raise
         except Exception as exc:  # noqa: BLE001
             self.failed("put", exc)
             return False
@@ -362,10 +371,10 @@ class PrefixCache:
         (see `store_blocks_async`); ``token_ids``, the prompt's, names each chunk's tokens."""
         n = self.namespace.chunk_tokens
 
-        def block(i: int) -> tuple:
+        def block(i: int) -> BlockToPut:
             c = chunks[i]
-            ids = token_ids[c * n : (c + 1) * n] if token_ids is not None else None
-            return keys[c], n, chunk(c), keys[c - 1] if c else b"", ids
+            ids = token_ids[c * n : (c + 1) * n] if token_ids is not None else ()
+            return BlockToPut(keys[c], n, chunk(c), keys[c - 1] if c else b"", ids)
 
         self.store_blocks_async(len(chunks), block, done)
 
@@ -376,10 +385,10 @@ class PrefixCache:
         with self._lock:
             return max(0, self.max_queued - self._queued)
 
-    def store_blocks_async(self, count: int, block: Callable[[int], tuple[bytes, int, torch.Tensor]],
+    def store_blocks_async(self, count: int, block: Callable[[int], BlockToPut | tuple],
                            done: threading.Event | None = None, stored: Callable[[int], None] | None = None,
                            durable: bool = False) -> int:
-        """Put ``block(0) .. block(count - 1)`` (each ``(key, tokens, payload)``, made on the store
+        """Put ``block(0) .. block(count - 1)`` (each a `BlockToPut` or its tuple, made on the store
         thread) in Puts of `STORE_BATCH`, after every store queued before; returns how many were
         queued: all of them, or the first `store_room` ones. When they are done, ``stored(n)`` says
         how many the daemon took (the first n: a failure ends the job) and ``done`` is set (at once
@@ -435,3 +444,8 @@ class PrefixCache:
                 if self._client is not None:
                     self._client.close()
                     self._client = None
+
+
+def _in_rows(block: BlockToPut) -> bool:
+    """Whether ``block``'s payload lies in a KV cache's shared region (a Put in rows)."""
+    return isinstance(block.payload, RowsInRegion)

@@ -1,4 +1,4 @@
-"""The KV cache of one sequence that the reference engine (engine_adapter/model.py) reads and writes:
+"""The KV cache of one sequence that the reference engine (engine_adapter/reference/model.py) reads and writes:
 one tensor for every layer's keys and values, so a block loads or exports in one strided copy.
 """
 
@@ -23,7 +23,7 @@ class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str, allocate: Allocate | None = None):
         """``allocate``: where the cache's tensor comes from, at first and whenever it grows
-        (default: ``torch.empty`` on ``device``; engine_adapter/shared_kv.py puts it in shared memory)."""
+        (default: ``torch.empty`` on ``device``; engine_adapter/client/shared_kv.py puts it in shared memory)."""
         if capacity <= 0:
             raise ValueError(f"KVCache capacity must be positive, got {capacity}")
         self.num_layers = num_layers

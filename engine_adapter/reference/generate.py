@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from engine_adapter.kv_cache import KVCache
-from engine_adapter.model import LlamaModel
-from engine_adapter.tokenizer import Tokenizer
+from engine_adapter.reference.kv_cache import KVCache
+from engine_adapter.reference.model import LlamaModel
+from engine_adapter.reference.tokenizer import Tokenizer
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
