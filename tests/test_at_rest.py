@@ -6,7 +6,6 @@ truncated block is a counted miss, and a daemon with another secret misses."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -556,7 +556,6 @@ class _Read:
     metadata: dict[str, str]
 
 
-
 class _Opening:
     """A sealed payload opened as it arrives, in order: each piece opened into a small buffer,
     hashed there, then copied to its place in ``payload``. The head is opened at the first piece
