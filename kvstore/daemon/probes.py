@@ -41,6 +41,8 @@ import threading
 import time
 from typing import Callable
 
+from kvstore.daemon.log_limit import LogLimit
+
 log = logging.getLogger("kvstore.daemon.probes")
 
 #: A daemon loop that has not stamped its heartbeat for this long fails liveness.
@@ -59,6 +61,8 @@ LISTEN_BACKLOG = 4096
 #: Connections accepted per wake-up, at most: few enough that a probe accepted in one is read and
 #: answered in the next, before a flood's later connections could push it out as the oldest.
 ACCEPT_BATCH = 32
+#: Seconds accepting pauses after accept itself failed (the process out of fds): the queue waits.
+ACCEPT_PAUSE_S = 0.1
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
             431: "Request Header Fields Too Large", 503: "Service Unavailable"}
@@ -108,6 +112,7 @@ class ProbeServer:
         self.port = self._sock.getsockname()[1]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._log_limit = LogLimit()
         #: Open connections, oldest first (each mapped to None).
         self._open: collections.OrderedDict[_ProbeConnection, None] = collections.OrderedDict()
 
@@ -212,8 +217,13 @@ class ProbeServer:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of fds, say: the queue waits for the next wake-up
-                log.warning("probe port: accept failed: %s", exc)
+            except OSError as exc:  # out of fds, say: the queue waits a moment (no busy loop)
+                suppressed = self._log_limit.admit(type(exc).__name__)
+                if suppressed is not None:
+                    log.warning("probe port: accept failed: %s (%d more in the last minute); pausing %g s",
+                                exc, suppressed, ACCEPT_PAUSE_S)
+                self._loop.remove_reader(self._sock)
+                self._loop.call_later(ACCEPT_PAUSE_S, self._loop.add_reader, self._sock, self._accept_ready)
                 return
             self._answer_at_once(conn)
 
