@@ -216,7 +216,7 @@ def test_bad_inputs_get_clear_status_codes(raw):
 
 def test_offsets_outside_the_arena_are_refused(daemon):
     with KVStoreClient(daemon.address, arena_bytes=1 << 20) as client:
-        stub, arena_id = client._stub, client._arena_id
+        stub, arena_id = client._stub, client._arena.arena_id
         stub.Put(pb.PutRequest(items=[pb.PutItem(meta=_meta(), inline=b"\x01" * BLOCK)]))
         for offset, length in (((1 << 20) - 100, BLOCK), (1 << 40, 10), (0, (1 << 20) + 1)):
             code, details = _code(lambda: stub.Get(pb.GetRequest(items=[pb.GetItem(

@@ -74,7 +74,7 @@ def test_fuzz_put(target, items):
             item.inline = data
         else:
             arena, offset, length = data
-            item.slice.CopyFrom(pb.ArenaSlice(arena_id=client._arena_id if arena else 99, offset=offset,
+            item.slice.CopyFrom(pb.ArenaSlice(arena_id=client._arena.arena_id if arena else 99, offset=offset,
                                               length=length))
     _call(client._stub.Put, request)
 
@@ -89,7 +89,7 @@ def test_fuzz_get(target, items, allow_missing, gpu_direct, layers):
         item = request.items.add(key=key)
         if dest is not None:
             ok, offset, length = dest
-            item.dest.CopyFrom(pb.ArenaSlice(arena_id=client._arena_id if ok else 12345, offset=offset, length=length))
+            item.dest.CopyFrom(pb.ArenaSlice(arena_id=client._arena.arena_id if ok else 12345, offset=offset, length=length))
     if layers:
         _call(client._stub.GetLayers, request, stream=True)
     else:
@@ -111,7 +111,7 @@ def test_fuzz_key_calls(target, method, ks):
 def test_fuzz_arena_clear_stats(target, name, size, arena_id, tiers):
     daemon, client = target
     _call(client._stub.RegisterArena, pb.RegisterArenaRequest(name=name, size=size))
-    _call(client._stub.UnregisterArena, pb.UnregisterArenaRequest(arena_id=arena_id if arena_id != client._arena_id else 0))
+    _call(client._stub.UnregisterArena, pb.UnregisterArenaRequest(arena_id=arena_id if arena_id != client._arena.arena_id else 0))
     if "disk" not in tiers and "cpu" not in tiers:
         _call(client._stub.Clear, pb.ClearRequest(tiers=tiers))
     _call(client._stub.Stats, pb.StatsRequest())

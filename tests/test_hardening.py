@@ -64,8 +64,8 @@ def test_an_arena_is_usable_only_by_the_tenant_that_registered_it(daemon_factory
     with KVStoreClient(d.address, token="token-a-0123456789") as a, \
             KVStoreClient(d.address, token="token-b-0123456789") as b:
         a.put(NS, [(keys[0], 64, payloads[0])])
-        a._arena.buffer[:BLOCK] = payloads[1].tobytes()  # A's secret bytes in its arena
-        stolen = pb.ArenaSlice(arena_id=a._arena_id, offset=0, length=BLOCK)
+        a._arena.arena.buffer[:BLOCK] = payloads[1].tobytes()  # A's secret bytes in its arena
+        stolen = pb.ArenaSlice(arena_id=a._arena.arena_id, offset=0, length=BLOCK)
         unknown = pb.ArenaSlice(arena_id=12345, offset=0, length=BLOCK)
         for name, make in {
             "put from A's arena": lambda s: b._stub.Put(pb.PutRequest(items=[pb.PutItem(meta=_meta(key=keys[1]), slice=s)]),
@@ -78,9 +78,9 @@ def test_an_arena_is_usable_only_by_the_tenant_that_registered_it(daemon_factory
             code, details = _code(lambda: make(stolen))
             assert code == grpc.StatusCode.INVALID_ARGUMENT, name
             # exactly like an unknown id
-            assert (code, details.replace(str(a._arena_id), "ID")) == \
+            assert (code, details.replace(str(a._arena.arena_id), "ID")) == \
                 tuple(x.replace("12345", "ID") if isinstance(x, str) else x for x in _code(lambda: make(unknown))), name
-        for arena_id in (a._arena_id, 12345):
+        for arena_id in (a._arena.arena_id, 12345):
             code, details = _code(lambda: b._stub.UnregisterArena(pb.UnregisterArenaRequest(arena_id=arena_id),
                                                                   metadata=b._metadata))
             assert code == grpc.StatusCode.NOT_FOUND and str(arena_id) in details
@@ -198,10 +198,10 @@ def test_work_is_bounded_before_it_starts(daemon_factory):
         code, details = _code(lambda: client._stub.Get(pb.GetRequest(items=[pb.GetItem(key=key)] * 400)))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_message_bytes" in details
         # The same through shared memory: 400 copies into one slice is more than the arena holds.
-        dest = pb.ArenaSlice(arena_id=client._arena_id, offset=0, length=block)
+        dest = pb.ArenaSlice(arena_id=client._arena.arena_id, offset=0, length=block)
         code, details = _code(lambda: client._stub.Get(pb.GetRequest(items=[pb.GetItem(key=key, dest=dest)] * 400)))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "arenas it names" in details
-        client._arena.buffer[:block] = payload.tobytes()
+        client._arena.arena.buffer[:block] = payload.tobytes()
         code, _ = _code(lambda: client._stub.Put(pb.PutRequest(items=[pb.PutItem(
             meta=pb.BlockMeta(key=bytes([i % 256]) * 16, namespace=ns.id, tokens=256, payload_len=block,
                               layout=pb.Layout(num_layers=16, num_kv_heads=4, head_dim=64, dtype="float16")),
@@ -232,7 +232,7 @@ def test_a_stalled_layerwise_reader_delays_no_other_client(daemon_factory):
         reader.put(ns, [(key, 16, payload)])
         # A first message of ~6,000 results (hundreds of KB) that the reader never takes: the daemon's
         # send waits on flow control for as long as the reader stalls.
-        items = [pb.GetItem(key=key, dest=pb.ArenaSlice(arena_id=reader._arena_id, offset=(i % 64) * small,
+        items = [pb.GetItem(key=key, dest=pb.ArenaSlice(arena_id=reader._arena.arena_id, offset=(i % 64) * small,
                                                         length=small)) for i in range(6000)]
         # No BDP probing: the reader's receive window stays at its initial 64 KiB.
         channel = grpc.insecure_channel(d.address, options=[("grpc.http2.bdp_probe", 0)])
@@ -411,7 +411,7 @@ def test_calls_are_capped_in_items_and_layer_copies_and_misses_count_even_when_r
         ns = Namespace("deep", layout, chunk_tokens=1)
         deep = prefix_keys(ns, [7])[0]
         client.put(ns, [(deep, 1, np.random.default_rng(70).standard_normal(2048).astype(np.float16))])
-        dest = pb.ArenaSlice(arena_id=client._arena_id, offset=0, length=layout.block_bytes(1))
+        dest = pb.ArenaSlice(arena_id=client._arena.arena_id, offset=0, length=layout.block_bytes(1))
         code, details = _code(lambda: list(client._stub.GetLayers(pb.GetRequest(
             items=[pb.GetItem(key=deep, dest=dest)] * 65))))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "layer copies" in details

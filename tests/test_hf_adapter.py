@@ -142,7 +142,7 @@ def test_hf_warm_reuses_prefix_with_identical_tokens(hf_model, reference, prompt
         cold = generator.generate(prompt_ids, NEW_TOKENS)
         assert cold.reused_tokens == 0 and cold.stored_chunks == 2
         assert cold.store_done.wait(STORE_TIMEOUT_S)
-        assert generator._allocate is not None  # shared memory: the warm load is one copy (load_rows)
+        assert generator._allocate is not None  # shared memory: the warm load is one copy (PrefixCache.load)
         warm = generator.generate(prompt_ids, NEW_TOKENS)
         assert warm.reused_tokens >= 512 and len(warm.tiers) == 2
         assert warm.stored_chunks == 0

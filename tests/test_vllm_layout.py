@@ -224,6 +224,7 @@ def test_plan_loads_the_hit_beyond_vllms_own_and_never_the_last_token():
     assert len(plan.keys_of("s", prompt_ending_on_a_chunk)) == 3 and plan.requests["s"].tail == 128
     assert len(planner(page_tokens=128, tails=False).keys_of("s", prompt_ending_on_a_chunk)) == 2
     # vLLM's own cache holds 384 tokens (3 pages); kvstore holds 3 chunks: load 384..767
+    assert plan.loadable("r", 3, 384) == 768 - 384 and plan.requests["r"].hit_tokens == 0  # asks, remembers nothing
     assert plan.record_hit("r", hit_chunks=3, computed_tokens=384, tiers=("cpu", "cpu", "disk")) == 768 - 384
     assert plan.hit_sources("r", 768 - 384) == {"cpu": 128, "disk": 256}
     page_ids = [5, 6, 7, 8, 9, 10, 11]

@@ -498,6 +498,12 @@ class KVStoreClient:
         return {"tiers": tiers, **top}
 
 
-def _put_item(meta: pb.BlockMeta, block: BlockToPut, inline: bytes = b"") -> pb.PutItem:
-    """The Put item of ``block`` under ``meta``: its parent and token ids, the payload ``inline`` if given."""
-    return pb.PutItem(meta=meta, inline=inline, parent=block.parent, token_ids=block.token_ids)
+def _put_item(meta: pb.BlockMeta, block: BlockToPut, inline: bytes | None = None) -> pb.PutItem:
+    """The Put item of ``block`` under ``meta``: its parent and token ids, the payload ``inline`` if
+    given (else the caller names where it is: a slice, or the data channel's frames)."""
+    ids = block.token_ids
+    item = pb.PutItem(meta=meta, parent=block.parent or b"",
+                      token_ids=ids.tolist() if hasattr(ids, "tolist") else ids)  # a tensor's or array's as ints
+    if inline is not None:
+        item.inline = inline
+    return item

@@ -83,7 +83,7 @@ class RequestChunks:
 class Planner:
     """Chunk bookkeeping of the scheduler side.
 
-    Calls, in vLLM's order: :meth:`keys_of` / :meth:`record_hit` from ``get_num_new_matched_tokens``
+    Calls, in vLLM's order: :meth:`keys_of` / :meth:`loadable` / :meth:`record_hit` from ``get_num_new_matched_tokens``
     (which may repeat for a request), :meth:`plan_load` from ``update_state_after_alloc``,
     :meth:`plan_step` from ``build_connector_meta`` once a step, :meth:`forget` when a request ends.
     ``tails=False`` keeps to full chunks (hits end on a chunk boundary); ``saves=False`` plans loads only.
@@ -121,6 +121,12 @@ class Planner:
     def _end(self, state: RequestChunks, pieces: int) -> int:
         """Tokens covered by the first ``pieces`` pieces."""
         return self._bounds(state, pieces - 1)[1] if pieces > 0 else 0
+
+    def loadable(self, request_id: str, hit_chunks: int, computed_tokens: int) -> int:
+        """The tokens a hit of ``hit_chunks`` pieces would load beyond vLLM's own ``computed_tokens``
+        (what `record_hit` would return; nothing is remembered)."""
+        state = self.requests[request_id]
+        return max(0, self._end(state, min(hit_chunks, len(state.keys))) - computed_tokens)
 
     def record_hit(self, request_id: str, hit_chunks: int, computed_tokens: int, tiers: Sequence[str] = ()) -> int:
         """Remember kvstore's hit (in pieces); returns the tokens to load beyond vLLM's own ``computed_tokens``."""

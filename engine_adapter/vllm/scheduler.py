@@ -157,7 +157,7 @@ class ConnectorScheduler:
         looked = time.perf_counter()
         leased = None
         if found is not None and found.hits and self.settings.lease_s > 0 \
-                and self.planner.record_hit(request_id, found.hits, num_computed_tokens) > 0:
+                and self.planner.loadable(request_id, found.hits, num_computed_tokens) > 0:
             # a hit vLLM will load: confirm it and keep it from eviction until the load
             found = self.cache.lookup(keys[: found.hits], lease_s=self.settings.lease_s)
             leased = time.perf_counter()

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.distributed.kv_events import KVConnectorKVEvents
 
+from engine_adapter.client.blocks import BlockToPut
 from engine_adapter.client.kvstore_client import KVStoreClient
 from engine_adapter.client.prefix_cache import PrefixCache, fetch_slot_bytes, fetched_tensor
 from engine_adapter.vllm.blend import BlendRequest, VllmBlender, brief
@@ -354,10 +355,9 @@ class ConnectorWorker:
         self.cache.store_blocks_async(len(copies), lambda i: self._blocks(copies[i : i + 1])[0],
                                       stored=lambda n: self._saved(copies, n))
 
-    def _blocks(self, copies: list) -> list:
-        """Copied pages ``(key, pages, span, event, parent, token_ids)`` as blocks ``(key, tokens,
-        payload, parent, token_ids)``."""
-        return [(key, span.tokens, self.paged.block_of_pages(pages, span), parent, token_ids)
+    def _blocks(self, copies: list) -> list[BlockToPut]:
+        """Copied pages ``(key, pages, span, event, parent, token_ids)`` as the blocks to Put."""
+        return [BlockToPut(key, span.tokens, self.paged.block_of_pages(pages, span), parent, token_ids)
                 for key, pages, span, _, parent, token_ids in copies]
 
     def _saved(self, copies: list, stored: int) -> None:

@@ -207,8 +207,10 @@ class BlockStore:
         same timeout, and finds nothing if it cannot start): a tenant that floods Lookups of
         unknown keys delays its own, never another tenant's."""
         shared = [(level, t) for level, t in enumerate(self.tiers) if t.shared and t.available]
+        if not shared:  # no tier another host writes: nothing to find (and no key to look at)
+            return 0
         first = next((i for i, k in enumerate(keys) if self.locate(k) is None), None)
-        if not shared or first is None:
+        if first is None:
             return 0
         deadline = time.monotonic() + self.discover_timeout_s
         gate = self._discovering.setdefault(owner, asyncio.Lock())
@@ -252,7 +254,7 @@ class BlockStore:
         """Tell the shared key index which tiers can be read now (after each call that may have
         tripped or reset a tier's circuit breaker; the index's tick catches the rest)."""
         if self.key_index is not None:
-            self.key_index.set_available(t.available for t in self.tiers)
+            self.key_index.set_available([t.available for t in self.tiers])
 
     def header(self, key: bytes) -> BlockHeader | None:
         level = self.locate(key)
