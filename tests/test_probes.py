@@ -369,3 +369,29 @@ def test_probes_answer_while_a_local_user_floods_the_port_with_connections(daemo
     assert sum(opened) > 1000, "the flood did not flood"
     assert answered >= 8, f"only {answered} of 10 probes answered under the flood"
     assert d.alive and http(port, "/healthz")[0] == 200
+
+
+def test_kvstore_health_answers_over_the_daemons_socket_during_a_flood_of_the_metrics_port(daemon_factory):
+    """guarantees: Observability — `kvstore health`, an exec probe over the daemon's own (0600)
+    socket, exits 0 printing SERVING while the metrics port is flooded, and 1 in one line with no
+    daemon there."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    d = daemon_factory(metrics_listen=f"127.0.0.1:{port}")
+    stop, opened = threading.Event(), []
+    flooders = [threading.Thread(target=flood, args=(port, stop, opened), daemon=True) for _ in range(4)]
+    for t in flooders:
+        t.start()
+    try:
+        done = subprocess.run([sys.executable, "-m", "kvstore.cli", "health", "--address", d.address],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        stop.set()
+        for t in flooders:
+            t.join(10)
+    assert (done.returncode, done.stdout) == (0, "SERVING\n"), done.stderr
+    missing = subprocess.run([sys.executable, "-m", "kvstore.cli", "health", "--address",
+                              f"unix:{d.folder / 'nobody.sock'}"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1 and "no daemon at" in missing.stderr
