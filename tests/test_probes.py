@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
+import struct
 import threading
 import time
 import urllib.error
@@ -332,7 +333,7 @@ def flood(port: int, stop: threading.Event, opened: list[int]) -> None:
         try:
             if n % 4 == 0:
                 sock.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the rest
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a RST
         except OSError:
             pass
         sock.close()
