@@ -17,7 +17,13 @@ reference engine and the transformers adapter do); ``inline`` carries payloads i
 Disk reads of both the daemon and the baseline come from the page cache (the files were just
 written); ``--o-direct`` makes the daemon bypass it (the baseline then uses O_DIRECT too).
 
+``--encrypt`` measures what ``disk_encrypt`` costs instead: two daemons, one sealing its disk
+blocks (tiers/at_rest.py) and one not, each Put the same blocks, then Get them in rounds that
+alternate between the two (plain, sealed, sealed, plain, ...); it prints each side's median and the
+ratio sealed / plain, per round and overall.
+
     python bench/daemon_throughput.py [--blocks 48] [--batch 8] [--json out.json] [--remote-only]
+    python bench/daemon_throughput.py --encrypt [--rounds 8] [--o-direct]
 """
 
 from __future__ import annotations
@@ -142,6 +148,36 @@ def interleaved_disk_rounds(address: str, block_dir: Path, client_id: int, n: in
     return {"get": get, "read": read, "ratio": get / read}
 
 
+def encrypted_disk_rounds(scratch: Path, n: int, batch: int, rounds: int, o_direct: bool) -> dict:
+    """Disk-tier Put and Get GB/s of a daemon with ``disk_encrypt`` against one without, on the
+    same blocks: one Put pass each, then ``rounds`` Get passes each, alternating ABBA."""
+    daemons: dict[str, tuple[DaemonProcess, str]] = {}
+    puts: dict[str, float] = {}
+    gets: dict[str, list[float]] = {"plain": [], "sealed": []}
+    try:
+        for side in ("plain", "sealed"):
+            folder = scratch / f"disk-{side}"
+            folder.mkdir()
+            daemons[side] = start_daemon(folder, cpu_capacity=0, disk_path=folder / "blocks",
+                                         disk_capacity=n * BLOCK * 4, disk_fsync="false",
+                                         disk_o_direct=str(o_direct).lower(), disk_encrypt=str(side == "sealed").lower())
+        for side, (_, address) in daemons.items():
+            puts[side] = run_clients(client_put, 1, lambda i, t: (address, 700, n, True, batch, t))
+        for r in range(rounds):
+            order = ("plain", "sealed") if r % 2 == 0 else ("sealed", "plain")
+            for side in order:
+                address = daemons[side][1]
+                gets[side].append(run_clients(client_get, 1, lambda i, t: (address, 700, n, True, batch, t, 1)))
+    finally:
+        for proc, _ in daemons.values():
+            stop_daemon(proc)
+    per_round = [s / p for s, p in zip(gets["sealed"], gets["plain"])]
+    plain, sealed = statistics.median(gets["plain"]), statistics.median(gets["sealed"])
+    return {"put_plain": puts["plain"], "put_sealed": puts["sealed"], "put_ratio": puts["sealed"] / puts["plain"],
+            "get_plain": plain, "get_sealed": sealed, "get_ratio": sealed / plain,
+            "get_ratio_per_round": per_round, "get_plain_rounds": gets["plain"], "get_sealed_rounds": gets["sealed"]}
+
+
 # -- remote client: the data channel against a plain TCP socket ------------------------------------
 
 
@@ -257,6 +293,8 @@ def main() -> int:
                         help="paced gRPC Lookups of one client alone and then during another client's Puts in "
                              "rows (default 1000; 0: none)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--encrypt", action="store_true",
+                        help="only the disk tier, sealed (disk_encrypt) against plain, in alternating rounds")
     args = parser.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="kvb-", dir=args.folder))
@@ -267,6 +305,19 @@ def main() -> int:
     file_write, file_read = 0.0, {}
     try:
         n, batch = args.blocks, args.batch
+        if args.encrypt:
+            enc = encrypted_disk_rounds(scratch, n, batch, args.rounds, args.o_direct)
+            print(f"disk tier, {n} blocks of {BLOCK / 1e6:.2f} MB, batch {batch}, {args.rounds} alternating rounds"
+                  f"{' (O_DIRECT)' if args.o_direct else ' (page cache)'}")
+            print(f"put (one pass each): plain {enc['put_plain']:.2f} GB/s, encrypted {enc['put_sealed']:.2f} GB/s, "
+                  f"ratio {enc['put_ratio']:.2f}")
+            print(f"get (median of rounds): plain {enc['get_plain']:.2f} GB/s, encrypted {enc['get_sealed']:.2f} GB/s, "
+                  f"ratio {enc['get_ratio']:.2f} (per round: "
+                  + ", ".join(f"{r:.2f}" for r in enc["get_ratio_per_round"]) + ")")
+            if args.json:
+                Path(args.json).write_text(json.dumps({"block_bytes": BLOCK, "batch": batch, "blocks": n,
+                                                       "o_direct": args.o_direct, "encrypt": enc}, indent=2))
+            return 0
         # Remote client (no shared memory): the data channel against a plain TCP socket, alternating.
         if args.remote_rounds > 0:
             remote_figures, remote = remote_rows(scratch, n, batch, args.remote_rounds, args.get_passes)

@@ -16,8 +16,11 @@ bytes = 5.9 MB).
      context chunk loaded from S3 and only the question prefilled.
 
 Targets: Get >= 0.8x plain boto3 at equal concurrency; 4k prefix from S3 >= 5x faster than cold.
+With ``--encrypt``, a third side runs in the same rounds: the S3 tier sealing its objects
+(``s3_encrypt``, tiers/at_rest.py), its ratio given against the plain tier's (encrypted / plain).
 
     python bench/s3_throughput.py [--rounds 5] [--context 4096] [--repeats 3] [--json out.json]
+    python bench/s3_throughput.py --encrypt --skip-ttft
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def timed(concurrency: int, ops: list, fn) -> float:
         return time.perf_counter() - start
 
 
-def throughput(endpoint: str, rounds: int) -> list[dict]:
+def throughput(endpoint: str, rounds: int, encrypt: bool = False) -> list[dict]:
     import boto3
     from botocore.config import Config
 
@@ -95,17 +98,27 @@ def throughput(endpoint: str, rounds: int) -> list[dict]:
     plain = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
                          config=Config(max_pool_connections=20))
     tier = S3Tier(S3Config(bucket=BUCKET, endpoint_url=endpoint, prefix="tier"), list_on_start=False)
+    sealed = None
+    if encrypt:
+        from tiers.at_rest import AtRestKey
+
+        sealed = S3Tier(S3Config(bucket=BUCKET, endpoint_url=endpoint, prefix="sealed"), list_on_start=False,
+                        at_rest=AtRestKey(os.urandom(32)))
     blocks = make_blocks(8)
     bodies = [h.pack() + bytes(p) for h, p in blocks]
     for i, body in enumerate(bodies):  # objects the Get rounds read
         plain.put_object(Bucket=BUCKET, Key=f"plain/{i}", Body=body)
         tier.put(*blocks[i])
+        if sealed is not None:
+            sealed.put(*blocks[i])
     dests = [memoryview(bytearray(BLOCK)) for _ in blocks]
+    sealed_dests = [memoryview(bytearray(BLOCK)) for _ in blocks]
     rows = []
     for concurrency in (1, 8):
         ops = list(range(8 if concurrency == 1 else 24))  # op i touches block i % 8
         nbytes = len(ops) * len(bodies[0])
-        samples: dict[str, list[float]] = {k: [] for k in ("plain_put", "tier_put", "plain_get", "tier_get")}
+        sides = ("plain_put", "tier_put", "sealed_put", "plain_get", "tier_get", "sealed_get")
+        samples: dict[str, list[float]] = {k: [] for k in sides if sealed is not None or "sealed" not in k}
 
         def plain_put(i):
             plain.put_object(Bucket=BUCKET, Key=f"plain/{i % 8}", Body=bodies[i % 8])
@@ -120,17 +133,31 @@ def throughput(endpoint: str, rounds: int) -> list[dict]:
         def tier_get(i):
             tier.read_payload_into(blocks[i % 8][0].key, dests[i % 8])
 
+        def sealed_put(i):
+            sealed.put(*blocks[i % 8])
+
+        def sealed_get(i):
+            sealed.read_payload_into(blocks[i % 8][0].key, sealed_dests[i % 8])
+
+        fns = {"plain_put": plain_put, "tier_put": tier_put, "sealed_put": sealed_put,
+               "plain_get": plain_get, "tier_get": tier_get, "sealed_get": sealed_get}
         for r in range(rounds + 1):  # round 0 warms connections up, untimed
-            for name, fn in (("plain_put", plain_put), ("tier_put", tier_put),
-                             ("plain_get", plain_get), ("tier_get", tier_get)):
-                seconds = timed(concurrency, ops, fn)
+            names = list(samples) if r % 2 else list(reversed(samples))  # each pair in both orders
+            for name in names:
+                seconds = timed(concurrency, ops, fns[name])
                 if r:
                     samples[name].append(nbytes / seconds / 1e9)
         med = {k: statistics.median(v) for k, v in samples.items()}
         rows.append({"concurrency": concurrency, "requests": len(ops), "object_bytes": len(bodies[0]),
                      **{f"{k}_gbps": v for k, v in med.items()},
                      "put_ratio": med["tier_put"] / med["plain_put"], "get_ratio": med["tier_get"] / med["plain_get"]})
+        if sealed is not None:
+            rows[-1].update(sealed_put_ratio=med["sealed_put"] / med["tier_put"],
+                            sealed_get_ratio=med["sealed_get"] / med["tier_get"])
     assert all(bytes(d) == bytes(p) for d, (_, p) in zip(dests, blocks))
+    if sealed is not None:
+        assert all(bytes(d) == bytes(p) for d, (_, p) in zip(sealed_dests, blocks))
+        sealed.close()
     tier.close()
     return rows
 
@@ -186,6 +213,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (see bench/prefix_reuse.py)")
     parser.add_argument("--skip-ttft", action="store_true", help="throughput only (no model)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--encrypt", action="store_true",
+                        help="also the S3 tier sealing its objects (s3_encrypt), against the plain tier")
     args = parser.parse_args()
     for name, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
                         ("AWS_DEFAULT_REGION", "us-east-1")):
@@ -197,7 +226,7 @@ def main() -> int:
         import boto3
 
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
-        rows = throughput(endpoint, args.rounds)
+        rows = throughput(endpoint, args.rounds, args.encrypt)
         prefix = None if args.skip_ttft else ttft(endpoint, folder, args.context, args.repeats, args.threads)
     finally:
         moto.kill()
@@ -210,6 +239,11 @@ def main() -> int:
     for r in rows:
         print(f"{r['concurrency']:>4} {r['requests']:>4} | {r['plain_put_gbps']:>9.3f} {r['tier_put_gbps']:>9.3f} "
               f"{r['put_ratio']:>5.2f}x | {r['plain_get_gbps']:>9.3f} {r['tier_get_gbps']:>9.3f} {r['get_ratio']:>5.2f}x")
+    for r in rows:
+        if "sealed_get_ratio" in r:
+            print(f"  encrypted tier, concurrency {r['concurrency']}: put {r['sealed_put_gbps']:.3f} GB/s "
+                  f"({r['sealed_put_ratio']:.2f}x the plain tier), get {r['sealed_get_gbps']:.3f} GB/s "
+                  f"({r['sealed_get_ratio']:.2f}x the plain tier)")
     targets = [{"target": f"Get >= 0.8x plain boto3 at concurrency {r['concurrency']}", "value": r["get_ratio"],
                 "met": r["get_ratio"] >= 0.8} for r in rows]
     if prefix:

@@ -63,6 +63,37 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0, printing ``SERVING``, when the daemon's gRPC health check (no token needed) answers
+    SERVING within ``--timeout``; else 1 and one line why. An exec probe over the daemon's own
+    address (by default its 0600 unix socket): a local user flooding the metrics port cannot reach
+    it, and a wedged event loop fails it (the check is answered there)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvstore.connect import CLI_OPTIONS, explain, open_channel
+
+    settings = _settings(args)
+    with open_channel(settings.address, settings.tls) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore"), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                why = f"{settings.address} did not answer within {args.timeout:g} s"
+            else:
+                why = explain(exc, settings.address, settings.tls, None, names=CLI_OPTIONS) or \
+                    f"{settings.address}: {exc.code().name}: {exc.details()}"
+            print(f"kvstore: not healthy: {why}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        print(f"kvstore: not healthy: {settings.address} says {status}", file=sys.stderr)
+        return 1
+    print(status)
+    return 0
+
+
 def cmd_clear(args: argparse.Namespace) -> int:
     with _client(args) as client:
         count = client.clear(args.tier or [])

@@ -3,9 +3,10 @@
     kvstore serve [--listen unix:/path | host:port] [--config FILE] [--cpu-capacity 2GiB] ...
     kvstore stats [--address ADDR] [--json]
     kvstore clear [--address ADDR] [--tier cpu] [--tier disk]
+    kvstore health [--address ADDR] [--timeout 2]
     kvstore locate --hosts ADDR,ADDR,... FILE [--tokens]
 
-Client commands (stats, clear, ingest, locate; engine_adapter/commands.py) take the address, the
+Client commands (stats, clear, health, ingest, locate; engine_adapter/commands.py) take the address, the
 token (for clear with tenants: the daemon's admin token) and TLS from their flags, else the
 KVSTORE_* environment, else the daemon's config file (--config or KVSTORE_CONFIG;
 kvstore.connect.client_settings); they check the
@@ -22,7 +23,7 @@ import logging
 import os
 import sys
 
-from engine_adapter.commands import cmd_clear, cmd_ingest, cmd_locate, cmd_stats
+from engine_adapter.commands import cmd_clear, cmd_health, cmd_ingest, cmd_locate, cmd_stats
 from kvstore.daemon.config import ENV_PREFIX, DaemonConfig, load_config
 from kvstore.host import default_listen
 from kvstore.instance_lock import LockError
@@ -36,6 +37,8 @@ _FIELD_HELP = {
     "disk_capacity": "disk tier size, e.g. 10GiB",
     "disk_fsync": "fsync each block before it is visible (true/false)",
     "disk_o_direct": "read disk blocks with O_DIRECT, bypassing the page cache (true/false)",
+    "disk_encrypt": "encrypt disk block files (AES-GCM, key derived from tenant_secret_file): who reads the folder "
+                    "reads no KV bytes (true/false; files of the other kind are dropped at start)",
     "disk_codec": "codec of blocks moved down to disk: raw, int8, int4, int8+shuffle+zstd, kvtc@ID (kvstore calibrate), "
                   "kvtc@auto (calibrated per namespace from its first blocks), ... (docs/notes/compression-log.md)",
     "write_policy": "write-through (every put also goes down) or write-back (only on eviction)",
@@ -49,6 +52,8 @@ _FIELD_HELP = {
     "s3_region": "S3 region ('' takes AWS_REGION or us-east-1)",
     "s3_capacity": "bytes this daemon keeps in S3 before LRU eviction, e.g. 1TiB (0 = unbounded)",
     "s3_codec": "codec of blocks written to S3: raw (keep as they arrive), int8, int4, kvtc@ID, kvtc@auto, ...",
+    "s3_encrypt": "encrypt S3 objects (AES-GCM, key derived from tenant_secret_file): who reads the bucket reads no "
+                  "KV bytes (true/false; every host on the bucket and prefix must agree, and share the secret)",
     "auto_calibration_tokens": "with kvtc@auto: tokens of a namespace's first blocks it is calibrated on (stored "
                                "as they are until then)",
     "auto_layer_group": "with kvtc@auto: up to this many consecutive layers coded as one row (1 = one a layer; "
@@ -134,7 +139,7 @@ def _shown(value: object) -> str:
 
 
 #: The commands that call a running daemon and take `_connection_arguments`.
-CLIENT_COMMANDS = ("stats", "clear", "ingest", "locate")
+CLIENT_COMMANDS = ("stats", "clear", "health", "ingest", "locate")
 
 
 def _connection_arguments(parser: argparse.ArgumentParser, several: bool = False) -> None:
@@ -278,6 +283,16 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--tier", action="append", help="only this tier (repeatable)")
         p.set_defaults(run=fn)
+
+    health = sub.add_parser("health", help="exit 0 if a running daemon answers its gRPC health check as serving",
+                            description="Ask the daemon's gRPC health service (grpc.health.v1, no token needed) "
+                                        "whether it serves: exit 0 printing SERVING, else 1 with one line why. "
+                                        "An exec probe for orchestrators: it reaches the daemon over its own "
+                                        "address (the 0600 unix socket by default), which no other local user "
+                                        "can flood, unlike the metrics port's /healthz.")
+    _connection_arguments(health)
+    health.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer (default 2)")
+    health.set_defaults(run=cmd_health)
 
     demo = sub.add_parser("demo", help="the main job: a long document read cold, then questions warm",
                           description="Start a daemon with CPU and disk tiers, load the bundled SmolLM2-135M, "

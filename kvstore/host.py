@@ -1,6 +1,6 @@
 """What every floor of kvstore knows about this host: where a daemon listens and keeps its files by
 default, whether an address is loopback, whether others may read a file of secrets, and the server
-secret the daemon derives tenants' keys and the S3 objects' MAC key from.
+secret the daemon derives tenants' keys, the S3 objects' MAC key and the tiers' at-rest keys from.
 
 The daemon (``kvstore/daemon/``), its clients (``engine_adapter/``, the CLI) and the tiers import
 these; this module imports nothing of kvstore's.
@@ -103,3 +103,20 @@ def s3_mac_key(secret_file: str | os.PathLike) -> bytes:
     anything about the other."""
     secret = load_secret(secret_file or default_cache_dir() / "tenant-secret")
     return hashlib.blake2b(b"s3 object mac", digest_size=32, key=secret[:64], person=b"kvstore-s3-mac").digest()
+
+
+#: The tiers whose blocks may be sealed at rest (tiers/at_rest.py), each with its own key.
+AT_REST_TIERS = ("disk", "s3")
+
+
+def at_rest_key(tier: str, secret_file: str | os.PathLike) -> bytes:
+    """The AES-256 key blocks of ``tier`` ("disk" or "s3") are sealed under at rest, from the
+    server secret in ``secret_file`` ("": the default one, created when missing): hosts sharing a
+    bucket must share the file. One derivation per purpose (its own personalisation per tier,
+    apart from the S3 MAC key and tenants' keys), so no key tells anything about another, and a
+    disk file copied into the bucket does not open there."""
+    if tier not in AT_REST_TIERS:
+        raise ValueError(f"no at-rest key for tier {tier!r}; tiers sealed at rest: {AT_REST_TIERS}")
+    secret = load_secret(secret_file or default_cache_dir() / "tenant-secret")
+    return hashlib.blake2b(b"at-rest key " + tier.encode(), digest_size=32, key=secret[:64],
+                           person=b"kvs-at-rest-" + tier.encode()).digest()

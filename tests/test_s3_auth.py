@@ -76,7 +76,8 @@ def test_forged_object_is_refused_and_never_served(moto_server, s3_bucket):
     reader = s3_tier(moto_server, s3_bucket)  # lists the bucket after the rewrite
     assert header.key not in reader and reader.corrupt_on_start == 1  # indexed, it would be served
     assert reader.discover([header.key], timeout_s=2.0) == []
-    assert reader.take_refused() == 1 and reader.take_refused() == 0
+    # refused twice, by the listing and by discovery: both counted (kvstore_corrupt_blocks_total)
+    assert reader.take_refused() == 2 and reader.take_refused() == 0
     assert header.key not in reader
 
     with pytest.raises(CorruptBlockError):  # the writer indexed the genuine header
@@ -117,7 +118,7 @@ def test_other_secret_and_old_objects_are_misses(moto_server, s3_bucket):
     reader = s3_tier(moto_server, s3_bucket)
     assert theirs.key not in reader and old.key not in reader and reader.corrupt_on_start == 2
     assert reader.discover([theirs.key], 2.0) == [] and reader.discover([old.key], 2.0) == []
-    assert reader.take_refused() == 2
+    assert reader.take_refused() == 4  # each refused by the listing and by discovery, each time counted
     assert len(reader) == 0
     # The stranger reads its own blocks; it refuses ours as we refuse its. (Ours is put as a top
     # tier puts: its checksum computed in the pass that makes its MAC.)

@@ -64,6 +64,9 @@ class Tier(ABC):
     #: The device tensor every payload lives in, for tiers that clients may map (a GPU pool handed
     #: out by CUDA IPC); None for the others. See :meth:`payload_offset`.
     pool: object | None = None
+    #: The key a tier that stores blocks outside the process seals them under at rest
+    #: (tiers/at_rest.py: disk_encrypt, s3_encrypt); None: stored plain.
+    at_rest: object | None = None
 
     @abstractmethod
     def __contains__(self, key: bytes) -> bool: ...

@@ -14,6 +14,16 @@ after copying it would read it back from memory); the header on disk is compared
 with the one packed when the block was indexed, instead of being parsed again. ``o_direct`` reads
 bypass the page cache (through an aligned bounce buffer), for hosts where cached KV must not crowd the engine's memory and for honest cold-read
 benchmarks.
+
+With ``at_rest`` (``disk_encrypt``) every file is a sealed block (tiers/at_rest.py: AES-GCM under a
+key derived from the server secret): the header and payload on disk are ciphertext. A write seals
+the payload a chunk at a time into a small buffer and writes it, then the head at the file's
+start; a read opens the head (the header inside is compared with the indexed one), then preads
+each chunk into a small buffer and opens it into the caller's, hashed there, the tag checked at
+the end; ``o_direct`` reads the whole file into its bounce buffer and opens it from there. A file
+that does not open (another key, a flipped byte, another block's) is a corrupt block, like one
+whose checksum fails. A folder's files are either all sealed or all plain: those of the other
+kind are dropped at start (counted as corrupt), so turning encryption on leaves no plain block.
 """
 
 from __future__ import annotations
@@ -29,7 +39,10 @@ from typing import Iterator
 
 import xxhash
 
+from kvstore.block import MAGIC as PLAIN_MAGIC
 from kvstore.block import MAX_HEADER_BYTES, BlockHeader, CorruptBlockError, payload_checksum
+from tiers import at_rest
+from tiers.at_rest import AtRestKey
 from tiers.base import HeaderIndex, Tier, TierError, TierFullError, TierUnavailableError
 
 log = logging.getLogger(__name__)
@@ -54,7 +67,8 @@ class DiskTier(HeaderIndex, Tier):
     blocking_io = True
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, name: str = "disk",
-                 fsync: bool = True, o_direct: bool = False) -> None:
+                 fsync: bool = True, o_direct: bool = False, at_rest: AtRestKey | None = None) -> None:
+        """``at_rest``: seal every block under this key (tiers/at_rest.py); None: plain files."""
         if capacity_bytes <= 0:
             raise ValueError(f"disk tier capacity must be positive, got {capacity_bytes}")
         if o_direct and not hasattr(os, "O_DIRECT"):
@@ -65,6 +79,7 @@ class DiskTier(HeaderIndex, Tier):
         self.fsync = fsync
         self.durable = fsync
         self.o_direct = o_direct
+        self.at_rest = at_rest
         self._lock = threading.Lock()  # guards _blocks/_used against reader threads
         self._blocks: dict[bytes, BlockHeader] = {}
         #: The packed header of each indexed block, as it must read back from disk.
@@ -134,16 +149,22 @@ class DiskTier(HeaderIndex, Tier):
                     yield Path(entry.path)
 
     def _rebuild_index(self) -> None:
+        other_kind = 0  # sealed files with encryption off, or plain ones with it on
         for path in self._block_files():
             if _TEMP_NAME.fullmatch(path.name):
                 path.unlink(missing_ok=True)  # an interrupted write of ours (the folder is locked)
                 continue
             try:
                 with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW)) as f:
-                    head = f.read(MAX_HEADER_BYTES)
+                    head = f.read(at_rest.OVERHEAD + MAX_HEADER_BYTES)
                     size = os.fstat(f.fileno()).st_size
-                header = BlockHeader.unpack(head)
-                if header.block_len != size or path.name != header.key.hex() + SUFFIX:
+                if head[:4] == (PLAIN_MAGIC if self.at_rest else at_rest.MAGIC):
+                    other_kind += 1
+                    self.corrupt_on_start += 1
+                    path.unlink(missing_ok=True)
+                    continue
+                header, packed = self._open_head(head)
+                if self._stored_len(header) != size or path.name != header.key.hex() + SUFFIX:
                     raise CorruptBlockError(f"file size {size} or name does not match its header")
             except (OSError, CorruptBlockError) as exc:
                 log.warning("%s: dropping unreadable block file %s: %s", self.name, path, exc)
@@ -151,8 +172,23 @@ class DiskTier(HeaderIndex, Tier):
                 path.unlink(missing_ok=True)
                 continue
             self._blocks[header.key] = header
-            self._packed[header.key] = bytes(head[: header.header_len])
+            self._packed[header.key] = packed
             self._used += header.block_len
+        if other_kind:
+            log.warning("%s: dropped %d block files written with encryption %s (disk_encrypt is %s now)", self.name,
+                        other_kind, "off" if self.at_rest else "on", "on" if self.at_rest else "off")
+
+    def _open_head(self, head: bytes) -> tuple[BlockHeader, bytes]:
+        """The header a file starts with, and its bytes as packed; CorruptBlockError."""
+        if self.at_rest is None:
+            header = BlockHeader.unpack(head)
+            return header, bytes(head[: header.header_len])
+        opened = self.at_rest.open_head(head)
+        return opened.header, opened.packed
+
+    def _stored_len(self, header: BlockHeader) -> int:
+        """Bytes of ``header``'s block file: the block, sealed or not."""
+        return header.block_len if self.at_rest is None else self.at_rest.stored_len(header)
 
     # -- Tier --------------------------------------------------------------------------------
 
@@ -168,10 +204,13 @@ class DiskTier(HeaderIndex, Tier):
         try:
             path.parent.mkdir(exist_ok=True, mode=0o700)
             packed = header.pack()
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             try:
-                _write_all(fd, packed)
-                _write_all(fd, payload)
+                if self.at_rest is None:
+                    _write_all(fd, packed)
+                    _write_all(fd, payload)
+                else:
+                    _write_sealed(fd, self.at_rest.sealer(len(packed)), packed, payload)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -203,7 +242,10 @@ class DiskTier(HeaderIndex, Tier):
             else:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    on_disk, checksum = _read_hashed(fd, len(packed), dest[: header.payload_len])
+                    if self.at_rest is None:
+                        on_disk, checksum = _read_hashed(fd, len(packed), dest[: header.payload_len])
+                    else:
+                        on_disk, checksum = _read_sealed(fd, self.at_rest, len(packed), dest[: header.payload_len])
                 finally:
                     os.close(fd)
         except FileNotFoundError:
@@ -221,11 +263,12 @@ class DiskTier(HeaderIndex, Tier):
         return header
 
     def _read_direct(self, path: Path, header: BlockHeader, dest: memoryview) -> tuple[bytes, int]:
-        """Read through O_DIRECT into an aligned bounce buffer, then copy the payload out.
+        """Read through O_DIRECT into an aligned bounce buffer, then copy the payload out (or,
+        sealed, open it out).
 
         Returns the header bytes found on disk and the payload's checksum.
         """
-        total = header.block_len
+        total = self._stored_len(header)
         padded = (total + _DIRECT_ALIGN - 1) // _DIRECT_ALIGN * _DIRECT_ALIGN
         bounce = mmap.mmap(-1, padded)  # anonymous mappings are page-aligned
         try:
@@ -241,11 +284,20 @@ class DiskTier(HeaderIndex, Tier):
                 view.release()
             finally:
                 os.close(fd)
+            if self.at_rest is not None:
+                with memoryview(bounce) as view:
+                    opened = self.at_rest.open_head(view[: at_rest.OVERHEAD + header.header_len])
+                    checksum = _open_hashed(opened, view[at_rest.OVERHEAD + header.header_len : total],
+                                            dest[: header.payload_len])
+                return opened.packed, checksum
             on_disk = bounce[: header.header_len]
             dest[: header.payload_len] = bounce[header.header_len : total]
             return on_disk, payload_checksum(dest[: header.payload_len])
         finally:
-            bounce.close()
+            try:
+                bounce.close()
+            except BufferError:  # views of it live on in a raised error's frames: unmapped when it goes
+                pass
 
     def delete(self, key: bytes) -> int:
         with self._lock:
@@ -262,14 +314,15 @@ class DiskTier(HeaderIndex, Tier):
         for path in self._block_files():
             if _BLOCK_NAME.fullmatch(path.name):
                 on_disk[bytes.fromhex(path.stem)] = path.stat().st_size
-        indexed = {key: header.block_len for key, header in self._blocks.items()}
+        indexed = {key: self._stored_len(header) for key, header in self._blocks.items()}
         if on_disk != indexed:
             missing = set(indexed) - set(on_disk)
             extra = set(on_disk) - set(indexed)
             raise RuntimeError(f"{self.name}: index and files differ: {len(missing)} indexed blocks "
                                f"missing on disk, {len(extra)} files not indexed, or sizes differ")
-        if sum(indexed.values()) != self._used:
-            raise RuntimeError(f"{self.name}: used bytes {self._used} != sum of blocks {sum(indexed.values())}")
+        blocks = sum(header.block_len for header in self._blocks.values())
+        if blocks != self._used:
+            raise RuntimeError(f"{self.name}: used bytes {self._used} != sum of blocks {blocks}")
 
 
 def block_path(root: Path, key: bytes) -> Path:
@@ -337,3 +390,76 @@ def _read_hashed(fd: int, header_len: int, dest: memoryview) -> tuple[bytes, int
         end = min(pos + READ_CHUNK, size)
         buffers = [dest[pos:end]] if end < size else [dest[pos:end], spare]
         n = os.preadv(fd, buffers, header_len + pos)
+
+
+def _write_sealed(fd: int, sealer: at_rest.BlockSealer, packed: bytes, payload: memoryview) -> None:
+    """Write the sealed block of ``packed`` and ``payload`` to ``fd``: each ``READ_CHUNK`` of the
+    payload sealed into one small buffer and written at its place, then the head at the start.
+
+        file:  | head (sealer.seal_head, written last) | sealed chunk 0 | sealed chunk 1 | ... |
+    """
+    source = memoryview(payload).cast("B")
+    out = memoryview(bytearray(min(READ_CHUNK, len(source))))
+    at = at_rest.OVERHEAD + len(packed)
+    for start in range(0, len(source), READ_CHUNK):
+        chunk = source[start : start + READ_CHUNK]
+        sealed = out[: len(chunk)]
+        sealer.seal_into(chunk, sealed)
+        _pwrite_all(fd, sealed, at + start)
+    _pwrite_all(fd, sealer.seal_head(packed), 0)
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _read_sealed(fd: int, key: AtRestKey, header_len: int, dest: memoryview) -> tuple[bytes, int]:
+    """:func:`_read_hashed` for a sealed file: the head opened (its header returned as packed),
+    then the payload in ``READ_CHUNK`` preads into a small buffer, each opened into ``dest`` and
+    hashed there; the payload's tag checked once all is read. CorruptBlockError when the file
+    does not open, ends early or runs on.
+
+        file:   | head (OVERHEAD + header_len) | sealed payload (len(dest))      | EOF
+        preads: |<- head ->|<- chunk 0 ->|<- chunk 1 ->| ... |<- last chunk + 1 spare byte ->
+    """
+    head_len = at_rest.OVERHEAD + header_len
+    head = os.pread(fd, head_len, 0)
+    if len(head) < head_len:
+        raise CorruptBlockError("file is shorter than its header (truncated)")
+    opened = key.open_head(head)
+    hasher = xxhash.xxh3_64()
+    size, pos = len(dest), 0
+    bounce = memoryview(bytearray(min(READ_CHUNK, size)))
+    spare = bytearray(1)  # filled only if the file is longer than head + payload
+    while True:
+        want = min(READ_CHUNK, size - pos)
+        buffers = [bounce[:want]] if pos + want < size else [bounce[:want], spare]
+        n = os.preadv(fd, buffers, head_len + pos)
+        if n > size - pos:
+            raise CorruptBlockError("file is longer than its header says")
+        if n:
+            opened.payload.open_into(bounce[:n], dest[pos : pos + n])
+            hasher.update(dest[pos : pos + n])
+            pos += n
+        if pos == size:
+            opened.payload.finish()
+            return opened.packed, hasher.intdigest()
+        if n == 0:
+            raise CorruptBlockError("file is shorter than its header says (truncated)")
+
+
+def _open_hashed(opened: at_rest.OpenedHead, sealed: memoryview, dest: memoryview) -> int:
+    """Open the sealed payload in ``sealed`` into ``dest`` (as long), a ``READ_CHUNK`` at a time,
+    each hashed while in cache; the tag checked. Returns the payload checksum."""
+    if len(sealed) != len(dest):
+        raise CorruptBlockError(f"sealed payload of {len(sealed)} bytes, header says {len(dest)}")
+    hasher = xxhash.xxh3_64()
+    for start in range(0, len(dest), READ_CHUNK):
+        out = dest[start : start + READ_CHUNK]
+        opened.payload.open_into(sealed[start : start + READ_CHUNK], out)
+        hasher.update(out)
+    opened.payload.finish()
+    return hasher.intdigest()

@@ -28,6 +28,13 @@ Trust: the bucket is not trusted. Every object carries keyed MACs under a key th
 their shared server secret (tiers/s3_auth.py); an object without them, or whose MACs do not check,
 is never indexed or served: it is a counted miss.
 
+Secrecy (``s3_encrypt``, ``at_rest``): each object is a sealed block instead (tiers/at_rest.py:
+AES-GCM under a key derived from the same secret, header and payload both ciphertext), and its
+tags stand in for the MACs: the head that listing and discovery read opens only under the key
+(else the object is refused, as an unMAC'd one is), and a read opens the payload a chunk at a time
+and checks its tag and checksum before it returns. Every host on a bucket and prefix must agree
+on ``s3_encrypt``: a sealed host refuses plain objects and a plain one sealed objects.
+
     s3.py            the tier: index, put, read, delete (this file)
     s3_endpoint.py   settings, the boto3 client, retries, backoff and the circuit breaker
     s3_auth.py       the objects' MACs
@@ -45,6 +52,8 @@ import xxhash
 
 from kvstore.block import FIXED_BYTES, MAX_HEADER_BYTES, BlockHeader, CorruptBlockError
 from kvstore.keys import KEY_BYTES
+from tiers import at_rest
+from tiers.at_rest import AtRestKey
 from tiers.base import HeaderIndex, Tier, TierError, TierFullError
 from tiers.breaker import CircuitBreaker  # noqa: F401  (callers import it from here, as S3Config)
 from tiers.s3_auth import ObjectMac
@@ -66,15 +75,17 @@ class S3Tier(HeaderIndex, Tier):
     shared = True
 
     def __init__(self, config: S3Config, name: str = "s3", list_on_start: bool = True,
-                 mac_key: bytes | None = None) -> None:
+                 mac_key: bytes | None = None, at_rest: AtRestKey | None = None) -> None:
         """``mac_key``: the key objects' MACs are made and checked under, shared by every host
         using the bucket (the daemon derives it from its server secret: kvstore.host.s3_mac_key);
-        None: derived from this user's default server secret file."""
+        None: derived from this user's default server secret file. ``at_rest``: seal every object
+        under this key instead (tiers/at_rest.py); None: plain objects with MACs."""
         if mac_key is None:
             from kvstore.host import s3_mac_key
 
             mac_key = s3_mac_key("")
         self.mac = ObjectMac(mac_key)
+        self.at_rest = at_rest
         self.config = config
         self.name = name
         self.capacity_bytes = config.capacity_bytes
@@ -95,8 +106,9 @@ class S3Tier(HeaderIndex, Tier):
         #: Deletes that failed at the endpoint (the object may linger).
         self.delete_errors = 0
         #: Objects refused while listing: unreadable, or without a valid MAC (skipped, not deleted:
-        #: another host may own them).
+        #: another host may own them); reported to the store through take_refused too.
         self.corrupt_on_start = 0
+        self._refused_listing = 0
         self.listed = threading.Event()
         self.endpoint.check_bucket()  # TierError saying what to fix
         if list_on_start:
@@ -149,7 +161,9 @@ class S3Tier(HeaderIndex, Tier):
             self._index_remote(key, size)
         except CorruptBlockError as exc:
             log.warning("%s: skipping object %s: %s", self.name, self._object_key(key), exc)
-            self.corrupt_on_start += 1
+            with self._lock:
+                self.corrupt_on_start += 1
+                self._refused_listing += 1
 
     def _index_remote(self, key: bytes, size: int | None = None) -> bool:
         """Read the header of ``key``'s object, check its head MAC and index it. False if absent;
@@ -160,8 +174,8 @@ class S3Tier(HeaderIndex, Tier):
         except KeyError:
             return False
         header = self._parse_header(key, head, metadata)
-        if size is not None and size != header.block_len:
-            raise CorruptBlockError(f"{size} bytes, header says {header.block_len}")
+        if size is not None and size != self._stored_len(header):
+            raise CorruptBlockError(f"{size} bytes, header says {self._stored_len(header)}")
         with self._lock:
             if key not in self._blocks:
                 self._blocks[key] = header
@@ -173,6 +187,14 @@ class S3Tier(HeaderIndex, Tier):
     def _parse_header(self, key: bytes, head: bytes, metadata: dict[str, str]) -> BlockHeader:
         """The header at the start of ``head`` (read further when longer), once the head MAC in
         ``metadata`` checks. Raises CorruptBlockError."""
+        if self.at_rest is not None:  # sealed: the head opens under the key, or it is refused
+            need = self.at_rest.sealed_head_len(head)
+            if need > len(head):
+                head, metadata = self._get_range(key, 0, need)
+            header = self.at_rest.open_head(memoryview(head)[:need]).header
+            if header.key != key:
+                raise CorruptBlockError(f"object name says key {key.hex()}, header says {header.key.hex()}")
+            return header
         if len(head) < FIXED_BYTES:
             raise CorruptBlockError(f"object of {len(head)} bytes is shorter than a header")
         header_len = int.from_bytes(head[6:8], "little")
@@ -201,13 +223,23 @@ class S3Tier(HeaderIndex, Tier):
         return [k for k in keys if k in self._blocks]
 
     def take_refused(self) -> int:
-        """Objects discover() refused since the last call (forged, unMAC'd or unreadable), for the
-        store to count as corrupt. Thread-safe."""
-        return self._discovery.take_refused()
+        """Objects the listing or discover() refused since the last call (forged, unMAC'd, sealed
+        under another key or unreadable), for the store to count as corrupt. Thread-safe."""
+        with self._lock:
+            listed, self._refused_listing = self._refused_listing, 0
+        return listed + self._discovery.take_refused()
 
     @property
     def _absent_until(self) -> dict[bytes, float]:
         return self._discovery.absent_until
+
+    def _stored_len(self, header: BlockHeader) -> int:
+        """Bytes of ``header``'s object: the block, sealed or not."""
+        return header.block_len if self.at_rest is None else self.at_rest.stored_len(header)
+
+    def _head_len(self, header: BlockHeader) -> int:
+        """Bytes of ``header``'s object before its payload."""
+        return header.header_len if self.at_rest is None else self.at_rest.head_len(header.header_len)
 
     def put(self, header: BlockHeader, payload: memoryview) -> None:
         self._put(header, memoryview(payload).cast("B"), hash_payload=False)
@@ -216,7 +248,9 @@ class S3Tier(HeaderIndex, Tier):
         return self._put(header, memoryview(payload).cast("B"), hash_payload=True)
 
     def _put(self, header: BlockHeader, payload: memoryview, hash_payload: bool) -> BlockHeader:
-        """PUT ``header || payload`` with both MACs in its metadata. One pass over the payload
+        """PUT the block (sealed with ``at_rest``: :meth:`_put_sealed`), then index it.
+
+        Plain, ``header || payload`` with both MACs in its metadata. One pass over the payload
         makes the block MAC (and the checksum when ``hash_payload``) and, for a single PUT, copies
         it into the body, each chunk hashed from the copy just made:
 
@@ -228,6 +262,19 @@ class S3Tier(HeaderIndex, Tier):
         growth = header.block_len - (previous.block_len if previous else 0)
         if self.capacity_bytes and self._used + growth > self.capacity_bytes:
             raise TierFullError(f"{self.name}: {header.block_len} bytes do not fit")
+        if self.at_rest is not None:
+            header = self._put_sealed(header, payload, hash_payload)
+        else:
+            header = self._put_plain(header, payload, hash_payload)
+        with self._lock:
+            self._packed[header.key] = header.pack()
+            self._blocks[header.key] = header
+            self._used += growth
+            self._discovery.forget(header.key)
+        return header
+
+    def _put_plain(self, header: BlockHeader, payload: memoryview, hash_payload: bool) -> BlockHeader:
+        """PUT the plain block, its MACs in the metadata (see :meth:`_put`); returns its header."""
         hlen = header.header_len
         body = bytearray(header.block_len) if header.block_len <= self.config.part_bytes else None
         mac = self.mac.block_hasher()
@@ -251,11 +298,39 @@ class S3Tier(HeaderIndex, Tier):
             body[:hlen] = packed
             self._call(f"PUT {object_key}", lambda: self._s3.put_object(Bucket=self.config.bucket, Key=object_key,
                                                                         Body=body, Metadata=metadata))
-        with self._lock:
-            self._packed[header.key] = packed
-            self._blocks[header.key] = header
-            self._used += growth
-            self._discovery.forget(header.key)
+        return header
+
+    def _put_sealed(self, header: BlockHeader, payload: memoryview, hash_payload: bool) -> BlockHeader:
+        """PUT the sealed block (tiers/at_rest.py), made in one buffer: each ``STREAM_CHUNK`` of
+        the payload copied into a small buffer, hashed there (when ``hash_payload``: the checksum
+        is of the bytes sealed, even if the caller rewrites its memory meanwhile), sealed into the
+        body; the head last. Larger than ``part_bytes``: that buffer goes up in parts.
+
+            body  | head (sealed header, tags) | sealed chunk 0 | sealed chunk 1 | ... |
+        """
+        sealer = self.at_rest.sealer(header.header_len)
+        head_len = self._head_len(header)
+        body = bytearray(head_len + len(payload))
+        out = memoryview(body)
+        scratch = memoryview(bytearray(min(STREAM_CHUNK, len(payload))))
+        checksum = xxhash.xxh3_64() if hash_payload else None
+        for at in range(0, len(payload), STREAM_CHUNK):
+            chunk = payload[at : at + STREAM_CHUNK]
+            if checksum is not None:
+                copy = scratch[: len(chunk)]
+                copy[:] = chunk
+                checksum.update(copy)
+                chunk = copy
+            sealer.seal_into(chunk, out[head_len + at : head_len + at + len(chunk)])
+        if checksum is not None:
+            header = dataclasses.replace(header, checksum=checksum.intdigest())
+        out[:head_len] = sealer.seal_head(header.pack())
+        object_key = self._object_key(header.key)
+        if len(body) > self.config.part_bytes:
+            self._put_multipart(object_key, b"", memoryview(body), {})
+        else:
+            self._call(f"PUT {object_key}", lambda: self._s3.put_object(Bucket=self.config.bucket, Key=object_key,
+                                                                        Body=body))
         return header
 
     def _put_multipart(self, object_key: str, packed: bytes, payload: memoryview, metadata: dict[str, str]) -> None:
@@ -298,24 +373,63 @@ class S3Tier(HeaderIndex, Tier):
         if len(dest) < header.payload_len:
             raise ValueError(f"destination of {len(dest)} bytes is smaller than the {header.payload_len}-byte payload")
         object_key = self._object_key(key)
-        head = bytearray(header.header_len)
+        head = bytearray(self._head_len(header))
         payload = memoryview(dest).cast("B")[: header.payload_len]
+        plain = self.at_rest is None
         try:
-            if header.block_len <= self.config.part_bytes:
+            if not plain:
+                on_bucket, checksum = self._get_sealed(object_key, memoryview(head), payload)
+                if on_bucket != packed:
+                    raise CorruptBlockError("header differs from the indexed one")
+                if checksum != header.checksum:
+                    raise CorruptBlockError("payload checksum mismatch")
+                return header
+            if self._stored_len(header) <= self.config.part_bytes:
                 got = self._get_whole(object_key, memoryview(head), payload)
             else:
                 got = self._get_ranged(object_key, memoryview(head), payload)
             if bytes(head) != packed:
                 raise CorruptBlockError("header differs from the indexed one")
-            if got.checksum.intdigest() != header.checksum:
+            elif got.checksum.intdigest() != header.checksum:
                 raise CorruptBlockError("payload checksum mismatch")
-            self.mac.check_block(self.mac.block(got.mac, head, len(payload)), got.metadata)
+            else:
+                self.mac.check_block(self.mac.block(got.mac, head, len(payload)), got.metadata)
         except KeyError:
             self._forget(key)  # deleted underneath us (another host, a lifecycle rule)
             raise KeyError(key) from None
         except CorruptBlockError as exc:
             raise CorruptBlockError(f"{self.name}: {object_key}: {exc}") from None
         return header
+
+    def _get_sealed(self, object_key: str, head: memoryview, payload: memoryview) -> tuple[bytes, int]:
+        """Read a sealed object: its head into ``head``, its payload opened into ``payload``; the
+        tag checked. Returns the header as packed and the payload's checksum. Nothing is opened
+        from, nor hashed in, ``payload`` (a client's memory, maybe): ciphertext is opened from
+        the bytes received, a chunk at a time into a small buffer, hashed there, then copied.
+
+            whole GET   body chunks -> open -> scratch -> hash, copy -> payload
+            ranged      parts -> a staging buffer of the tier's; then the same from it
+        """
+        if len(head) + len(payload) <= self.config.part_bytes:
+            opening: list[_Opening] = []
+
+            def attempt() -> None:
+                response = self._s3.get_object(Bucket=self.config.bucket, Key=object_key)
+                if response["ContentLength"] != len(head) + len(payload):
+                    response["Body"].close()
+                    raise CorruptBlockError(f"object is {response['ContentLength']} bytes, index says "
+                                            f"{len(head) + len(payload)}")
+                opening[:] = [_Opening(self.at_rest, head, payload)]  # afresh on a retry
+                stream_body(response["Body"], head, payload, (), sink=opening[0])
+
+            self._call(f"GET {object_key}", attempt)
+            return opening[0].finish()
+        staging = memoryview(bytearray(len(payload)))
+        self._get_ranged(object_key, head, staging, hashed=False)
+        opening_ = _Opening(self.at_rest, head, payload)
+        for at in range(0, len(staging), STREAM_CHUNK):
+            opening_(staging[at : at + STREAM_CHUNK])
+        return opening_.finish()
 
     def _get_whole(self, object_key: str, head: memoryview, payload: memoryview) -> _Read:
         """One GET of the whole object, its payload hashed (checksum and MAC) as it streams in."""
@@ -334,9 +448,10 @@ class S3Tier(HeaderIndex, Tier):
         self._call(f"GET {object_key}", attempt)
         return read[0]
 
-    def _get_ranged(self, object_key: str, head: memoryview, payload: memoryview) -> _Read:
-        """Concurrent ranged GETs of ``part_bytes`` each, then one pass over the payload that
-        makes both its checksum and its MAC (each ``STREAM_CHUNK`` hashed twice while in cache).
+    def _get_ranged(self, object_key: str, head: memoryview, payload: memoryview, hashed: bool = True) -> _Read:
+        """Concurrent ranged GETs of ``part_bytes`` each, then (when ``hashed``) one pass over the
+        payload that makes both its checksum and its MAC (each ``STREAM_CHUNK`` hashed twice while
+        in cache).
 
             object: | header | payload ........................................... |
             ranges: |<-- part 0 -->|<-- part 1 -->|<-- part 2 -->| ... |<- last ->|
@@ -365,7 +480,7 @@ class S3Tier(HeaderIndex, Tier):
         if any(m != metadata[0] for m in metadata):
             raise CorruptBlockError("object was replaced while its parts were read")
         got = _Read(xxhash.xxh3_64(), self.mac.block_hasher(), metadata[0])
-        for at in range(0, len(payload), STREAM_CHUNK):
+        for at in range(0, len(payload) if hashed else 0, STREAM_CHUNK):
             chunk = payload[at : at + STREAM_CHUNK]
             got.checksum.update(chunk)
             got.mac.update(chunk)
@@ -422,9 +537,9 @@ class S3Tier(HeaderIndex, Tier):
                 if key is not None:
                     listed[key] = entry["Size"]
         for key, header in indexed.items():
-            if listed.get(key) != header.block_len:
+            if listed.get(key) != self._stored_len(header):
                 raise RuntimeError(f"{self.name}: indexed block {key.hex()} is missing from the bucket or has "
-                                   f"{listed.get(key)} bytes, not {header.block_len}")
+                                   f"{listed.get(key)} bytes, not {self._stored_len(header)}")
 
     def close(self) -> None:
         self._closed.set()
@@ -439,3 +554,41 @@ class _Read:
     checksum: "xxhash.xxh3_64"
     mac: "hashlib._Hash"
     metadata: dict[str, str]
+
+
+class _Opening:
+    """A sealed payload opened as it arrives, in order: each piece opened into a small buffer,
+    hashed there, then copied to its place in ``payload``. The head is opened at the first piece
+    (it is whole by then) or at :meth:`finish`."""
+
+    def __init__(self, key: AtRestKey, head: memoryview, payload: memoryview) -> None:
+        self._key, self._head, self._payload = key, head, payload
+        self._opened: at_rest.OpenedHead | None = None
+        self._scratch = memoryview(bytearray(min(STREAM_CHUNK, len(payload))))
+        self._hasher = xxhash.xxh3_64()
+        self._pos = 0
+
+    def _open_head(self) -> at_rest.OpenedHead:
+        if self._opened is None:
+            self._opened = self._key.open_head(self._head)
+        return self._opened
+
+    def __call__(self, piece: memoryview) -> None:
+        opened = self._open_head()
+        if self._pos + len(piece) > len(self._payload):
+            raise CorruptBlockError("object is longer than its header says")
+        for at in range(0, len(piece), STREAM_CHUNK):
+            sealed = piece[at : at + STREAM_CHUNK]
+            out = self._scratch[: len(sealed)]
+            opened.payload.open_into(sealed, out)
+            self._hasher.update(out)
+            self._payload[self._pos : self._pos + len(out)] = out
+            self._pos += len(out)
+
+    def finish(self) -> tuple[bytes, int]:
+        """The header as packed and the payload's checksum, once the tag checks (CorruptBlockError)."""
+        opened = self._open_head()
+        if self._pos != len(self._payload):
+            raise CorruptBlockError(f"sealed payload of {self._pos} bytes, header says {len(self._payload)}")
+        opened.payload.finish()
+        return opened.packed, self._hasher.intdigest()

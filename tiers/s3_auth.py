@@ -18,7 +18,9 @@ comes first so that a writer can hash it in the one pass that also computes the 
 header holds; the lengths at the end make the split between payload and header unambiguous.
 The object's name needs no MAC of its own: the header names its key and readers compare the two.
 
-The MACs give integrity, not secrecy: whoever may read the bucket reads the KV bytes.
+The MACs give integrity, not secrecy: whoever may read the bucket reads the KV bytes. With
+``s3_encrypt`` objects are sealed instead (tiers/at_rest.py) and carry no MACs: AES-GCM's tags
+authenticate them under a key derived from the same secret.
 """
 
 from __future__ import annotations

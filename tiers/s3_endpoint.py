@@ -198,9 +198,11 @@ class Endpoint:
         return self.call(f"GET {object_key} [{start}:{start + length}]", attempt)
 
 
-def stream_body(body, head: memoryview, payload: memoryview, hashers: tuple) -> None:
+def stream_body(body, head: memoryview, payload: memoryview, hashers: tuple,
+                sink: Callable[[memoryview], None] | None = None) -> None:
     """Copy a GET body into ``head`` then ``payload``, chunk by chunk, feeding each payload chunk
-    to every one of ``hashers`` while it is in cache.
+    to every one of ``hashers`` while it is in cache; with ``sink``, each payload chunk goes to it
+    instead, in order (it puts the bytes in ``payload`` itself: a sealed payload, opened).
 
         body:  | head (len(head)) | payload (len(payload)) |
     """
@@ -214,7 +216,9 @@ def stream_body(body, head: memoryview, payload: memoryview, hashers: tuple) -> 
             split = max(0, min(hlen - pos, n))  # leading bytes of this chunk that are header
             if split:
                 head[pos : pos + split] = chunk[:split]
-            if split < n:
+            if split < n and sink is not None:
+                sink(chunk[split:])
+            elif split < n:
                 at = pos + split - hlen
                 payload[at : at + n - split] = chunk[split:]
                 for hasher in hashers:

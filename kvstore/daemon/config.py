@@ -56,6 +56,9 @@ class DaemonConfig:
     disk_fsync: bool = True
     #: Read disk blocks with O_DIRECT, bypassing the page cache.
     disk_o_direct: bool = False
+    #: Seal every disk block file with AES-GCM under a key derived from tenant_secret_file
+    #: (tiers/at_rest.py): who reads the folder reads no KV bytes, keys' token ids or headers.
+    disk_encrypt: bool = False
     #: Codec blocks are re-encoded into when they move down to disk: "raw" (exact), "int8",
     #: "int4", "int8+shuffle+zstd", "kvtc@<calibration id>", "kvtc@auto" (the daemon calibrates
     #: each namespace from its first blocks: kvstore/daemon/autocal.py), ... (see docs/notes/compression-log.md).
@@ -84,6 +87,9 @@ class DaemonConfig:
     s3_capacity: int = 0
     #: Codec blocks are re-encoded into when written to S3; "raw" keeps them as they arrive.
     s3_codec: str = "raw"
+    #: Seal every S3 object with AES-GCM under a key derived from tenant_secret_file (tiers/at_rest.py):
+    #: who reads the bucket reads no KV bytes. Every host on a bucket and prefix must agree on it.
+    s3_encrypt: bool = False
     #: With "kvtc@auto": tokens of a namespace's first blocks the daemon calibrates on (those
     #: blocks, and the namespace's until then, are stored as they are).
     auto_calibration_tokens: int = 8192

@@ -57,7 +57,7 @@ class Daemon:
         check_settings(config)  # before any tier is made: what would fail later, named now
         tiers = build_tiers(config)
         for tier in tiers:
-            if tier.corrupt_on_start:
+            if tier.corrupt_on_start and not tier.shared:  # a shared tier's listing: take_refused
                 self.metrics.corrupt.labels(tier.name).inc(tier.corrupt_on_start)
         # The top tier keeps what clients send; lower tiers re-encode into their codec ("raw": keep).
         configured = {"disk": config.disk_codec, "s3": config.s3_codec}
@@ -264,7 +264,8 @@ class Daemon:
                     found += f", {tier.corrupt_on_start} corrupt ones deleted"
             elif tier.shared:
                 found = f" ({len(tier)} blocks listed so far, the rest in the background)"
-            tiers.append(f"{tier.name} {size}, codec {codec}{found}")
+            sealed = ", encrypted" if tier.at_rest is not None else ""
+            tiers.append(f"{tier.name} {size}, codec {codec}{sealed}{found}")
         lines.append("tiers: " + "; ".join(tiers))
         return lines
 

@@ -19,6 +19,7 @@ from compression.calibration_store import CALIBRATION_DIR_ENV
 from kvstore.daemon.autocal import AUTO_SPEC
 from kvstore.daemon.config import DaemonConfig
 from kvstore.host import s3_mac_key
+from tiers.at_rest import AtRestKey
 from tiers.base import Tier
 from tiers.cpu import CpuTier
 from tiers.disk import DiskTier
@@ -84,13 +85,16 @@ def register_tier(kind: TierKind) -> None:
 
 def _s3_tier(config: DaemonConfig) -> Tier:
     mac_key = s3_mac_key(config.tenant_secret_file)  # objects are MAC'd under the hosts' shared secret
-    return S3Tier(config.s3_config, mac_key=mac_key)  # TierError saying what to fix when unusable
+    return S3Tier(config.s3_config, mac_key=mac_key,  # TierError saying what to fix when unusable
+                  at_rest=AtRestKey.derived("s3", config.tenant_secret_file) if config.s3_encrypt else None)
 
 
 register_tier(TierKind("gpu", lambda c: bool(c.gpu_capacity), lambda c: GpuTier(c.gpu_capacity, device=c.gpu_device)))
 register_tier(TierKind("cpu", lambda c: bool(c.cpu_capacity), lambda c: CpuTier(c.cpu_capacity, pin=c.cpu_pin)))
 register_tier(TierKind("disk", lambda c: bool(c.disk_path),
-                       lambda c: DiskTier(c.disk_path, c.disk_capacity, fsync=c.disk_fsync, o_direct=c.disk_o_direct)))
+                       lambda c: DiskTier(c.disk_path, c.disk_capacity, fsync=c.disk_fsync, o_direct=c.disk_o_direct,
+                                          at_rest=AtRestKey.derived("disk", c.tenant_secret_file)
+                                          if c.disk_encrypt else None)))
 register_tier(TierKind("s3", lambda c: bool(c.s3_bucket), _s3_tier))
 
 

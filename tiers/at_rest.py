@@ -1,0 +1,189 @@
+"""Encryption at rest: a block sealed with AES-256-GCM before it leaves the process (disk, S3).
+
+KV bytes can be turned back into the prompt they were computed from, and a header may hold the
+prompt's token ids themselves, so a sealed block hides both: the header and the payload are each
+sealed (AEAD), under a key the daemon derives from its server secret, one key per tier
+(:func:`kvstore.host.at_rest_key`). Who can read the folder or the bucket reads only ciphertext,
+the key id and the lengths.
+
+A sealed block, as a file or an object (little-endian)::
+
+    off   size
+      0      4  magic b"KVE1"
+      4      1  format version (1)
+      5      1  0
+      6      2  header_len (of the plain header inside)
+      8      8  key id (which key sealed it: :attr:`AtRestKey.key_id`)
+     16     12  header nonce (random)
+     28     12  payload nonce (random)
+     40     16  payload tag
+     56     16  header tag
+     72         the header, sealed (header_len bytes)
+     72+hl      the payload, sealed (payload_len bytes)
+
+The payload is sealed first, with bytes 0..40 as associated data; the header then, with bytes
+0..56, the payload's tag included, so a header opens only beside the payload it was sealed with,
+and the payload only in the object whose nonces it was sealed under. The header inside is the
+block's own (kvstore/block.py), checksums included: a reader compares it with the one it indexed
+and checks the payload's xxh3 as it does for plain blocks. Anything that does not open (another
+key, a flipped byte, a block swapped for another's) raises CorruptBlockError: the tier's read
+fails, the store counts a corrupt miss and deletes the copy (kvstore/daemon/reads.py).
+
+Nonces are random, 96 bits, two per block: under one key, 2^32 blocks written keep the chance of
+any repeat below 2^-32 (NIST SP 800-38D's bound for random nonces); a daemon writes far fewer over
+a secret's life than that, and rotating the server secret starts a new key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from kvstore.block import MAX_HEADER_BYTES, BlockHeader, CorruptBlockError
+
+MAGIC = b"KVE1"
+VERSION = 1
+NONCE_BYTES = 12
+TAG_BYTES = 16
+KEY_ID_BYTES = 8
+#: magic, version, 0, header_len, key id, header nonce, payload nonce
+_PREFIX = struct.Struct("<4sBBH8s12s12s")
+#: The bytes a sealed block adds to the plain one: the prefix and both tags.
+OVERHEAD = _PREFIX.size + 2 * TAG_BYTES  # 72
+_PAYLOAD_AAD_END = _PREFIX.size  # 40: the payload's associated data, tags excluded
+_HEADER_AAD_END = _PREFIX.size + TAG_BYTES  # 56: the header's, the payload's tag included
+
+
+class AtRestKey:
+    """One tier's key: seals blocks for writing (:meth:`sealer`), opens them for reading
+    (:meth:`open_head`). Thread-safe: every block gets its own cipher contexts."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) != 32:
+            raise ValueError(f"an at-rest key has 32 bytes (AES-256), got {len(key)}")
+        self._key = key
+        self._aead = AESGCM(key)
+        #: Names the key without revealing it: a block sealed under another is told apart at once.
+        self.key_id = hashlib.blake2b(key, digest_size=KEY_ID_BYTES, person=b"kvs-at-rest-id").digest()
+
+    @classmethod
+    def derived(cls, tier: str, secret_file: str | os.PathLike) -> "AtRestKey":
+        """``tier``'s key ("disk", "s3"), derived from the server secret in ``secret_file``
+        (kvstore.host.at_rest_key: one derivation per purpose)."""
+        from kvstore.host import at_rest_key
+
+        return cls(at_rest_key(tier, secret_file))
+
+    @staticmethod
+    def stored_len(header: BlockHeader) -> int:
+        """Bytes the sealed block takes in the tier: the plain block's and :data:`OVERHEAD`."""
+        return header.block_len + OVERHEAD
+
+    @staticmethod
+    def head_len(header_len: int) -> int:
+        """Bytes before the sealed payload: the prefix, both tags and the sealed header."""
+        return OVERHEAD + header_len
+
+    @staticmethod
+    def sealed_head_len(start: bytes | memoryview) -> int:
+        """:meth:`head_len` of the sealed block that ``start`` (at least its first 8 bytes) begins;
+        CorruptBlockError when it is no sealed block (a plain one: sealing was off when written)."""
+        if len(start) < 8 or bytes(start[:4]) != MAGIC:
+            raise CorruptBlockError("not an encrypted block (written with encryption off, or by someone else)")
+        header_len = int.from_bytes(start[6:8], "little")
+        if header_len > MAX_HEADER_BYTES:
+            raise CorruptBlockError(f"sealed header of {header_len} bytes is longer than any header")
+        return OVERHEAD + header_len
+
+    def sealer(self, header_len: int) -> "BlockSealer":
+        """Seal one block whose header packs to ``header_len`` bytes (fresh nonces)."""
+        return BlockSealer(self, header_len)
+
+    def open_head(self, head: bytes | memoryview) -> "OpenedHead":
+        """Open the head of a sealed block (at least :meth:`head_len` bytes): the plain header,
+        authenticated, and the opener of its payload. Raises CorruptBlockError when the head is
+        not a sealed block, was sealed under another key, or does not open."""
+        head = memoryview(head).cast("B")
+        need = self.sealed_head_len(head)
+        if len(head) < need:
+            raise CorruptBlockError(f"sealed head of {len(head)} bytes, its prefix says {need}")
+        magic, version, _, header_len, key_id, nonce_h, nonce_p = _PREFIX.unpack_from(head, 0)
+        if version != VERSION:
+            raise CorruptBlockError(f"unsupported encrypted block version {version}")
+        if key_id != self.key_id:
+            raise CorruptBlockError("encrypted under another key (another server secret, or another tier's)")
+        tag_p = bytes(head[_PAYLOAD_AAD_END:_HEADER_AAD_END])
+        tag_h = bytes(head[_HEADER_AAD_END:OVERHEAD])
+        try:
+            packed = self._aead.decrypt(nonce_h, bytes(head[OVERHEAD:need]) + tag_h, bytes(head[:_HEADER_AAD_END]))
+        except InvalidTag:
+            raise CorruptBlockError("header does not decrypt (altered, or not this block's)") from None
+        header = BlockHeader.unpack(packed)
+        if header.header_len != header_len:
+            raise CorruptBlockError(f"sealed header says {header_len} bytes, the header {header.header_len}")
+        decryptor = Cipher(algorithms.AES(self._key), modes.GCM(nonce_p, tag_p)).decryptor()
+        decryptor.authenticate_additional_data(bytes(head[:_PAYLOAD_AAD_END]))
+        return OpenedHead(header, packed, PayloadOpener(decryptor))
+
+
+class BlockSealer:
+    """One block being sealed: its payload in order through :meth:`seal_into`, then its
+    header through :meth:`seal_head`, whose bytes go first in the tier::
+
+        tier:  | seal_head(packed) (head_len) | seal_into(chunk 0) | seal_into(chunk 1) | ... |
+    """
+
+    def __init__(self, key: AtRestKey, header_len: int) -> None:
+        self._key = key
+        self._header_len = header_len
+        self._nonce_h, self._nonce_p = os.urandom(NONCE_BYTES), os.urandom(NONCE_BYTES)
+        self._prefix = _PREFIX.pack(MAGIC, VERSION, 0, header_len, key.key_id, self._nonce_h, self._nonce_p)
+        self._encryptor = Cipher(algorithms.AES(key._key), modes.GCM(self._nonce_p)).encryptor()
+        self._encryptor.authenticate_additional_data(self._prefix)
+
+    def seal_into(self, chunk: bytes | memoryview, out: memoryview) -> None:
+        """Seal the payload's next ``len(chunk)`` bytes into ``out`` (as long)."""
+        self._encryptor.update_into(chunk, out)
+
+    def seal_head(self, packed: bytes) -> bytes:
+        """The head, once every payload byte went through :meth:`seal_into`."""
+        if len(packed) != self._header_len:
+            raise ValueError(f"header of {len(packed)} bytes, sealer made for {self._header_len}")
+        self._encryptor.finalize()
+        aad = self._prefix + self._encryptor.tag
+        sealed = self._key._aead.encrypt(self._nonce_h, packed, aad)  # header || tag
+        return aad + sealed[-TAG_BYTES:] + sealed[:-TAG_BYTES]
+
+
+class PayloadOpener:
+    """The sealed payload of one block, opened in order; :meth:`finish` says whether it was whole."""
+
+    def __init__(self, decryptor) -> None:
+        self._decryptor = decryptor
+
+    def open_into(self, chunk: bytes | memoryview, out: memoryview) -> None:
+        """Open the payload's next ``len(chunk)`` bytes into ``out`` (as long, not
+        overlapping ``chunk``). The bytes are not yet authenticated: nothing may use them before :meth:`finish`."""
+        self._decryptor.update_into(chunk, out)
+
+    def finish(self) -> None:
+        """CorruptBlockError unless the payload opened was the sealed one, whole."""
+        try:
+            self._decryptor.finalize()
+        except InvalidTag:
+            raise CorruptBlockError("payload does not decrypt (altered, truncated, or not this block's)") from None
+
+
+class OpenedHead:
+    """A sealed block's plain header (``header``, and ``packed`` as the block holds it) and the
+    opener of its payload."""
+
+    __slots__ = ("header", "packed", "payload")
+
+    def __init__(self, header: BlockHeader, packed: bytes, payload: PayloadOpener) -> None:
+        self.header, self.packed, self.payload = header, packed, payload
