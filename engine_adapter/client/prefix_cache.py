@@ -37,7 +37,7 @@ import torch
 
 from engine_adapter.client.blocks import BlockToPut, FetchedBlock, Rows, RowsGot
 from engine_adapter.client.kvstore_client import KVStoreClient
-from engine_adapter.client.shared_kv import RowsInRegion, SharedRegion, region_of, rows_fit, rows_in
+from engine_adapter.client.shared_kv import RowsInRegion, SharedRegion, chunk_rows
 from kvstore.keys import KVLayout, LookupResult, Namespace
 from compression.transcode import payload_tensor
 
@@ -257,22 +257,22 @@ class PrefixCache:
     def load(self, keys: list[bytes], kv: Any, tiers: list[str]) -> int:
         """Load the longest stored run of ``keys`` (one chunk each) into the KV cache ``kv`` from
         token 0 (a `KVCache`: ``capacity``, ``load(block, start)`` and, for one copy, what
-        `shared_kv.rows_in` reads); returns the chunks loaded, sets ``kv.length`` to their tokens
+        `shared_kv.chunk_rows` reads); returns the chunks loaded, sets ``kv.length`` to their tokens
         and appends each one's tier to ``tiers``. Where ``kv`` is in a shared region the daemon
         holds (`shared_kv.SharedKVMemory`), the daemon copies each raw block's rows straight into
         the cache, one copy in all; a coded block (nothing copied for it) and the run after it, and
         any other cache, load the two-copy way (`load_run`: into the arena, then into the cache)."""
         n = self.namespace.chunk_tokens
-        region = region_of(kv.data)
-        if region is None or not region.alive or not rows_fit(kv, n):
-            kv.length = 0
+        kv.length = 0
+        in_rows = chunk_rows(kv, n, len(keys))
+        if in_rows is None:
             return self.load_run(keys, lambda c, block: kv.load(block, c * n), tiers)
         found = self.lookup(keys)
         if found is None or not found.hits:
-            kv.length = 0
             return 0
-        hits = min(found.hits, kv.capacity // n)
-        got = self.get_rows(keys[:hits], region, [rows_in(kv, region, c * n, n) for c in range(hits)])
+        region, places = in_rows
+        hits = min(found.hits, len(places))
+        got = self.get_rows(keys[:hits], region, places[:hits])
         loaded = 0
         for block in got:
             if not block.in_place:

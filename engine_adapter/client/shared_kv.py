@@ -235,6 +235,17 @@ def block_to_store(kv: Any, start: int, tokens: int) -> RowsInRegion | torch.Ten
     return RowsInRegion(data, region, place)
 
 
+def chunk_rows(kv: Any, tokens: int, count: int) -> tuple[SharedRegion, list[Rows]] | None:
+    """Where chunks 0, 1, ... of ``tokens`` tokens each go in ``kv``'s region, for the first ``count``
+    of them that its capacity holds: a Get in rows fills them in one copy. None when ``kv`` is not
+    in a region the daemon holds, or its rows are too small for the daemon to copy (`rows_fit`):
+    the caller then loads the two-copy way. The one place a load's one-copy decision is made."""
+    region = region_of(kv.data)
+    if region is None or not region.alive or not rows_fit(kv, tokens):
+        return None
+    return region, [rows_in(kv, region, c * tokens, tokens) for c in range(min(count, kv.capacity // tokens))]
+
+
 def rows_fit(kv: Any, tokens: int) -> bool:
     """Whether blocks of ``tokens`` tokens can go into ``kv`` in rows: a row (tokens * head_dim
     elements) of at least the daemon's `MIN_ROW_BYTES` (tiny test layouts load the two-copy way)."""
