@@ -271,7 +271,7 @@ class KVStoreClient:
             with self._index_lock:
                 local = self._index.lookup(keys) if self._index is not None else None
                 if local is not None:  # the daemon counts it when it gets the tally
-                    self._tally.count(len(keys), local[0], self._report)
+                    self._tally.count(len(keys), local[0], self._report, keys[: local[0]])
             if local is not None:
                 self.local_lookups += 1
                 return LookupResult(*local)
