@@ -31,6 +31,9 @@ class Metrics:
         self.reported_keys = Counter("kvstore_local_lookup_keys", "Hit keys of clients' local Lookups, as reported, "
                                      "by what came of them: held (a use under eviction adaptive), not_held (no tier "
                                      "holds it now), dropped (past the reports' rate bound)", ["outcome"], registry=r)
+        self.stores_skipped = Counter("kvstore_client_stores_skipped", "Blocks clients did not store because their "
+                                      "store queue was behind (the daemon or the copies slower than the requests), "
+                                      "as they reported", registry=r)
         self.arc_frequent = Gauge("kvstore_arc_frequent_blocks", "A tier's blocks used again since they entered it "
                                   "(ARC's frequent segment; eviction adaptive only)", ["tier"], registry=r)
         for path in ("rpc", "local"):  # shown from the start, at 0: a ratio has its denominator at once

@@ -32,7 +32,7 @@ from kvstore.daemon.budget import BudgetExhausted, ByteBudget
 from kvstore.daemon.placement import BlockGoneError, BlockStore, GetResult, HoldRefused
 from kvstore.daemon.residency import WalkBudget
 from kvstore.keys import KEY_BYTES
-from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS
+from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS, MAX_SKIPPED_REPORT, SKIPPED_STORES_HEADER
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scatter import Gather, Scatter
 from kvstore.shm_index import (
@@ -221,7 +221,18 @@ class Transfers:
                              "Stats, and stores, reads or holds no blocks (it is no tenant); use a tenant's token")
         if self.store.key_index is not None and not tenant.name:
             self._add_local_lookups(metadata)
+        self._add_skipped_stores(metadata)
         return tenant
+
+    def _add_skipped_stores(self, metadata) -> None:
+        """Count the stores a client skipped because its store queue was behind (engine_adapter/
+        prefix_cache.py): the call's first such report, if a decimal within MAX_SKIPPED_REPORT."""
+        for name, value in metadata or ():
+            if name == SKIPPED_STORES_HEADER:
+                if isinstance(value, str) and 0 < len(value) <= 7 and value.isascii() and value.isdigit() \
+                        and int(value) <= MAX_SKIPPED_REPORT:
+                    self.store.metrics.stores_skipped.inc(int(value))
+                return
 
     def _add_local_lookups(self, metadata) -> None:
         """Count the Lookups a client answered from the key index (kvstore/shm_index.py, "Counting")
