@@ -357,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
             cost = ("no trace" if s["lookup_p50_s"] is None else
                     f"p50 {s['lookup_p50_s'] * 1e3:.2f} ms, p99 {s['lookup_p99_s'] * 1e3:.2f} ms")
             print(f"{engine} connector Lookup cost at QPS {args.qps_list[-1]:g}: {cost}")
+            skipped = {q: table[engine][q].get("stores_skipped") for q in args.qps_list}
+            print(f"{engine} blocks not stored because the connector's save queue was behind: "
+                  + ", ".join(f"{'-' if n is None else f'{n:.0f}'} at QPS {q:g}" for q, n in skipped.items()))
     if cold is not None:
         held = {e: [q for q in args.qps_list if sustains(table[e][q], cold, args.sustain_factor)] for e in table}
         print(f"cold probe TTFT (vLLM alone, idle): {cold:.3f} s; sustained QPS points: "

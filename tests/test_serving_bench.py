@@ -396,3 +396,23 @@ def test_quick_run_reports_every_field():
     assert kv["ttft_rounds2_p50_s"] > 0 and kv["kvstore_hit_ratio"] > 0 and kv["bytes_in_mb"] > 0
     assert result["summary"]["vllm"]["1"]["kvstore_hit_ratio"] == 0
     assert result["targets"] and "TTFT" in proc.stdout
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_trace_run_replays_a_small_trace_through_vllm_and_kvstore(tmp_path):
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here; CI runs this from .venv-vllm (see .ci/run)")
+    trace = mooncake_file(tmp_path, [(0, 1500, [0, 1, 2]), (500, 900, [0, 3]), (2000, 2000, [0, 1, 2, 4])])
+    out = tmp_path / "trace.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serving.py"), "--mode", "trace", "--trace", trace,
+                           "--trace-block-tokens", "128", "--engines", "kvstore-cpu", "--qps", "1",
+                           "--answer-tokens", "4", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (run,) = result["runs"]
+    assert [r["error"] for r in run["records"]] == [None] * 3
+    assert [r["prompt_tokens"] for r in run["records"]] == [128 * 2 + 119, 128 + 97, 128 * 3 + 116]
+    assert [r["round"] for r in run["records"]] == [1, 1, 2]
+    assert result["workload"]["requests"] == 3 and "trace" in proc.stdout
