@@ -89,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace-block-tokens", type=int, default=32,
                    help="trace mode: tokens of one of the trace's 512-token blocks (default %(default)s)")
     p.add_argument("--trace-max-tokens", type=int, default=8192,
-                   help="trace mode: prompt + answer at most, chains cut there (default %(default)s, the model's context)")
+                   help="trace mode: prompt + answer at most, chains cut there "
+                        "(default %(default)s, the model's context)")
     p.add_argument("--trace-sample", type=int, default=1,
                    help="trace mode: one conversation in N, by its second block's id (default %(default)s: all)")
     p.add_argument("--requests", type=int, default=0,
@@ -372,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"took {elapsed / 60:.1f} min")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "args": {k: v for k, v in vars(args).items() if k != "workload_config"}, "workload": {**vars(config), "requests": len(workload.turns),
-                                                                          "source": workload.source},
+            "args": {k: v for k, v in vars(args).items() if k != "workload_config"},
+            "workload": {**vars(config), "requests": len(workload.turns), "source": workload.source},
             "sizes": sizes, "cores": env["VLLM_CPU_OMP_THREADS_BIND"], "connector_trace": tracing,
             "cold_probe_ttft_s": cold, "runs": runs, "summary": {e: {f"{q:g}": s for q, s in p.items()}
                                                                  for e, p in table.items()},

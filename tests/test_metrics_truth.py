@@ -256,7 +256,8 @@ def test_reported_keys_are_bounded_and_ignored_with_tenants(daemon_factory, shor
     _report(d, "1,1,1", (REPORT_KEYS_HEADER, b"".join(keys + keys + unknown[:-2])),
             (REPORT_KEYS_HEADER, keys[0]))  # a key twice counts once; a second report on a call, not at all
     c = key_counts(port)
-    assert (c["held"], c["not_held"], c["frequent"]) == (3, MAX_REPORT_KEYS - 6, 3)  # 6 + 122 keys: the most a call carries
+    # 6 + 122 keys: the most a call carries
+    assert (c["held"], c["not_held"], c["frequent"]) == (3, MAX_REPORT_KEYS - 6, 3)
 
     tenants = short_tmp / "tenants.toml"
     tenants.write_text('[[tenant]]\nname = "a"\ntoken = "token-a-0123456789"\n')
