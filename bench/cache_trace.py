@@ -168,6 +168,22 @@ def load_traces(paths: Iterable[str | Path], token_bytes: int = TOKEN_BYTES) -> 
     return requests
 
 
+def conversation_sample(requests: Sequence[Request], one_in: int) -> list[Request]:
+    """The requests of one conversation in ``one_in``: those whose second block's key ends in a
+    number that is a multiple of ``one_in`` (Mooncake's ``m<id>``; a conversation's turns share their
+    second block, so whole conversations are kept over the trace's whole span, where a short window
+    would keep few returns: turns come back minutes apart). ``one_in`` 1 keeps every request."""
+    if one_in <= 1:
+        return list(requests)
+    kept = []
+    for request in requests:
+        if len(request.blocks) > 1:
+            digits = request.blocks[1].key.removeprefix("m")
+            if digits.isdigit() and int(digits) % one_in == 0:
+                kept.append(request)
+    return kept
+
+
 def write_trace(requests: Iterable[Request], path: str | Path) -> None:
     with open(path, "w", encoding="utf-8") as out:
         for request in requests:

@@ -6,6 +6,8 @@ multi-round QA benchmark (issue #41).
     .venv-vllm/bin/python bench/serving.py [--engines vllm,kvstore-cpu,kvstore-disk,resident]
         [--qps 0.3,0.6,1.2] [--mode multi-round|long-doc|no-reuse] [--json out.json] [--plot out.png]
     .venv-vllm/bin/python bench/serving.py --quick      # 2 users, 2 rounds, 1 QPS, 2 engines
+    .venv-vllm/bin/python bench/serving.py --mode trace --trace ../shared/data/traces/mooncake_conversation_trace.jsonl \
+        [--trace-sample 40] [--requests 40] [--trace-block-tokens 32] [--trace-max-tokens 8192]
 
 Engines, each run a fresh vLLM server (and daemon) on the same cores (bench/vllm_ttft.py vllm_env):
 
@@ -21,6 +23,11 @@ tokens, greedy, ``ignore_eos``); round r+1 is sent once round r has finished; ar
 Poisson at the offered QPS. Round 1 is cold for every engine and is in "all requests"; "r>=2"
 reports the later rounds apart. Each server first gets one probe request (a context-sized prompt
 sharing nothing with the workload; its TTFT is the uncontended cold prefill).
+
+Trace mode replays a Mooncake-format trace's requests instead (bench/serving_workload.py, "trace":
+each hash_id a fixed run of synthetic tokens, 512-token blocks scaled to --trace-block-tokens, chains
+cut at --trace-max-tokens, the trace's timestamps scaled to each offered QPS); "r>=2" is then the
+requests that continue an earlier one of the replay, and the probe prompt is the median prompt's length.
 
 Per engine and QPS: TTFT p50/p90/p99, ITL p50/p99, completed requests/s and output tokens/s,
 vLLM's own prefix-cache hits and kvstore's (vLLM's /metrics: ``vllm:prefix_cache_hits`` and
@@ -60,7 +67,7 @@ from serving_engines import (  # noqa: E402
 from serving_report import (  # noqa: E402
     KVSTORE_ENGINES, cache_figures, evaluate_targets, median_summaries, summarize, sustains)
 from serving_workload import (  # noqa: E402
-    MODES, WorkloadConfig, Workload, build_workload, load_corpus, poisson_arrivals)
+    MODES, WorkloadConfig, Workload, arrivals, build_workload, load_corpus)
 
 ENGINES = ("vllm", "kvstore-cpu", "kvstore-disk", "resident")
 QUICK = {"users": 2, "rounds": 2, "context_tokens": 1024, "answer_tokens": 8, "qps": "1",
@@ -78,6 +85,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--system-tokens", type=int, default=128, help="shared system prompt (default %(default)s)")
     p.add_argument("--answer-tokens", type=int, default=16, help="max_tokens of each request (default %(default)s)")
     p.add_argument("--repeats", type=int, default=1, help="fresh servers per engine and QPS (default 1)")
+    p.add_argument("--trace", metavar="FILE", default="", help="trace mode: a Mooncake-format JSON-lines trace")
+    p.add_argument("--trace-block-tokens", type=int, default=32,
+                   help="trace mode: tokens of one of the trace's 512-token blocks (default %(default)s)")
+    p.add_argument("--trace-max-tokens", type=int, default=8192,
+                   help="trace mode: prompt + answer at most, chains cut there "
+                        "(default %(default)s, the model's context)")
+    p.add_argument("--trace-sample", type=int, default=1,
+                   help="trace mode: one conversation in N, by its second block's id (default %(default)s: all)")
+    p.add_argument("--requests", type=int, default=0,
+                   help="trace mode: the first N requests (after --trace-sample; default all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="MuSiQue JSON list (default: ../shared/data/musique/dev.json if "
                                                 "present, else the bundled sample)")
@@ -114,7 +131,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--qps needs positive rates")
     if not 0 < args.vllm_cache_fraction <= 1 or not 0 < args.disk_cpu_fraction <= 1:
         p.error("--vllm-cache-fraction and --disk-cpu-fraction must be in (0, 1]")
+    try:
+        args.workload_config = workload_config(args)
+    except ValueError as e:
+        p.error(str(e))
     return args
+
+
+def workload_config(args: argparse.Namespace) -> WorkloadConfig:
+    return WorkloadConfig(args.mode, args.users, args.rounds, args.context_tokens, args.system_tokens,
+                          args.answer_tokens, args.seed, trace=args.trace, trace_block_tokens=args.trace_block_tokens,
+                          trace_max_tokens=args.trace_max_tokens, trace_sample=args.trace_sample,
+                          trace_requests=args.requests)
 
 
 def plan_sizes(workload: Workload, kv_bytes: int, args: argparse.Namespace) -> dict:
@@ -191,9 +219,9 @@ def run_engine(engine: str, qps: float, repeat: int, workload: Workload, sizes: 
             time.sleep(1.0)  # vLLM records its stats a step after the last output
             before = scrape(server.url + "/metrics"), scrape(daemon_metrics) if daemon else None
             began = time.time()
-            arrivals = poisson_arrivals(len(workload.turns), qps, args.seed)
+            sends = arrivals(workload, qps, args.seed)
             label = f"{engine} QPS {qps:g} repeat {repeat + 1}"
-            records = asyncio.run(play(server.url, workload, arrivals, args.request_timeout, Progress(label)))
+            records = asyncio.run(play(server.url, workload, sends, args.request_timeout, Progress(label)))
             print(file=sys.stderr)
             time.sleep(1.0)
             after = scrape(server.url + "/metrics"), scrape(daemon_metrics) if daemon else None
@@ -271,22 +299,35 @@ def plot(table: dict[str, dict[float, dict]], path: str, title: str) -> None:
     print(f"wrote {path}")
 
 
+def describe(workload: Workload) -> str:
+    """The workload's shape in a few words, for the report and the plot's title."""
+    c = workload.config
+    if c.mode != "trace":
+        return f"{c.users} users x {c.rounds} rounds, {c.context_tokens}-token contexts"
+    lengths = [workload.prompt_tokens(t) for t in workload.turns]
+    returning = sum(t.round >= 2 for t in workload.turns)
+    return (f"{Path(c.trace).name}, 1 in {c.trace_sample} conversations, {c.trace_block_tokens}-token blocks, "
+            f"prompts {min(lengths)}-{max(lengths)} tokens (median {statistics.median(lengths):.0f}), "
+            f"{returning} continue an earlier request")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from engine_adapter.reference.loader import find_smollm2_gguf, gguf_config
     from vllm_ttft import document_setup, vllm_env
 
     began = time.perf_counter()
-    config = WorkloadConfig(args.mode, args.users, args.rounds, args.context_tokens, args.system_tokens,
-                            args.answer_tokens, args.seed)
+    config = args.workload_config
     _, tokenizer = gguf_config(find_smollm2_gguf())
     workload = build_workload(config, load_corpus(args.data), tokenizer.encode)
-    probe_prompt, folder, model_dir = document_setup(args.context_tokens, 0, "kvserve-")
+    probe_tokens = (statistics.median(workload.prompt_tokens(t) for t in workload.turns) if config.mode == "trace"
+                    else args.context_tokens)
+    probe_prompt, folder, model_dir = document_setup(int(probe_tokens), 0, "kvserve-")
     sizes = plan_sizes(workload, kv_bytes_per_token(model_dir), args)
     env = vllm_env()
     tracing = "trace_file" in connector_settings()
-    print(f"{args.mode}: {len(workload.turns)} requests ({args.users} users x {args.rounds} rounds, "
-          f"{args.context_tokens}-token contexts, {args.answer_tokens}-token answers) from {workload.source}; "
+    print(f"{args.mode}: {len(workload.turns)} requests ({describe(workload)}, "
+          f"{args.answer_tokens}-token answers) from {workload.source}; "
           f"working set {sizes['working_set_tokens']} tokens = {sizes['working_set_bytes'] / 1e6:.0f} MB of KV; "
           f"vLLM's small cache {sizes['small_pages']} pages of {PAGE_TOKENS} "
           f"({sizes['small_cache_vs_working_set']:.2f}x the working set), resident {sizes['resident_pages']} pages; "
@@ -317,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
             cost = ("no trace" if s["lookup_p50_s"] is None else
                     f"p50 {s['lookup_p50_s'] * 1e3:.2f} ms, p99 {s['lookup_p99_s'] * 1e3:.2f} ms")
             print(f"{engine} connector Lookup cost at QPS {args.qps_list[-1]:g}: {cost}")
+            skipped = {q: table[engine][q].get("stores_skipped") for q in args.qps_list}
+            print(f"{engine} blocks not stored because the connector's save queue was behind: "
+                  + ", ".join(f"{'-' if n is None else f'{n:.0f}'} at QPS {q:g}" for q, n in skipped.items()))
     if cold is not None:
         held = {e: [q for q in args.qps_list if sustains(table[e][q], cold, args.sustain_factor)] for e in table}
         print(f"cold probe TTFT (vLLM alone, idle): {cold:.3f} s; sustained QPS points: "
@@ -329,14 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"took {elapsed / 60:.1f} min")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "args": {k: v for k, v in vars(args).items()}, "workload": {**vars(config), "requests": len(workload.turns),
-                                                                          "source": workload.source},
+            "args": {k: v for k, v in vars(args).items() if k != "workload_config"},
+            "workload": {**vars(config), "requests": len(workload.turns), "source": workload.source},
             "sizes": sizes, "cores": env["VLLM_CPU_OMP_THREADS_BIND"], "connector_trace": tracing,
             "cold_probe_ttft_s": cold, "runs": runs, "summary": {e: {f"{q:g}": s for q, s in p.items()}
                                                                  for e, p in table.items()},
             "targets": [t.as_dict() for t in targets], "elapsed_s": elapsed}, indent=1))
     if args.plot:
-        plot(table, args.plot, f"{args.mode}, {args.users} users x {args.rounds} rounds")
+        plot(table, args.plot, f"{args.mode}, {describe(workload)}")
     return 0
 
 

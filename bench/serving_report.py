@@ -84,7 +84,8 @@ def cache_figures(vllm_before: list, vllm_after: list, daemon_before: list | Non
     Hits are tokens over the prompt tokens sent: vLLM's own prefix cache
     (``vllm:prefix_cache_hits``) and kvstore's (``vllm:external_prefix_cache_hits``, what vLLM
     loaded through the connector; the trace's hit blocks' tokens beside it). Bytes: block bytes
-    into and out of the daemon's tiers (``kvstore_bytes_in`` / ``_out``), in MB."""
+    into and out of the daemon's tiers (``kvstore_bytes_in`` / ``_out``), in MB; blocks the connector
+    skipped storing because its save queue was behind (``kvstore_client_stores_skipped``, as reported)."""
     def delta(before: list, after: list, name: str) -> float:
         return total(after, name) - total(before, name)
 
@@ -106,6 +107,7 @@ def cache_figures(vllm_before: list, vllm_after: list, daemon_before: list | Non
         "preemptions": delta(vllm_before, vllm_after, "vllm:num_preemptions_total"),
         "kvstore_trace_hit_tokens": traced if trace_rows else None,
         "daemon_lookup_hit_keys": delta(daemon_before, daemon_after, "kvstore_lookup_hits_total") if daemon else None,
+        "stores_skipped": delta(daemon_before, daemon_after, "kvstore_client_stores_skipped_total") if daemon else None,
         "bytes_in_mb": sum(bytes_in.values()) / 1e6 if daemon else None,
         "bytes_out_mb": sum(bytes_out.values()) / 1e6 if daemon else None,
         "bytes_in_by_tier": bytes_in, "bytes_out_by_tier": bytes_out,

@@ -27,13 +27,29 @@ Modes (each request is one *turn*: a user's round):
     no-reuse      U x R prompts of the multi-round first round's length that share nothing: no
                   system prompt, and no 256-token chunk of one equals any chunk of another (what
                   the cache costs when nothing repeats).
+    trace         a Mooncake-format trace's requests (bench/cache_trace.py reads it), each a turn
+                  of its own, sent at the trace's timestamps scaled to the offered QPS. Each
+                  ``hash_id`` is a fixed run of ``trace_block_tokens`` synthetic tokens (drawn from
+                  the corpus's token ids, seeded by the id), so equal ids give equal tokens and a
+                  chain is a prompt; a block of the trace's 512 tokens becomes ``trace_block_tokens``
+                  (a shorter last block its share, rounded up), and a chain is cut where its prompt
+                  and answer would pass ``trace_max_tokens`` (the model's context):
+
+                      trace     |-- id 0: 512 --|-- id 7: 512 --|-- id 9: 300 --|
+                      prompt    |id 0: B        |id 7: B        |id 9: ceil(300 B / 512)|
+
+                  ``trace_sample`` keeps one conversation in N (those whose second block's id is a
+                  multiple of N: a conversation's turns share it), ``trace_requests`` the first N
+                  requests left. A turn's ``round`` is 2 where a block past its first was in an
+                  earlier request (a conversation coming back: "r>=2"), else 1.
 
 Answers: the bench asks for exactly ``answer_tokens`` tokens (greedy, ``ignore_eos``) and carries the
 token ids vLLM streamed into the user's history, as LMCache's multi-round QA benchmark carries the
 answer text. So prompts past round 1 depend on the model, but their lengths, and hence the working
 set, do not.
 
-Arrivals: a Poisson process at the offered QPS, seeded, the same for every engine at a given QPS.
+Arrivals: a Poisson process at the offered QPS, seeded, the same for every engine at a given QPS;
+in trace mode the trace's own timestamps, scaled so their mean rate is the offered QPS.
 """
 
 from __future__ import annotations
@@ -47,7 +63,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable, Sequence
 
-MODES = ("multi-round", "long-doc", "no-reuse")
+from cache_trace import MOONCAKE_BLOCK_TOKENS, conversation_sample, load_trace
+
+MODES = ("multi-round", "long-doc", "no-reuse", "trace")
 CHUNK_TOKENS = 256  # kvstore's block: no-reuse prompts share no chunk of this many tokens
 SYSTEM_TEXT = ("You are a careful assistant. Answer each question about the user's document from the "
                "document alone, briefly and without repeating the question.\n\nReference notes:\n")
@@ -64,15 +82,26 @@ class WorkloadConfig:
     system_tokens: int = 128     # shared by all users (multi-round, long-doc)
     answer_tokens: int = 16      # max_tokens of every request, with ignore_eos
     seed: int = 0
+    trace: str = ""              # trace mode: a Mooncake-format JSON-lines file
+    trace_block_tokens: int = 32  # tokens of one of the trace's 512-token blocks
+    trace_max_tokens: int = 8192  # prompt + answer at most (SmolLM2's context): longer chains are cut
+    trace_sample: int = 1        # one conversation in N (1: every request)
+    trace_requests: int = 0      # the first N requests kept (0: all)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        for name in ("users", "rounds", "context_tokens", "answer_tokens"):
+        for name in ("users", "rounds", "context_tokens", "answer_tokens", "trace_block_tokens", "trace_sample"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.system_tokens < 0:
-            raise ValueError(f"system_tokens must be 0 or more, got {self.system_tokens}")
+        if self.system_tokens < 0 or self.trace_requests < 0:
+            raise ValueError(f"system_tokens and trace_requests must be 0 or more, got "
+                             f"{self.system_tokens} and {self.trace_requests}")
+        if (self.mode == "trace") != bool(self.trace):
+            raise ValueError("trace mode needs a trace file (--trace FILE), and only trace mode takes one")
+        if self.trace_max_tokens < self.trace_block_tokens + self.answer_tokens:
+            raise ValueError(f"trace_max_tokens {self.trace_max_tokens} holds no block of {self.trace_block_tokens} "
+                             f"tokens and a {self.answer_tokens}-token answer: raise it or lower the block")
 
 
 @dataclass(frozen=True)
@@ -105,6 +134,7 @@ class Workload:
     system: tuple[int, ...]
     turns: tuple[Turn, ...]
     source: str
+    times: tuple[float, ...] | None = None  # trace mode: each turn's timestamp in the trace, s
 
     @cached_property
     def placeholder_answers(self) -> dict[int, list[int]]:
@@ -210,6 +240,8 @@ def chunks_of(tokens: Sequence[int], chunk: int = CHUNK_TOKENS) -> set[tuple[int
 
 
 def build_workload(config: WorkloadConfig, corpus: Corpus, tokenize: Tokenize) -> Workload:
+    if config.mode == "trace":
+        return trace_workload(config, corpus, tokenize)
     rng = random.Random(config.seed)
     prompts = config.users * (config.rounds if config.mode == "no-reuse" else 1)
     pool = token_pool(corpus, tokenize, prompts * config.context_tokens + config.system_tokens + 4096)
@@ -282,6 +314,55 @@ def _no_reuse(config: WorkloadConfig, corpus: Corpus, tokenize: Tokenize, pool: 
         seen |= pieces
         turns.append(Turn(index, user, round_, head, ask, follows=None, carries_history=False))
     return Workload(config, (), tuple(turns), corpus.source)
+
+
+def trace_workload(config: WorkloadConfig, corpus: Corpus, tokenize: Tokenize) -> Workload:
+    """The trace's requests as turns (module docstring, "trace"), read by bench/cache_trace.py."""
+    requests = conversation_sample(load_trace(config.trace, token_bytes=1), config.trace_sample)
+    if config.trace_requests:
+        requests = requests[: config.trace_requests]
+    if not requests:
+        raise ValueError(f"{config.trace}: no requests left (trace_sample {config.trace_sample})")
+    vocabulary = sorted(set(token_pool(corpus, tokenize, 1 << 16)))
+    runs: dict[str, tuple[int, ...]] = {}
+
+    def run_of(key: str) -> tuple[int, ...]:  # the block's tokens: the same for the same id, every run
+        if key not in runs:
+            rng = random.Random(f"{config.seed}/{key}")
+            runs[key] = tuple(rng.choice(vocabulary) for _ in range(config.trace_block_tokens))
+        return runs[key]
+
+    room = config.trace_max_tokens - config.answer_tokens
+    turns: list[Turn] = []
+    seen: set[str] = set()
+    for index, request in enumerate(requests):
+        prompt: list[int] = []
+        for block in request.blocks:
+            tokens = -(-block.tokens * config.trace_block_tokens // MOONCAKE_BLOCK_TOKENS)  # ceil: at least 1
+            if len(prompt) + tokens > room:
+                break  # cut at the context
+            prompt += run_of(block.key)[:tokens]
+        keys = [b.key for b in request.blocks]
+        returning = any(k in seen for k in keys[1:])
+        seen.update(keys)
+        turns.append(Turn(index, index, 2 if returning else 1, tuple(prompt), (), follows=None, carries_history=False))
+    times = tuple(r.t if r.t is not None else float(i) for i, r in enumerate(requests))
+    return Workload(config, (), tuple(turns), f"{config.trace} (tokens from {corpus.source})", times)
+
+
+def arrivals(workload: Workload, qps: float, seed: int) -> list[float]:
+    """When each turn is sent (s from the start): the trace's timestamps scaled to a mean rate of
+    ``qps`` (the span of N requests (N-1)/qps; evenly spaced if they all share one timestamp), else
+    `poisson_arrivals`."""
+    if workload.times is None:
+        return poisson_arrivals(len(workload.turns), qps, seed)
+    if qps <= 0:
+        raise ValueError(f"qps must be positive, got {qps}")
+    first, span, count = workload.times[0], workload.times[-1] - workload.times[0], len(workload.times)
+    if span <= 0:
+        return [i / qps for i in range(count)]
+    scale = (count - 1) / qps / span
+    return [(t - first) * scale for t in workload.times]
 
 
 def poisson_arrivals(count: int, qps: float, seed: int) -> list[float]:

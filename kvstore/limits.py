@@ -12,3 +12,8 @@ MAX_LAYER_COPIES = 65536
 #: Longest lease a Lookup may take on its hits (``LookupRequest.lease_ms``): long enough for an
 #: engine to schedule and load, short enough that a client that never loads frees the space soon.
 MAX_LEASE_MS = 30_000
+#: gRPC metadata by which a client reports stores it skipped because its store queue was behind
+#: (``N``, ASCII decimal; engine_adapter/client/prefix_cache.py), counted by the daemon as
+#: ``kvstore_client_stores_skipped_total``; at most ``MAX_SKIPPED_REPORT`` a call.
+SKIPPED_STORES_HEADER = "kvstore-skipped-stores"
+MAX_SKIPPED_REPORT = 1 << 20

@@ -43,6 +43,13 @@ calls) and hands it over on its next call to the daemon, as gRPC metadata (``REP
 daemon adds a report as if those Lookups had been RPCs (kvstore/daemon/server.py), at most ``MAX_REPORT``
 of each per call and only while it publishes this index (never with tenants). A tally travels
 once: a call that fails loses it, and a client that dies loses what it had not sent yet.
+
+Beside the counts, the keys of the hit runs (``REPORT_KEYS_HEADER``, ``format_report_keys``: the keys
+end to end, each once, at most ``MAX_REPORT_KEYS`` a call; a client drops what it cannot send rather
+than queue it), so eviction ``adaptive`` counts a local Lookup's hits as uses as it counts a Get's
+(kvstore/daemon/residency.py ``note_lookup``). The daemon bounds them again: per call, and
+``MAX_REPORTED_KEYS_PER_S`` for all clients together, counting what it drops; keys no tier holds
+count nothing.
 """
 
 from __future__ import annotations
@@ -80,6 +87,13 @@ REPORT_HEADER = "kvstore-local-lookups"
 REPORT_S = 1.0
 #: Most keys (and calls) one report adds: a larger tally goes in several calls.
 MAX_REPORT = 1 << 24
+#: gRPC metadata (binary) that carries the keys of a client's local Lookups' hit runs, end to end.
+REPORT_KEYS_HEADER = "kvstore-local-keys-bin"
+#: Most keys one call reports (2 KiB of metadata, within gRPC's 8 KiB of headers a call).
+MAX_REPORT_KEYS = 128
+#: Most reported keys the daemon counts a second, all clients together (the rest counted as dropped):
+#: a million 256-token blocks' worth of lookups a minute, more than a host's engines load.
+MAX_REPORTED_KEYS_PER_S = 4096
 
 LIVE, CLOSED, MOVED = 1, 2, 3
 FLAG_SHARED_TIER = 1
@@ -404,6 +418,21 @@ class KeyIndexReader:
 def format_report(keys: int, hits: int, calls: int) -> str:
     """The metadata value of a tally of local Lookups (each at most ``MAX_REPORT``; hits <= keys)."""
     return f"{keys},{hits},{calls}"
+
+
+def format_report_keys(keys: Sequence[bytes]) -> bytes:
+    """The metadata value of reported keys: at most ``MAX_REPORT_KEYS`` keys of ``KEY_BYTES``, end to end."""
+    if len(keys) > MAX_REPORT_KEYS or any(len(k) != KEY_BYTES for k in keys):
+        raise ValueError(f"a report carries at most {MAX_REPORT_KEYS} keys of {KEY_BYTES} bytes")
+    return b"".join(keys)
+
+
+def parse_report_keys(value: bytes) -> list[bytes] | None:
+    """The distinct keys of a keys report, in order; None when it is not one (not bytes, not whole
+    keys, more than ``MAX_REPORT_KEYS``)."""
+    if not isinstance(value, bytes) or len(value) % KEY_BYTES or len(value) > MAX_REPORT_KEYS * KEY_BYTES:
+        return None
+    return list(dict.fromkeys(value[i : i + KEY_BYTES] for i in range(0, len(value), KEY_BYTES)))
 
 
 def parse_report(value: str) -> tuple[int, int, int] | None:

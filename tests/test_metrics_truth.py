@@ -205,3 +205,97 @@ def test_warm_up_calls_count_nothing_and_start_the_reporter(daemon_factory):
         with client.fetch([], BLOCK) as blocks:
             assert blocks == []
     assert counts(port) == before
+
+
+# -- the keys of local Lookups: uses for eviction adaptive (kvstore/shm_index.py, "Counting") --------
+
+
+def key_counts(port: int) -> dict[str, float]:
+    m = scrape(port)
+    found = {outcome: m.get(("kvstore_local_lookup_keys_total", (("outcome", outcome),)), 0.0)
+             for outcome in ("held", "not_held", "dropped")}
+    found["frequent"] = m.get(("kvstore_arc_frequent_blocks", (("tier", "cpu"),)), 0.0)
+    return found
+
+
+def test_local_lookups_are_uses_for_the_adaptive_policy(daemon_factory):
+    """A block found by local Lookups through the key index moves to ARC's frequent segment, as a
+    Get of it would; a Get that follows adds nothing more; blocks only Put stay in the recent one."""
+    port = free_port()
+    d = daemon_factory(metrics_listen=f"127.0.0.1:{port}", eviction="adaptive")
+    keys, payloads = make_blocks(6, seed=403)
+    with KVStoreClient(d.address) as client:
+        assert client.put(NS, [(k, 64, p) for k, p in zip(keys[:4], payloads)]) == 4
+        assert key_counts(port)["frequent"] == 0
+        for _ in range(3):
+            assert client.lookup(keys[:2]).hits == 2 and client.lookup(keys[4:]).hits == 0
+        assert client.local_lookups == 6 and client.rpc_lookups == 0
+        client.stats()  # the next call carries the report: the two hit keys, once each
+        c = key_counts(port)
+        assert (c["frequent"], c["held"], c["not_held"], c["dropped"]) == (2, 2, 0, 0)
+        with client.fetch(keys[:2], BLOCK) as blocks:
+            assert all(b is not None for b in blocks)
+        assert key_counts(port)["frequent"] == 2
+        client.lookup(keys[:3])  # reported by the reporter thread within its interval
+        wait_until(lambda: key_counts(port)["frequent"] == 3, 5, "the periodic report")
+    assert counts(port)["lookups_local"] == 7
+
+
+def test_reported_keys_are_bounded_and_ignored_with_tenants(daemon_factory, short_tmp):
+    from kvstore.shm_index import MAX_REPORT_KEYS, REPORT_KEYS_HEADER
+
+    port = free_port()
+    d = daemon_factory(metrics_listen=f"127.0.0.1:{port}", eviction="adaptive")
+    keys, payloads = make_blocks(3, seed=404)
+    with KVStoreClient(d.address) as client:
+        client.put(NS, [(k, 64, p) for k, p in zip(keys, payloads)])
+    for bad in (keys[0][:-1], keys[0] * (MAX_REPORT_KEYS + 1), b""):  # not whole keys, too many, none
+        _report(d, "1,1,1", (REPORT_KEYS_HEADER, bad))
+    assert key_counts(port)["held"] == key_counts(port)["not_held"] == 0
+    unknown = [os.urandom(16) for _ in range(MAX_REPORT_KEYS - 4)]
+    _report(d, "1,1,1", (REPORT_KEYS_HEADER, b"".join(keys + keys + unknown[:-2])),
+            (REPORT_KEYS_HEADER, keys[0]))  # a key twice counts once; a second report on a call, not at all
+    c = key_counts(port)
+    # 6 + 122 keys: the most a call carries
+    assert (c["held"], c["not_held"], c["frequent"]) == (3, MAX_REPORT_KEYS - 6, 3)
+
+    tenants = short_tmp / "tenants.toml"
+    tenants.write_text('[[tenant]]\nname = "a"\ntoken = "token-a-0123456789"\n')
+    port = free_port()
+    d = daemon_factory("d1", tenants_file=str(tenants), metrics_listen=f"127.0.0.1:{port}", eviction="adaptive")
+    _report(d, "1,1,1", ("authorization", "Bearer token-a-0123456789"), (REPORT_KEYS_HEADER, b"".join(keys)))
+    assert key_counts(port)["held"] == key_counts(port)["not_held"] == 0
+
+
+def test_reported_keys_count_within_a_rate_for_all_clients():
+    from kvstore.daemon.transfers import KeyRate
+
+    now = [0.0]
+    rate = KeyRate(100, clock=lambda: now[0])
+    assert rate.admit(60) == 60 and rate.admit(60) == 40 and rate.admit(5) == 0  # a second's worth banked
+    now[0] = 0.5
+    assert rate.admit(100) == 50
+    now[0] = 10.0
+    assert rate.admit(500) == 100  # never more than a second's worth after a pause
+
+
+def test_a_client_keeps_a_bounded_number_of_hit_keys_for_its_reports():
+    from engine_adapter.client.lookup_tally import MAX_PENDING_KEYS
+    from kvstore.shm_index import MAX_REPORT_KEYS, REPORT_KEYS_HEADER, parse_report_keys
+
+    client = KVStoreClient(f"127.0.0.1:{free_port()}")  # never called: the channel connects lazily
+    try:
+        tally = client._tally
+        many = [i.to_bytes(16, "little") for i in range(MAX_PENDING_KEYS + 10)]
+        tally.count(len(many), len(many), client._report, many)
+        tally.count(2, 2, client._report, many[:2])  # already waiting: kept once
+        assert len(tally.hit_keys) == MAX_PENDING_KEYS and tally.dropped_keys == 10
+        reports = []
+        while tally:
+            reports.append(dict(tally.take()))
+        assert len(reports) == MAX_PENDING_KEYS // MAX_REPORT_KEYS
+        sent = [k for r in reports for k in parse_report_keys(r[REPORT_KEYS_HEADER])]
+        assert sent == many[:MAX_PENDING_KEYS]
+    finally:
+        client._tally.stop()
+        client._channel.close()

@@ -84,6 +84,38 @@ def test_stores_run_in_order_within_the_queue_bound(daemon):
         cache.close()
 
 
+def test_a_store_queue_behind_takes_nothing_and_skips_are_counted_by_the_daemon(daemon_factory):
+    """"No cost when nothing repeats": once the oldest store has waited ``max_lag_s`` (the daemon or
+    the copies slower than the requests) there is no room, so the connector skips its saves instead
+    of queueing them; skips are counted here and, on the client's next call, by the daemon."""
+    import urllib.request
+
+    from tests.conftest import free_port
+
+    port = free_port()
+    d = daemon_factory(metrics_listen=f"127.0.0.1:{port}")
+    namespace, items = blocks(3, seed=5)
+    with KVStoreClient(d.address) as client:
+        cache = PrefixCache(client, namespace, max_queued=8, max_lag_s=0.01)
+        assert cache.available() and cache.store_room() == 8
+        gate, done = threading.Event(), threading.Event()
+        assert cache.store_blocks_async(1, lambda i: (gate.wait(30), items[0])[1], done) == 1
+        time.sleep(0.05)  # the store has now waited past max_lag_s
+        assert cache.store_room() == 0
+        cache.skip(2)
+        gate.set()
+        assert done.wait(30) and cache.store_room() == 8  # caught up: room again
+        assert cache.skipped == 2
+        client.lookup([items[0][0]])  # any call carries the count
+        assert client.stats() is not None
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "kvstore_client_stores_skipped_total 2.0" in text
+        cache.close()
+    down = PrefixCache(None, namespace, connect=lambda: (_ for _ in ()).throw(ConnectionError("down")), retry_s=60)
+    assert down.available()  # may try: the store thread connects, never the caller
+    assert down.client() is None and not down.available()  # within retry_s of the failure
+
+
 def test_a_failed_store_ends_its_job_and_says_how_many_the_daemon_took(daemon):
     namespace, items = blocks(6, seed=2)
     client = KVStoreClient(daemon.address, timeout=2)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import serving  # noqa: E402
 from serving_report import Target, cache_figures, evaluate_targets, percentile, summarize, sustains  # noqa: E402
 from serving_workload import (  # noqa: E402
-    CHUNK_TOKENS, Corpus, Turn, Workload, WorkloadConfig, build_workload, bundled_corpus, chunks_of,
+    CHUNK_TOKENS, Corpus, Turn, Workload, WorkloadConfig, arrivals, build_workload, bundled_corpus, chunks_of,
     interleave_stride, load_corpus, poisson_arrivals, staggered)
 
 BUNDLED = ROOT / "engine_adapter" / "data" / "musique_sample.json"
@@ -181,6 +181,64 @@ def test_working_set_of_a_hand_built_workload():
     assert workload.working_set_tokens == 2 + 3 + 5 + 6
     assert workload.prompt_tokens(turns[2]) == 4 + 1 + 3 + 2
     assert workload.max_prompt_tokens == 10
+
+
+def mooncake_file(tmp_path: Path, lines: list[tuple[int, int, list[int]]]) -> str:
+    """A Mooncake-format trace of (timestamp ms, input_length, hash_ids) lines."""
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "output_length": 9, "hash_ids": ids}) + "\n"
+                            for t, n, ids in lines))
+    return str(path)
+
+
+def test_trace_mode_maps_each_hash_id_to_one_run_of_tokens(tmp_path, corpus):
+    trace = mooncake_file(tmp_path, [
+        (0, 1024 + 100, [0, 1, 2]),          # two full blocks and a 100-token tail
+        (1000, 512 * 2, [0, 3]),             # shares block 0 only: a new conversation
+        (1000, 512 * 3, [0, 1, 4]),          # continues the first one
+        (4000, 512 * 40, list(range(100, 140))),  # longer than the context: cut
+    ])
+    cfg = WorkloadConfig("trace", answer_tokens=8, trace=trace, trace_block_tokens=16, trace_max_tokens=16 * 10 + 8)
+    workload = build_workload(cfg, corpus, words)
+    prompts = full_prompts(workload)
+    assert [len(p) for p in prompts] == [16 + 16 + 4, 32, 48, 16 * 10]  # tail: ceil(100 x 16 / 512) = 4
+    assert prompts[0][:16] == prompts[1][:16] == prompts[2][:16]        # id 0 everywhere
+    assert prompts[2][:32] == prompts[0][:32] and prompts[1][16:32] != prompts[0][16:32]
+    assert prompts[2][32:36] != prompts[0][32:36]                       # id 4 is not id 2
+    assert [t.round for t in workload.turns] == [1, 1, 2, 1]            # "r>=2": continues an earlier request
+    assert all(t.follows is None and not t.carries_history for t in workload.turns)
+    assert full_prompts(build_workload(cfg, corpus, words)) == prompts  # seeded: every engine gets the same
+    assert workload.working_set_tokens == 16 + 16 + 4 + 16 + 16 + 16 * 10  # ids 0, 1, 2 (a tail), 3, 4; the cut chain
+
+
+def test_trace_mode_scales_timestamps_to_the_offered_rate(tmp_path, corpus):
+    trace = mooncake_file(tmp_path, [(0, 600, [0, 1]), (3000, 600, [0, 2]), (3000, 600, [0, 3]), (9000, 600, [0, 4])])
+    workload = build_workload(WorkloadConfig("trace", trace=trace), corpus, words)
+    sent = arrivals(workload, 0.5, seed=0)
+    assert sent == pytest.approx([0.0, 2.0, 2.0, 6.0])  # 4 requests over (4 - 1) / 0.5 s, in the trace's shape
+    records = [{"error": None, "ttft_s": 0.1, "round": 1, "itl_s": [], "end_s": a + 1, "sent_s": a, "arrival_s": a,
+                "prompt_tokens": 1, "cached_tokens": 0, "output_tokens": 1} for a in sent]
+    assert summarize(records, 0.5)["offered_rps"] == pytest.approx(0.5)
+    same_time = build_workload(WorkloadConfig("trace", trace=mooncake_file(tmp_path, [(5, 600, [0, 1])] * 3)),
+                               corpus, words)
+    assert arrivals(same_time, 2.0, seed=0) == [0.0, 0.5, 1.0]
+    assert arrivals(build_workload(config("long-doc"), corpus, words), 1.0, 7) == poisson_arrivals(15, 1.0, 7)
+
+
+def test_trace_mode_samples_whole_conversations_and_takes_the_first_requests(tmp_path, corpus):
+    trace = mooncake_file(tmp_path, [(i, 1024, [0, second]) for i, second in enumerate([4, 5, 8, 4, 12, 8])])
+    sampled = build_workload(WorkloadConfig("trace", trace=trace, trace_sample=4), corpus, words)
+    assert len(sampled.turns) == 5 and [t.round for t in sampled.turns] == [1, 1, 2, 1, 2]
+    first = build_workload(WorkloadConfig("trace", trace=trace, trace_sample=4, trace_requests=2), corpus, words)
+    assert full_prompts(first) == full_prompts(sampled)[:2]
+    with pytest.raises(ValueError, match="trace file"):
+        WorkloadConfig("trace")
+    with pytest.raises(ValueError, match="only trace mode"):
+        WorkloadConfig("multi-round", trace=trace)
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--mode", "trace"])
+    args = serving.parse_args(["--mode", "trace", "--trace", trace, "--requests", "3", "--trace-sample", "4"])
+    assert (args.workload_config.trace_requests, args.workload_config.trace_sample) == (3, 4)
 
 
 # -- summaries and targets --------------------------------------------------------------------
@@ -338,3 +396,23 @@ def test_quick_run_reports_every_field():
     assert kv["ttft_rounds2_p50_s"] > 0 and kv["kvstore_hit_ratio"] > 0 and kv["bytes_in_mb"] > 0
     assert result["summary"]["vllm"]["1"]["kvstore_hit_ratio"] == 0
     assert result["targets"] and "TTFT" in proc.stdout
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_trace_run_replays_a_small_trace_through_vllm_and_kvstore(tmp_path):
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here; CI runs this from .venv-vllm (see .ci/run)")
+    trace = mooncake_file(tmp_path, [(0, 1500, [0, 1, 2]), (500, 900, [0, 3]), (2000, 2000, [0, 1, 2, 4])])
+    out = tmp_path / "trace.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serving.py"), "--mode", "trace", "--trace", trace,
+                           "--trace-block-tokens", "128", "--engines", "kvstore-cpu", "--qps", "1",
+                           "--answer-tokens", "4", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (run,) = result["runs"]
+    assert [r["error"] for r in run["records"]] == [None] * 3
+    assert [r["prompt_tokens"] for r in run["records"]] == [128 * 2 + 119, 128 + 97, 128 * 3 + 116]
+    assert [r["round"] for r in run["records"]] == [1, 1, 2]
+    assert result["workload"]["requests"] == 3 and "trace" in proc.stdout

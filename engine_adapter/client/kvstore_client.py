@@ -42,7 +42,7 @@ from kvstore.arena import ArenaLease, arena_socket_path
 from kvstore.connect import (PYTHON_OPTIONS, ClientSettings, DaemonError, OptionNames, client_settings, explain,
                              is_unix, open_channel, plaintext_token_refusal)
 from kvstore.keys import KEY_BYTES, KVLayout, LookupResult, Namespace
-from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS
+from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS, MAX_SKIPPED_REPORT, SKIPPED_STORES_HEADER
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.shm_index import KeyIndexReader
@@ -102,6 +102,7 @@ class KVStoreClient:
         #: Lookups answered from the shared key index and over gRPC (for tests and benchmarks).
         self.local_lookups = self.rpc_lookups = 0
         self._tally = LookupTally()  # local Lookups the daemon has not counted yet
+        self._skipped_stores = 0  # stores skipped for a slow store queue, reported on the next call
         self._insecure, self._max_message_bytes = insecure, max_message_bytes
         #: The daemon's data channel, asked for at the first Put or Get without an arena
         #: (`_data_channel`); False: it offers none, or it cannot be used from here.
@@ -239,6 +240,9 @@ class KVStoreClient:
         metadata = self._metadata
         if self._tally:
             metadata += self._tally.take()
+        if self._skipped_stores:
+            skipped, self._skipped_stores = min(self._skipped_stores, MAX_SKIPPED_REPORT), 0
+            metadata += ((SKIPPED_STORES_HEADER, str(skipped)),)
         try:
             return method(request, timeout=timeout or self.timeout, metadata=metadata)
         except grpc.RpcError as exc:
@@ -247,6 +251,11 @@ class KVStoreClient:
             reason = explain(exc, self.address, self.tls, self._token, probe_timeout=0.5)
             raise DaemonError(exc, reason or f"{self.address}: {exc.code().name}: "
                                              f"{' '.join((exc.details() or '').split())}") from None
+
+    def count_skipped_stores(self, blocks: int) -> None:
+        """``blocks`` stores the caller skipped (its store queue was behind): the next call tells
+        the daemon (``kvstore_client_stores_skipped_total``). A hint: a call that fails loses it."""
+        self._skipped_stores += blocks
 
     def _report(self, timeout: float, calls: int = 1) -> None:
         """Send the tally now, if any, in up to ``calls`` empty Lookups (which count as nothing else)."""
@@ -277,7 +286,7 @@ class KVStoreClient:
             with self._index_lock:
                 local = self._index.lookup(keys) if self._index is not None else None
                 if local is not None:  # the daemon counts it when it gets the tally
-                    self._tally.count(len(keys), local[0], self._report)
+                    self._tally.count(len(keys), local[0], self._report, keys[: local[0]])
             if local is not None:
                 self.local_lookups += 1
                 return LookupResult(*local)

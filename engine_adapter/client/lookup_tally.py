@@ -6,18 +6,22 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Callable
+from typing import Callable, Sequence
 
-from kvstore.shm_index import MAX_REPORT, REPORT_HEADER, REPORT_S, format_report
+from kvstore.shm_index import (
+    MAX_REPORT, MAX_REPORT_KEYS, REPORT_HEADER, REPORT_KEYS_HEADER, REPORT_S, format_report, format_report_keys)
 
 log = logging.getLogger(__name__)
 
 #: Longest wait for a report of local Lookups (the reporter thread's call, and the client's close).
 REPORT_TIMEOUT_S = 2.0
+#: Hit keys kept for the next reports; past this, new ones are dropped (and counted) until a call sends some.
+MAX_PENDING_KEYS = 4 * MAX_REPORT_KEYS
 
 
 class LookupTally:
-    """Keys asked, hits and calls of local Lookups not yet reported to the daemon.
+    """Keys asked, hits and calls of local Lookups not yet reported to the daemon, and the hit keys
+    themselves (each once, at most MAX_PENDING_KEYS; ``dropped_keys`` counts those that found no room).
 
     The client's next call to the daemon carries the tally as metadata (`take`), or the reporter
     thread (started by the first `count`) sends it when no call did within REPORT_S. Any thread
@@ -27,15 +31,18 @@ class LookupTally:
 
     def __init__(self) -> None:
         self.unreported = [0, 0, 0]  # keys asked, hits, calls
+        self.hit_keys: dict[bytes, None] = {}  # hit keys not yet reported, oldest first
+        self.dropped_keys = 0
         self.reporter: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closing = threading.Event()
 
     def __bool__(self) -> bool:
-        return bool(self.unreported[0] or self.unreported[2])
+        return bool(self.unreported[0] or self.unreported[2] or self.hit_keys)
 
-    def count(self, keys: int, hits: int, report: Callable[[float], None]) -> None:
-        """Count a local Lookup of ``keys`` keys with ``hits`` hits (an empty one counts nothing).
+    def count(self, keys: int, hits: int, report: Callable[[float], None], hit_keys: Sequence[bytes] = ()) -> None:
+        """Count a local Lookup of ``keys`` keys with ``hits`` hits (an empty one counts nothing),
+        and keep its hit run ``hit_keys`` for the report (each key once while unreported).
         The first, an empty one included (a warm-up), starts the reporter: a thread that calls
         ``report(timeout)`` every REPORT_S until `stop`. It holds a weak reference to ``report``
         (a client's method), so an unclosed client is collected."""
@@ -44,24 +51,36 @@ class LookupTally:
                 self.unreported[0] += keys
                 self.unreported[1] += hits
                 self.unreported[2] += 1
+            for key in hit_keys:
+                if key in self.hit_keys:
+                    continue
+                if len(self.hit_keys) >= MAX_PENDING_KEYS:
+                    self.dropped_keys += 1
+                else:
+                    self.hit_keys[key] = None
             if self.reporter is None:
                 self.reporter = threading.Thread(target=_report_loop, args=(weakref.WeakMethod(report), self._closing),
                                                  name="kvstore-lookup-report", daemon=True)
                 self.reporter.start()
 
     def take(self) -> tuple[tuple[str, str], ...]:
-        """The tally as metadata for one call (at most MAX_REPORT of each; the rest waits for the
-        next call). Taken once: if the call fails, the daemon never counts it."""
+        """The tally as metadata for one call (at most MAX_REPORT of each count and MAX_REPORT_KEYS
+        keys, the oldest; the rest waits for the next call). Taken once: if the call fails, the
+        daemon never counts it."""
         with self._lock:
             tally = self.unreported
             keys, calls = min(tally[0], MAX_REPORT), min(tally[2], MAX_REPORT)
             hits = min(tally[1], keys)
-            if not keys and not calls:
+            sent = [key for key, _ in zip(self.hit_keys, range(MAX_REPORT_KEYS))]
+            for key in sent:
+                del self.hit_keys[key]
+            if not keys and not calls and not sent:
                 return ()
             tally[0] -= keys
             tally[1] -= hits
             tally[2] -= calls
-        return ((REPORT_HEADER, format_report(keys, hits, calls)),)
+        metadata = ((REPORT_HEADER, format_report(keys, hits, calls)),)
+        return metadata + ((REPORT_KEYS_HEADER, format_report_keys(sent)),) if sent else metadata
 
     def stop(self) -> None:
         """Stop the reporter, waiting up to REPORT_TIMEOUT_S for a report it is sending."""

@@ -14,6 +14,11 @@ again; built with a client, it keeps calling that client.
 
 Stores run in order on one background thread. ``max_queued`` bounds the blocks waiting for it
 (`store_room`); a caller with more than the room drops the rest (the vLLM connector counts them).
+``max_lag_s`` bounds how far behind it may fall: while the oldest store waiting or running was
+queued longer ago than that (the daemon or the copies are slower than the requests), there is no
+room at all, so a store behind is skipped rather than queued (and counted: ``skipped``, which the
+client also reports to the daemon, ``kvstore_client_stores_skipped_total``); nothing on a request's
+path waits for a store (`available` says whether to make one without connecting).
 
 Loads decode a Get's coded blocks (any codec but ``raw``) on a pool of `DECODE_THREADS` threads,
 a few blocks ahead of the caller, which takes them in order (`fetch_blocks`): the codecs' hot
@@ -22,6 +27,7 @@ loops (native C, torch) release the GIL, so a kvtc or int4 load uses the host's 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -121,20 +127,28 @@ def fetch_slot_bytes(layout: KVLayout, tokens: int) -> int:
     return raw + raw // 64 + 4096
 
 
+#: The connector's bound on how long a store may wait or run before new ones are skipped (`PrefixCache`).
+STORE_LAG_S = 1.0
+
+
 class _StoreJob:
     def __init__(self, count: int, block: Callable[[int], BlockToPut | tuple],
                  done: threading.Event | None, stored: Callable[[int], None] | None, durable: bool) -> None:
         self.count, self.block, self.done, self.stored, self.durable = count, block, done, stored, durable
+        self.queued_at = time.monotonic()
 
 
 class PrefixCache:
     def __init__(self, client: KVStoreClient | None, namespace: Namespace, *,
                  connect: Callable[[], KVStoreClient] | None = None, retry_s: float = 0.0,
-                 address: str = "", max_queued: int = 0, logger: logging.Logger | None = None) -> None:
+                 address: str = "", max_queued: int = 0, max_lag_s: float = 0.0,
+                 logger: logging.Logger | None = None) -> None:
         self.namespace = namespace
         self.address = address or (client.address if client is not None else "")
         self.retry_s = retry_s
         self.max_queued = max_queued  # blocks waiting for the store thread; 0: no bound
+        self.max_lag_s = max_lag_s    # the oldest store's age past which new ones are skipped; 0: no bound
+        self.skipped = 0              # blocks a caller skipped for want of room (`skip`)
         self.errors = 0
         self.outages = 0
         self._client = client
@@ -146,6 +160,7 @@ class PrefixCache:
         self._register_calibration_source()
         self._jobs: queue.Queue[_StoreJob | None] = queue.Queue()
         self._queued = 0  # blocks in self._jobs or being stored
+        self._pending: collections.deque[_StoreJob] = collections.deque()  # jobs queued or running, oldest first
         self._store_thread: threading.Thread | None = None
 
     # -- the daemon, guarded ------------------------------------------------------------------
@@ -378,12 +393,30 @@ class PrefixCache:
 
         self.store_blocks_async(len(chunks), block, done)
 
+    def available(self) -> bool:
+        """Whether a store made now may reach the daemon: connected, or free to connect (not within
+        ``retry_s`` of a failure). Never connects: the store thread does, off the request's path."""
+        return self._client is not None or (self._connect is not None and time.monotonic() >= self._down_until)
+
     def store_room(self) -> int:
-        """How many more blocks the store thread takes now (``max_queued`` bounds it)."""
-        if self.max_queued <= 0:
-            return 1 << 62
+        """How many more blocks the store thread takes now: ``max_queued`` less those queued, and
+        none while the oldest store queued is ``max_lag_s`` old (the thread is behind)."""
         with self._lock:
-            return max(0, self.max_queued - self._queued)
+            if self.max_lag_s > 0 and self._pending and \
+                    time.monotonic() - self._pending[0].queued_at > self.max_lag_s:
+                return 0
+            return 1 << 62 if self.max_queued <= 0 else max(0, self.max_queued - self._queued)
+
+    def skip(self, blocks: int) -> None:
+        """A caller skipped ``blocks`` stores for want of room: counted here, and reported to the
+        daemon on the client's next call (when there is a client)."""
+        if blocks <= 0:
+            return
+        with self._lock:
+            self.skipped += blocks
+            client = self._client
+        if client is not None:
+            client.count_skipped_stores(blocks)
 
     def store_blocks_async(self, count: int, block: Callable[[int], BlockToPut | tuple],
                            done: threading.Event | None = None, stored: Callable[[int], None] | None = None,
@@ -399,6 +432,9 @@ class PrefixCache:
             elif self.max_queued > 0:
                 count = max(0, min(count, self.max_queued - self._queued))
             self._queued += count
+            job = _StoreJob(count, block, done, stored, durable)
+            if count:
+                self._pending.append(job)
             if count and self._store_thread is None:
                 self._store_thread = threading.Thread(target=self._store_loop, name="kvstore-store", daemon=True)
                 self._store_thread.start()
@@ -408,7 +444,7 @@ class PrefixCache:
             if done is not None:
                 done.set()
             return 0
-        self._jobs.put(_StoreJob(count, block, done, stored, durable))
+        self._jobs.put(job)
         return count
 
     def _store_loop(self) -> None:
@@ -425,6 +461,7 @@ class PrefixCache:
             finally:
                 with self._lock:
                     self._queued -= job.count
+                    self._pending.popleft()  # this job: the thread takes them in the order queued
                 if job.stored is not None:
                     job.stored(put)
                 if job.done is not None:

@@ -66,8 +66,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engine_adapter.client.kvstore_client import KVStoreClient
+from engine_adapter.client.prefix_cache import STORE_LAG_S, PrefixCache
 from engine_adapter.reference.loader import hf_rope
-from engine_adapter.client.prefix_cache import PrefixCache
 from engine_adapter.vllm.plan import StepPlan
 from engine_adapter.vllm.scheduler import ConnectorScheduler
 from engine_adapter.vllm.settings import ConnectorSettings
@@ -138,7 +138,7 @@ def daemon_cache(settings: ConnectorSettings, namespace: Namespace, role: KVConn
         return client
 
     return PrefixCache(None, namespace, connect=connect, retry_s=settings.retry_s, address=address,
-                       max_queued=settings.save_queue_chunks, logger=log)
+                       max_queued=settings.save_queue_chunks, max_lag_s=STORE_LAG_S, logger=log)
 
 
 class KVStoreConnector(KVConnectorBase_V1):

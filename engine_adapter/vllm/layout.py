@@ -273,7 +273,11 @@ class PagedKV:
         k = self.page_tokens // self.layout.page_tokens
         kernel_pages = torch.tensor([p * k + j for p in span.page_ids for j in range(k)], dtype=torch.int64,
                                     device=self.caches[0].device)
-        pages = torch.stack([cache.index_select(0, kernel_pages) for cache in self.caches])
+        first = self.caches[0]
+        pages = torch.empty((len(self.caches), len(kernel_pages), *first.shape[1:]), dtype=first.dtype,
+                            device=first.device)
+        for layer, cache in enumerate(self.caches):  # one copy per layer, straight into the result
+            torch.index_select(cache, 0, kernel_pages, out=pages[layer])
         return pages, PagedSpan(tuple(range(len(span.page_ids))), span.offset, span.tokens)
 
     def block_of_pages(self, pages: torch.Tensor, span: PagedSpan) -> torch.Tensor:

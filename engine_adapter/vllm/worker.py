@@ -116,7 +116,8 @@ class ConnectorWorker:
         self.paged: PagedKV | None = None
         self.loaded_chunks = 0
         self.saved_chunks = 0
-        self.dropped_chunks = 0  # completed chunks not saved (daemon down, or the save queue full)
+        self.dropped_chunks = 0  # completed chunks not saved (daemon down or failed, or the save queue full)
+        self.skipped_chunks = 0  # of those, skipped for a full or late save queue (PrefixCache.store_room)
         self.load_copy_s = 0.0   # time in the page writes of loads (after the Get)
         self.load_s = 0.0        # time in start_load_kv's loads, Gets included
         self.load_bytes = 0
@@ -339,16 +340,24 @@ class ConnectorWorker:
         saves = plan.saves
         if not saves:
             return
-        if self.cache.client() is None:
-            self.dropped_chunks += len(saves)
-            return
         if self.save_mode != "async":  # stored before this step ends (and its request returns)
+            if self.cache.client() is None:
+                self.dropped_chunks += len(saves)
+                return
             copies = [(save.key, *self.paged.copy_pages(save.span), save.event, save.parent, save.token_ids)
                       for save in saves]
             self._saved(copies, len(copies) if self.cache.put(self._blocks(copies), self.save_mode == "durable") else 0)
             return
+        # async: nothing here waits for the daemon; a save the store thread has no room for (queue
+        # full, or behind by PrefixCache.max_lag_s) is skipped before its pages are copied
+        if not self.cache.available():  # down, within retry_s: no copy, no connect in the step
+            self.dropped_chunks += len(saves)
+            return
         room = self.cache.store_room()
-        self.dropped_chunks += max(0, len(saves) - room)
+        skipped = max(0, len(saves) - room)
+        self.dropped_chunks += skipped
+        self.skipped_chunks += skipped
+        self.cache.skip(skipped)
         # a plain copy of the pages (vLLM may reuse them after this step); the store thread permutes
         copies = [(save.key, *self.paged.copy_pages(save.span), save.event, save.parent, save.token_ids)
                   for save in saves[:room]]
@@ -369,9 +378,10 @@ class ConnectorWorker:
     def shutdown(self) -> None:
         self.cache.close(timeout=30.0)  # after the chunks already queued
         log.info("KVStoreConnector worker: loaded %d pieces (%.1f MB, page writes %.1f ms, loads %.1f ms in all), "
-                 "saved %d, dropped %d, daemon errors %d in %d outages; blended %d requests (%.1f ms)",
+                 "saved %d, dropped %d (%d skipped: the save queue full or behind), daemon errors %d in %d outages; "
+                 "blended %d requests (%.1f ms)",
                  self.loaded_chunks, self.load_bytes / 1e6, self.load_copy_s * 1e3, self.load_s * 1e3,
-                 self.saved_chunks, self.dropped_chunks, self.cache.errors, self.cache.outages,
+                 self.saved_chunks, self.dropped_chunks, self.skipped_chunks, self.cache.errors, self.cache.outages,
                  self.blender.blended if self.blender else 0, (self.blender.seconds if self.blender else 0) * 1e3)
 
 

@@ -28,6 +28,14 @@ class Metrics:
         self.lookups = Counter("kvstore_lookups", "Lookups of at least one key, by path: rpc (the daemon "
                                "answered) or local (a same-host client's key index, as the client reported)",
                                ["path"], registry=r)
+        self.reported_keys = Counter("kvstore_local_lookup_keys", "Hit keys of clients' local Lookups, as reported, "
+                                     "by what came of them: held (a use under eviction adaptive), not_held (no tier "
+                                     "holds it now), dropped (past the reports' rate bound)", ["outcome"], registry=r)
+        self.stores_skipped = Counter("kvstore_client_stores_skipped", "Blocks clients did not store because their "
+                                      "store queue was behind (the daemon or the copies slower than the requests), "
+                                      "as they reported", registry=r)
+        self.arc_frequent = Gauge("kvstore_arc_frequent_blocks", "A tier's blocks used again since they entered it "
+                                  "(ARC's frequent segment; eviction adaptive only)", ["tier"], registry=r)
         for path in ("rpc", "local"):  # shown from the start, at 0: a ratio has its denominator at once
             self.lookups.labels(path)
         for rpc in ("lookup", "get"):

@@ -265,6 +265,20 @@ class BlockStore:
 
     # -- reads (the rest in reads.py, promotion.py) -------------------------------------------
 
+    def note_looked_up(self, keys: list[bytes]) -> int:
+        """A same-host client's local Lookups found ``keys`` (its report, kvstore/shm_index.py): each
+        one a tier holds is a use for eviction ``adaptive``, as a Get's hit is (a Get of it that
+        follows is not counted again: `Residency.note_lookup`). How many were held."""
+        used = 0
+        for key in keys:
+            level = self.locate(key)
+            if level is not None:
+                self.residency.note_lookup(key, self.tiers[level].header(key).block_len)
+                used += 1
+        if used:
+            self.refresh_gauges()
+        return used
+
     def note_read(self, level: int, key: bytes) -> None:
         """A Get found ``key`` in tier ``level`` (``reads`` calls this on the loop for each hit): a
         use for eviction ``adaptive``; under admission "reused" it now earns the copy below that
@@ -499,9 +513,12 @@ class BlockStore:
             raise RuntimeError(f"{len(stray)} pinned keys are stored in no tier")
 
     def refresh_gauges(self) -> None:
-        for tier in self.tiers:
+        for level, tier in enumerate(self.tiers):
             self.metrics.used_bytes.labels(tier.name).set(tier.used_bytes)
             self.metrics.blocks.labels(tier.name).set(len(tier))
+            arc = self.residency[level].arc
+            if arc is not None:
+                self.metrics.arc_frequent.labels(tier.name).set(len(arc.frequent))
         self.metrics.namespaces.set(len(self.namespaces))
         self.write_behind.refresh_gauges()
 

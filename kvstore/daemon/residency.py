@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 #: Most ancestors one use refreshes: a chain of 1,024 blocks is 256k tokens of 256-token chunks.
 MAX_WALK = 1024
+#: Keys reported as looked up whose next Get or Put a duel does not count again (`Residency.note_lookup`).
+LOOKED_UP_KEYS = 4096
 
 
 @dataclass
@@ -200,6 +202,8 @@ class Residency:
         self._adaptive = any(self._duels)
         #: key -> the key before it in its chain, while some tier holds it (prefix-lru only)
         self._parent: dict[bytes, bytes] = {}
+        #: keys a reported local Lookup counted as used, until their Get or Put (adaptive only; `note_lookup`)
+        self._looked_up: OrderedDict[bytes, None] = OrderedDict()
         #: keys read since they were stored (lower-tier admission ``reused``), while some tier holds them
         self._reused: set[bytes] = set()
         for level, tier in enumerate(tiers):
@@ -259,11 +263,32 @@ class Residency:
         self._parent[key] = parent
         budget.left -= len(self._touch_ancestors(level, key, budget.left))
 
-    def note_use(self, key: bytes, nbytes: int) -> None:
-        """A Get hit ``key`` or a Put stored it (``nbytes`` a copy): a use for the duels, each of
-        which sets its tier's order (eviction ``adaptive``; nothing otherwise)."""
+    def note_lookup(self, key: bytes, nbytes: int) -> None:
+        """A client's local Lookup found ``key`` (its report; eviction ``adaptive``, nothing
+        otherwise): used again in ARC's order of each tier holding it (its LRU order, as under a
+        Lookup RPC, unchanged), and a use for the duels as `note_use`, whose next call for the key,
+        a Get's hit or a Put, is then not counted again (the connector reads what it looked up: one
+        request, one use) unless LOOKED_UP_KEYS later lookups came first."""
         if not self._adaptive:
             return
+        for lru in self._lru:
+            if lru.arc is not None and key in lru:
+                lru.arc.use(key)
+        self._looked_up[key] = None
+        self._looked_up.move_to_end(key)
+        while len(self._looked_up) > LOOKED_UP_KEYS:
+            self._looked_up.popitem(last=False)
+        self._use(key, nbytes)
+
+    def note_use(self, key: bytes, nbytes: int) -> None:
+        """A Get hit ``key`` or a Put stored it (``nbytes`` a copy): a use for the duels, each of
+        which sets its tier's order (eviction ``adaptive``; nothing otherwise), unless a reported
+        local Lookup counted it already (`note_lookup`)."""
+        if not self._adaptive or self._looked_up.pop(key, 0) is None:
+            return
+        self._use(key, nbytes)
+
+    def _use(self, key: bytes, nbytes: int) -> None:
         parent = self._parent.get(key)
         for lru, duel in zip(self._lru, self._duels):
             if duel is not None:

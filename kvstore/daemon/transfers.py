@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from collections import defaultdict
 from typing import Callable
 
@@ -31,10 +32,11 @@ from kvstore.daemon.budget import BudgetExhausted, ByteBudget
 from kvstore.daemon.placement import BlockGoneError, BlockStore, GetResult, HoldRefused
 from kvstore.daemon.residency import WalkBudget
 from kvstore.keys import KEY_BYTES
-from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS
+from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS, MAX_SKIPPED_REPORT, SKIPPED_STORES_HEADER
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scatter import Gather, Scatter
-from kvstore.shm_index import REPORT_HEADER, parse_report
+from kvstore.shm_index import (
+    MAX_REPORTED_KEYS_PER_S, REPORT_HEADER, REPORT_KEYS_HEADER, parse_report, parse_report_keys)
 from compression.transcode import check_codec_params
 from kvstore.wire import layout_from_message, layout_message
 from tiers.base import TierError, TierFullError
@@ -161,6 +163,23 @@ class Usage:
         self.bytes_in: dict[str, int] = defaultdict(int)
 
 
+class KeyRate:
+    """A token bucket of ``per_s`` keys a second (a second's worth at most banked): how many of the
+    keys offered now may count."""
+
+    def __init__(self, per_s: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_s, self._clock = per_s, clock
+        self._left, self._at = float(per_s), clock()
+
+    def admit(self, keys: int) -> int:
+        now = self._clock()
+        self._left = min(float(self.per_s), self._left + (now - self._at) * self.per_s)
+        self._at = now
+        admitted = min(keys, int(self._left))
+        self._left -= admitted
+        return admitted
+
+
 class Transfers:
     """Puts and Gets for a tenant over any transport. Keys and namespaces are mapped to the
     tenant's stored ones on the way in (kvstore/daemon/auth.py) and keys back on the way out, so
@@ -187,6 +206,8 @@ class Transfers:
                                  shared=any(t.name for t in self.tenants.tenants))
         #: Each named tenant's own counters (the anonymous tenant and the operator have none).
         self.usage: dict[str, Usage] = defaultdict(Usage)
+        #: Keys of clients' local Lookups counted as uses, all clients together (kvstore/shm_index.py).
+        self.reported_keys = KeyRate(MAX_REPORTED_KEYS_PER_S)
 
     def tenant_of(self, metadata, operator: bool = False) -> Tenant:
         """The tenant of a call's metadata (gRPC's, or the data channel's HELLO, from its thread);
@@ -200,23 +221,46 @@ class Transfers:
                              "Stats, and stores, reads or holds no blocks (it is no tenant); use a tenant's token")
         if self.store.key_index is not None and not tenant.name:
             self._add_local_lookups(metadata)
+        self._add_skipped_stores(metadata)
         return tenant
+
+    def _add_skipped_stores(self, metadata) -> None:
+        """Count the stores a client skipped because its store queue was behind (engine_adapter/
+        prefix_cache.py): the call's first such report, if a decimal within MAX_SKIPPED_REPORT."""
+        for name, value in metadata or ():
+            if name == SKIPPED_STORES_HEADER:
+                if isinstance(value, str) and 0 < len(value) <= 7 and value.isascii() and value.isdigit() \
+                        and int(value) <= MAX_SKIPPED_REPORT:
+                    self.store.metrics.stores_skipped.inc(int(value))
+                return
 
     def _add_local_lookups(self, metadata) -> None:
         """Count the Lookups a client answered from the key index (kvstore/shm_index.py, "Counting")
-        as if they had been RPCs: its first report on this call, if well formed. Only while the
-        index is published, so only the anonymous tenant's clients have any (with tenants: none)."""
+        as if they had been RPCs: its first report on this call, if well formed, and its first
+        report of hit keys, each a use for eviction ``adaptive`` within `reported_keys`' rate (the
+        rest counted as dropped). Only while the index is published, so only the anonymous tenant's
+        clients have any (with tenants: none)."""
+        counted = keys_counted = False
+        m = self.store.metrics
         for name, value in metadata or ():
-            if name == REPORT_HEADER:
+            if name == REPORT_HEADER and not counted:
+                counted = True
                 report = parse_report(value) if isinstance(value, str) else None
                 if report is not None:
                     keys, hits, calls = report
-                    m = self.store.metrics
                     m.requested.labels("lookup").inc(keys)
                     m.misses.inc(keys - hits)
                     m.lookup_hits.inc(hits)
                     m.lookups.labels("local").inc(calls)
-                return
+            elif name == REPORT_KEYS_HEADER and not keys_counted:
+                keys_counted = True
+                hit_keys = parse_report_keys(value)
+                if hit_keys:
+                    admitted = self.reported_keys.admit(len(hit_keys))
+                    used = self.store.note_looked_up(hit_keys[:admitted])
+                    m.reported_keys.labels("held").inc(used)
+                    m.reported_keys.labels("not_held").inc(admitted - used)
+                    m.reported_keys.labels("dropped").inc(len(hit_keys) - admitted)
 
     def _slice(self, slice_: pb.ArenaSlice, tenant: Tenant) -> memoryview:
         return self.arenas.view(slice_.arena_id, tenant, slice_.offset, slice_.length)
