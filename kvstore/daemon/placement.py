@@ -275,8 +275,8 @@ class BlockStore:
             if level is not None:
                 self.residency.note_lookup(key, self.tiers[level].header(key).block_len)
                 used += 1
-        if used:
-            self.refresh_gauges()
+        if used:  # only the adaptive policy's segments moved
+            self._refresh_arc_gauges()
         return used
 
     def note_read(self, level: int, key: bytes) -> None:
@@ -513,12 +513,17 @@ class BlockStore:
             raise RuntimeError(f"{len(stray)} pinned keys are stored in no tier")
 
     def refresh_gauges(self) -> None:
-        for level, tier in enumerate(self.tiers):
+        for tier in self.tiers:
             self.metrics.used_bytes.labels(tier.name).set(tier.used_bytes)
             self.metrics.blocks.labels(tier.name).set(len(tier))
+        self._refresh_arc_gauges()
+        self.metrics.namespaces.set(len(self.namespaces))
+        self.write_behind.refresh_gauges()
+
+    def _refresh_arc_gauges(self) -> None:
+        """`kvstore_arc_frequent_blocks` per tier, where eviction ``adaptive`` keeps ARC's segments."""
+        for level, tier in enumerate(self.tiers):
             arc = self.residency[level].arc
             if arc is not None:
                 self.metrics.arc_frequent.labels(tier.name).set(len(arc.frequent))
-        self.metrics.namespaces.set(len(self.namespaces))
-        self.write_behind.refresh_gauges()
 
