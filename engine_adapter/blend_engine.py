@@ -37,7 +37,7 @@ from engine_adapter.client.prefix_cache import PrefixCache, fetch_slot_bytes, fe
 from engine_adapter.reference.generate import decode_after, sample_next
 from engine_adapter.reference.kv_cache import KVCache
 from engine_adapter.reference.model import LlamaModel
-from engine_adapter.client.shared_kv import SharedKVMemory, SharedRegion, region_of, rows_fit, rows_in
+from engine_adapter.client.shared_kv import SharedKVMemory, SharedRegion, rows_in, rows_region
 from engine_adapter.reference.tokenizer import Tokenizer
 from kvstore.keys import Namespace, chunk_key
 
@@ -130,8 +130,8 @@ class BlendEngine:
         """Fetch and place every stored block; returns which segments were found."""
         if not keys:
             return []
-        region = region_of(kv.data)
-        if region is not None and all(rows_fit(kv, len(part)) for part in parts):
+        region = rows_region(kv, min(len(part) for part in parts))  # rows of the shortest part fit: all do
+        if region is not None:
             return self._fetch_rows(keys, parts, placed, kv, region, result)
         return self._fetch_copies(keys, parts, placed, kv, result)
 

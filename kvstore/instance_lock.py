@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 
-
 class LockError(RuntimeError):
     """The lock cannot be taken: another daemon holds it, or its path is not a plain file."""
+
 
 _held: dict[tuple[int, int], list[int]] = {}  # (st_dev, st_ino) of the file -> [fd, holders in this process]
 _guard = threading.Lock()

@@ -2,8 +2,9 @@
 
 A small random-weight model (rows large enough for the one-copy load) and a daemon with a CPU tier,
 run in this process so one profiler sees both sides: a cold request stores its chunks, then a warm
-one is traced from `CachedEngine.generate` until its reused run is in the KV cache (steps 1-3 of
-docs/architecture.md's request path: keys, lookup, load). What is counted:
+one's load is traced: `CachedEngine._load_prefix`, given the prompt's keys, until the reused run is
+in the KV cache (steps 2 and 3 of docs/architecture.md's request path, lookup and load; computing
+the keys, step 1, is not counted). What is counted:
 
 - **files**: the project's Python files any traced call entered, in first-visit order;
 - **returns**: the distinct steps (caller's file, callee's file) that enter a file visited before
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import tempfile
 import threading
@@ -85,21 +87,10 @@ class Recorder:
             if callee in self._seen:
                 if caller is not None and (caller, callee) not in self.path.returns:
                     self.path.returns.append((caller, callee))
-                    if VERBOSE: print("RET", caller, "->", callee, frame.f_code.co_qualname, "<-", _stack(frame, self._file))
                 return
             self._seen.add(callee)
             self.path.files.append(callee)
             self.path.calls.append((callee, frame.f_code.co_qualname))
-
-
-VERBOSE = False
-def _stack(frame, file):
-    out = []
-    while frame is not None:
-        if file(frame.f_code):
-            out.append(frame.f_code.co_qualname)
-        frame = frame.f_back
-    return " < ".join(out[1:6])
 
 
 def trace_warm_hit(chunk_tokens: int = 32, chunks: int = 4) -> CallPath:
@@ -133,9 +124,9 @@ def trace_warm_hit(chunk_tokens: int = 32, chunks: int = 4) -> CallPath:
     sys.setprofile(recorder.profile)
     server = threading.Thread(target=serve, name="daemon", daemon=True)
     server.start()
-    if not started.wait(30):
-        raise RuntimeError("the in-process daemon did not start")
     try:
+        if not started.wait(30):
+            raise RuntimeError("the in-process daemon did not start")
         config_m = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                                num_kv_heads=2, head_dim=16, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6,
                                tie_word_embeddings=True, attention_bias=False, max_position_embeddings=1024,
@@ -159,9 +150,11 @@ def trace_warm_hit(chunk_tokens: int = 32, chunks: int = 4) -> CallPath:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-        loop, stop = stop_loop["stop"]
-        loop.call_soon_threadsafe(stop.set)
-        server.join(30)
+        if "stop" in stop_loop:
+            loop, stop = stop_loop["stop"]
+            loop.call_soon_threadsafe(stop.set)
+            server.join(30)
+        shutil.rmtree(folder, ignore_errors=True)
     return recorder.path
 
 

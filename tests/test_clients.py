@@ -370,3 +370,24 @@ def test_a_client_pointed_at_the_metrics_port_says_so_in_one_line(daemon_factory
     assert one_line(kvstore("stats", "--address", f"127.0.0.1:{port}")) == \
         (f"kvstore: 127.0.0.1:{port} answers HTTP/1.1, not gRPC: it is the daemon's metrics port (metrics_listen: "
          f"/metrics, /healthz, /readyz); give the address the daemon listens on (listen)")
+
+
+def test_a_client_dropped_without_close_is_freed_at_once(daemon):
+    """Issue #58's review: the arena's calls held the client (a reference cycle), so a client
+    dropped without ``close`` kept its arena, its lease socket (one of the daemon's per-client
+    arenas) and its channel until the cycle collector ran. They hold it weakly now."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        client = KVStoreClient(daemon.address)
+        assert client.shared_memory
+        with client.fetch([b"\x01" * 16], 4096) as blocks:  # a call through the arena works
+            assert blocks == [None]
+        gone = weakref.ref(client)
+        del client, blocks
+        assert gone() is None
+    finally:
+        gc.enable()

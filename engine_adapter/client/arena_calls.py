@@ -5,7 +5,7 @@ The client chooses the transport (kvstore_client.py) and, when it has an arena, 
 stay reserved until its reply has come (the daemon writes or reads them until then), also when the
 caller fails or closes a fetch early.
 
-`fetch_ahead` and `put_through_arena` keep two calls in flight, so the daemon's copy overlaps
+`fetch_ahead` and `put` keep two calls in flight, so the daemon's copy overlaps
 the client's. Neither waits for space while a call of its own holds some
 (`CallsInFlight.reserve`), so two threads cannot each hold half the arena and wait for the other.
 """
@@ -99,15 +99,15 @@ class CallsInFlight:
 @dataclass(frozen=True)
 class ArenaTransport:
     """A client's shared-memory arena and what its calls through it need: ``call(method, request)``
-    makes a unary gRPC call as the client does (its token, its timeout, its errors in words);
-    ``stub``, ``metadata`` and ``timeout`` serve the one streaming call (GetLayers)."""
+    makes a unary call and ``stream(method, request)`` a streaming one as the client does (its
+    token, its current timeout, its errors in words), methods of ``stub``. The client hands it out
+    holding it weakly, so a client dropped without ``close`` is still freed at once."""
     arena: Arena
     arena_id: int
     space: ArenaSpace
     call: Callable[..., Any]
+    stream: Callable[..., Any]
     stub: Any
-    metadata: tuple
-    timeout: float
 
     def _get_items(self, keys: Sequence[bytes], offsets: Sequence[int], length: int
                    ) -> list[pb.GetItem]:
@@ -136,8 +136,7 @@ class ArenaTransport:
         """`KVStoreClient.fetch_layers`: one GetLayers, cancelled and its extents freed when the block ends."""
         with self.space.slices([max_payload_bytes] * len(keys)) as offsets:
             items = self._get_items(keys, offsets, max_payload_bytes)
-            replies = self.stub.GetLayers(pb.GetRequest(items=items, allow_missing=allow_missing),
-                                             timeout=self.timeout, metadata=self.metadata)
+            replies = self.stream(self.stub.GetLayers, pb.GetRequest(items=items, allow_missing=allow_missing))
             try:
                 first = next(replies)
                 yield LayerStream(self._blocks(keys, first.results, offsets), (reply.layer for reply in replies))

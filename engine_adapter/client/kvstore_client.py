@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import threading
+import weakref
 from typing import Any, Iterator, Sequence
 
 import grpc
@@ -123,8 +124,8 @@ class KVStoreClient:
             raise ValueError(f"shared memory needs a unix socket address; {self.address} is TCP")
         lease = self.lease_arena(size)
         self._lease = lease
-        self._arena = ArenaTransport(lease.arena, lease.arena_id, ArenaSpace(size), self._call, self._stub,
-                                     self._metadata, self.timeout)
+        self._arena = ArenaTransport(lease.arena, lease.arena_id, ArenaSpace(size), _weakly(self._call),
+                                     _weakly(self._stream), self._stub)
         if lease.index_name and self._local_lookup:
             try:
                 self._index = KeyIndexReader.attach(lease.index_name)
@@ -257,6 +258,10 @@ class KVStoreClient:
         the daemon (``kvstore_client_stores_skipped_total``). A hint: a call that fails loses it."""
         self._skipped_stores += blocks
 
+    def _stream(self, method, request):
+        """A streaming call with this client's token and timeout (its replies, an iterator)."""
+        return method(request, timeout=self.timeout, metadata=self._metadata)
+
     def _report(self, timeout: float, calls: int = 1) -> None:
         """Send the tally now, if any, in up to ``calls`` empty Lookups (which count as nothing else)."""
         for _ in range(calls):
@@ -332,11 +337,13 @@ class KVStoreClient:
         return stored
 
     def put_rows(self, namespace: Namespace, blocks: Sequence[BlockToPut], durable: bool = False) -> int:
-        """Put raw blocks whose payloads lie in rows of an arena of this client's (each payload has
-        ``arena_id``, ``place``: `Rows`, and ``nbytes``; `shared_kv.RowsInRegion`): the daemon copies
-        each one's rows out of the arena into its top tier, no copy here. Returns how many were
-        stored. A call that fails may leave the daemon still reading the arena (a timeout): the
-        caller lends that memory to nothing else (`SharedRegion.retire`)."""
+        """Put raw blocks (`BlockToPut`s or their tuples) whose payloads lie in rows of an arena of this
+        client's (each payload has ``arena_id``, ``place``: `Rows`, ``nbytes`` and ``retire()``;
+        `shared_kv.RowsInRegion`): the daemon copies each one's rows out of the arena into its top
+        tier, no copy here. Returns how many were stored. A call that fails retires its blocks'
+        payloads (the daemon may still be reading them after a timeout: that memory is lent to
+        nothing else), then raises."""
+        blocks = [BlockToPut.of(block) for block in blocks]
         layout = layout_message(namespace.layout)
         stored = 0
         for batch in batches([block.payload.nbytes for block in blocks], self._planned_bytes()):
@@ -350,7 +357,12 @@ class KVStoreClient:
                                                   length=place.span))
                 item.row_bytes, item.row_stride = place.row_bytes, place.row_stride
                 items.append(item)
-            stored += self._call(self._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
+            try:
+                stored += self._call(self._stub.Put, pb.PutRequest(items=items, durable=durable)).stored
+            except BaseException:
+                for i in batch:  # the daemon may still be copying out of them after a timeout
+                    blocks[i].payload.retire()
+                raise
         return stored
 
     def get_rows(self, arena_id: int, keys: Sequence[bytes], places: Sequence[Rows], layout: KVLayout
@@ -505,6 +517,20 @@ class KVStoreClient:
                  for t in reply.tiers}
         top = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields if f.name != "tiers"}
         return {"tiers": tiers, **top}
+
+
+def _weakly(method):
+    """``method`` (a client's) as a callable that does not keep the client alive: the arena's
+    calls hold it, and the client holds them."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        bound = ref()
+        if bound is None:
+            raise ValueError("the KVStoreClient is gone")
+        return bound(*args, **kwargs)
+
+    return call
 
 
 def _put_item(meta: pb.BlockMeta, block: BlockToPut, inline: bytes | None = None) -> pb.PutItem:

@@ -285,9 +285,8 @@ class PrefixCache:
         found = self.lookup(keys)
         if found is None or not found.hits:
             return 0
-        region, places = in_rows
-        hits = min(found.hits, len(places))
-        got = self.get_rows(keys[:hits], region, places[:hits])
+        hits = min(found.hits, len(in_rows.places))
+        got = self.get_rows(keys[:hits], in_rows.region, in_rows.places[:hits])
         loaded = 0
         for block in got:
             if not block.in_place:
@@ -355,23 +354,17 @@ class PrefixCache:
         client = self.client() if blocks else None
         if client is None:
             return not blocks
-        # blocks in a KV cache's region go in rows (one copy, the daemon's), unless the daemon no
-        # longer holds the region (restarted): those are copied here and go as any other
-        blocks = [BlockToPut.of(b) for b in blocks]
-        blocks = [dataclasses.replace(b, payload=b.payload.copy()) if _in_rows(b) and not b.payload.region.alive
-                  else b for b in blocks]
         try:
+            # blocks in a KV cache's region go in rows (one copy, the daemon's), unless the daemon no
+            # longer holds the region (restarted): those are copied here and go as any other
+            blocks = [BlockToPut.of(b) for b in blocks]
+            blocks = [dataclasses.replace(b, payload=b.payload.copy()) if _in_rows(b) and not b.payload.region.alive
+                      else b for b in blocks]
             for in_rows, run in itertools.groupby(blocks, _in_rows):
-                run = list(run)
-                if not in_rows:
-                    client.put(self.namespace, run, durable=durable)
-                    continue
-                try:
-                    client.put_rows(self.namespace, run, durable)
-                except BaseException:
-                    for block in run:  # the daemon may still be copying out of them after a timeout
-                        block.payload.region.retire()
-                    raise
+                if in_rows:
+                    client.put_rows(self.namespace, list(run), durable)  # a failed call retires its regions
+                else:
+                    client.put(self.namespace, list(run), durable=durable)
         except Exception as exc:  # noqa: BLE001
             self.failed("put", exc)
             return False

@@ -213,6 +213,10 @@ class RowsInRegion:
     def arena_id(self) -> int:
         return self.region.arena_id
 
+    def retire(self) -> None:
+        """A Put of it failed: lend its region to no later cache (`SharedRegion.retire`)."""
+        self.region.retire()
+
     def copy(self) -> memoryview:
         """The block in one run, copied here (for a daemon that no longer holds the region): what
         the daemon's `Gather` would have read."""
@@ -235,15 +239,30 @@ def block_to_store(kv: Any, start: int, tokens: int) -> RowsInRegion | torch.Ten
     return RowsInRegion(data, region, place)
 
 
-def chunk_rows(kv: Any, tokens: int, count: int) -> tuple[SharedRegion, list[Rows]] | None:
+@dataclass(frozen=True)
+class ChunkRows:
+    """Where a KV cache's chunks go in rows: its ``region`` and each chunk's ``places``."""
+    region: SharedRegion
+    places: list[Rows]
+
+
+def chunk_rows(kv: Any, tokens: int, count: int) -> ChunkRows | None:
     """Where chunks 0, 1, ... of ``tokens`` tokens each go in ``kv``'s region, for the first ``count``
     of them that its capacity holds: a Get in rows fills them in one copy. None when ``kv`` is not
-    in a region the daemon holds, or its rows are too small for the daemon to copy (`rows_fit`):
-    the caller then loads the two-copy way. The one place a load's one-copy decision is made."""
-    region = region_of(kv.data)
-    if region is None or not region.alive or not rows_fit(kv, tokens):
+    in a region the daemon holds, or its rows are too small for the daemon to copy (`rows_region`):
+    the caller then loads the two-copy way."""
+    region = rows_region(kv, tokens)
+    if region is None:
         return None
-    return region, [rows_in(kv, region, c * tokens, tokens) for c in range(min(count, kv.capacity // tokens))]
+    return ChunkRows(region, [rows_in(kv, region, c * tokens, tokens) for c in range(min(count, kv.capacity // tokens))])
+
+
+def rows_region(kv: Any, tokens: int) -> SharedRegion | None:
+    """The region blocks of ``tokens`` tokens can be copied into ``kv`` in rows (a Get in rows, one
+    copy); None when ``kv`` is not in a region the daemon still holds or the rows are too small
+    (`rows_fit`): a load then takes two copies. Every load's one-copy decision is this one."""
+    region = region_of(kv.data)
+    return region if region is not None and region.alive and rows_fit(kv, tokens) else None
 
 
 def rows_fit(kv: Any, tokens: int) -> bool:

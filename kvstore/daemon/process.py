@@ -35,7 +35,7 @@ from kvstore.daemon.placement import BlockStore
 from kvstore.daemon.probes import ProbeServer
 from kvstore.daemon.server import SERVICE_NAME, KVStoreService, add_to_server
 from kvstore.daemon.transfers import Transfers
-from kvstore.daemon.tier_setup import build_tiers, check_settings
+from kvstore.daemon.tier_setup import TIER_KINDS, build_tiers, check_settings
 from kvstore.instance_lock import InstanceLock
 from kvstore.shm_index import KeyIndexWriter, remove_stale_files
 from kvstore.user_input import format_size
@@ -60,7 +60,7 @@ class Daemon:
             if tier.corrupt_on_start and not tier.shared:  # a shared tier's listing: take_refused
                 self.metrics.corrupt.labels(tier.name).inc(tier.corrupt_on_start)
         # The top tier keeps what clients send; lower tiers re-encode into their codec ("raw": keep).
-        configured = {"disk": config.disk_codec, "s3": config.s3_codec}
+        configured = {kind.name: kind.codec(config) for kind in TIER_KINDS.values()}
         codecs = [None if t is tiers[0] or configured.get(t.name, "raw") == "raw" else configured[t.name]
                   for t in tiers]
         #: kvtc@auto: the daemon calibrates each namespace from its first blocks (kvstore/daemon/autocal.py)

@@ -42,8 +42,8 @@ def check_settings(config: DaemonConfig) -> None:
             raise ValueError(f"cpu_capacity {short}: lower --cpu-capacity")
     from compression import calibration_store
 
-    for setting, spec, used in (("disk_codec", config.disk_codec, bool(config.disk_path)),
-                                ("s3_codec", config.s3_codec, bool(config.s3_bucket))):
+    for setting, spec, used in ((k.codec_setting, k.codec(config), k.wanted(config))
+                                for k in TIER_KINDS.values() if k.codec_setting):
         head = spec.split("+")[0]
         ref = head.partition("@")[2]
         if not used or not ref or spec == AUTO_SPEC:
@@ -66,10 +66,17 @@ def check_settings(config: DaemonConfig) -> None:
 @dataclass(frozen=True)
 class TierKind:
     """A kind of tier: ``wanted(config)`` says whether the config asks for it, ``build(config)`` makes
-    it (raising TierError, in one line, when its storage cannot be used)."""
+    it (raising TierError, in one line, when its storage cannot be used); ``codec_setting`` names the
+    config field holding the codec blocks are re-encoded into when they move down to it ("": they
+    keep the codec they were put with)."""
     name: str
     wanted: Callable[[DaemonConfig], bool]
     build: Callable[[DaemonConfig], Tier]
+    codec_setting: str = ""
+
+    def codec(self, config: DaemonConfig) -> str:
+        """The codec this kind's tier re-encodes into under ``config`` ("raw": as put)."""
+        return getattr(config, self.codec_setting) if self.codec_setting else "raw"
 
 
 #: Tier kinds by name, top (fastest) first.
@@ -94,8 +101,8 @@ register_tier(TierKind("cpu", lambda c: bool(c.cpu_capacity), lambda c: CpuTier(
 register_tier(TierKind("disk", lambda c: bool(c.disk_path),
                        lambda c: DiskTier(c.disk_path, c.disk_capacity, fsync=c.disk_fsync, o_direct=c.disk_o_direct,
                                           at_rest=AtRestKey.derived("disk", c.tenant_secret_file)
-                                          if c.disk_encrypt else None)))
-register_tier(TierKind("s3", lambda c: bool(c.s3_bucket), _s3_tier))
+                                          if c.disk_encrypt else None), "disk_codec"))
+register_tier(TierKind("s3", lambda c: bool(c.s3_bucket), _s3_tier, "s3_codec"))
 
 
 def build_tiers(config: DaemonConfig) -> list[Tier]:
