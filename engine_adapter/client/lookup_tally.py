@@ -51,6 +51,9 @@ class LookupTally:
                 self.unreported[0] += keys
                 self.unreported[1] += hits
                 self.unreported[2] += 1
+            if len(hit_keys) <= MAX_PENDING_KEYS - len(self.hit_keys):  # room for all: one C-level update
+                self.hit_keys.update(dict.fromkeys(hit_keys))  # a key already waiting keeps its place
+                hit_keys = ()
             for key in hit_keys:
                 if key in self.hit_keys:
                     continue
