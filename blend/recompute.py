@@ -133,13 +133,14 @@ class BlendPrefill:
     logits: torch.Tensor                  # [vocab] float32, after the last query token
     selected: torch.Tensor                # chunk positions recomputed on the last layer (sorted)
     rows_per_layer: list[int] = field(default_factory=list)  # tokens computed on each layer
-    query_pass_rows: int = 0              # rows a query pass computed on every layer before that
+    query_pass_rows: int = 0              # rows a query pass computed before that ...
+    query_pass_layers: int = 0            # ... on layers 0 .. query_pass_layers-1
 
     @property
     def token_layers(self) -> int:
         """Token-layers computed: sum of rows_per_layer, plus the query pass's (a full prefill is
         T * num_layers)."""
-        return sum(self.rows_per_layer) + self.query_pass_rows * len(self.rows_per_layer)
+        return sum(self.rows_per_layer) + self.query_pass_rows * self.query_pass_layers
 
 
 def _gather(rows: torch.Tensor, subset: torch.Tensor) -> torch.Tensor:
@@ -149,11 +150,13 @@ def _gather(rows: torch.Tensor, subset: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def stale_query_attention(model: BlendModel, kv: BlendCache, layout: BlendLayout, token_ids: torch.Tensor,
-                          cos_all: torch.Tensor, sin_all: torch.Tensor) -> torch.Tensor:
-    """[L, N] attention mass the query tokens put on each chunk token (N = layout.chunk_positions),
+                          cos_all: torch.Tensor, sin_all: torch.Tensor, layers: int | None = None) -> torch.Tensor:
+    """[L', N] attention mass the query tokens put on each chunk token (N = layout.chunk_positions),
     per layer, when the query is computed over ``kv`` as assembled: the query and glue rows through
-    every layer (glue has no cached KV), each reading the stale chunk KV. Writes those rows' K/V;
-    the last layer runs no attention output or MLP. ``cos_all``/``sin_all``: RoPE for 0..T-1.
+    layers 0 .. L'-1 (``layers``, at most the model's; None: every layer; glue has no cached KV),
+    each reading the stale chunk KV. Writes those rows' K/V on those layers (the main pass writes
+    them again where it computes them); the pass's last layer runs no attention output or MLP.
+    ``cos_all``/``sin_all``: RoPE for 0..T-1.
     The attention probabilities are formed once (float32) and give both the mass and the rows'
     attention output (an SDPA call as well cost 2.3 ms a layer for 40 rows over 1,900 keys here),
     a block of rows at a time (`row_blocks`: memory bounded for any query length); for bfloat16 on
@@ -168,13 +171,14 @@ def stale_query_attention(model: BlendModel, kv: BlendCache, layout: BlendLayout
     chunk_pos = layout.chunk_positions.to(device)
     h = model.embed(token_ids.to(device)[rows])
     cos, sin = cos_all[rows], sin_all[rows]  # [R, D] each, shared by every layer
-    mass = torch.empty(len(model.layers), chunk_pos.numel(), dtype=torch.float32, device=device)  # [L, N]
+    depth = len(model.layers) if layers is None else max(1, min(layers, len(model.layers)))
+    mass = torch.empty(depth, chunk_pos.numel(), dtype=torch.float32, device=device)  # [L', N]
     blocks = row_blocks(rows.numel(), model.config.num_heads, total)
     # [R', T - first] each, for every layer: keys before a block's first row are visible to all of it
     hidden = [hidden_keys(rows[block], total, int(on_host[block][0])) for block in blocks]
-    for layer in model.layers:
+    for layer in model.layers[:depth]:
         i = layer.index
-        last = i == len(model.layers) - 1
+        last = i == depth - 1
         q, k, v = layer.qkv(h, cos, sin)
         kv.keys[i].index_copy_(1, rows, k)  # the rows' K/V into the assembled cache
         kv.values[i].index_copy_(1, rows, v)
@@ -232,18 +236,20 @@ def blend_prefill(model: BlendModel, kv: BlendCache, layout: BlendLayout, token_
         kv.length = total  # naive reuse for an engine that computes the query: nothing to compute
         return BlendPrefill(logits=torch.empty(0), selected=chunk_pos[:0], rows_per_layer=[0] * len(model.layers))
     cos_all, sin_all = model.rope(all_rows)  # [T, D] each
-    pass_rows = 0
+    pass_rows = pass_layers = 0
     if check is None:  # choose before layer 0: sinks, stale_attention, or nothing (naive reuse)
         view = None
         if budget > 0 and selector.query_pass:
-            view = StaleReadView(layout, stale_query_attention(model, kv, layout, token_ids, cos_all, sin_all))
-            pass_rows = glue_pos.numel() + query_pos.numel()
+            mass = stale_query_attention(model, kv, layout, token_ids, cos_all, sin_all, selector.query_pass_layers)
+            view = StaleReadView(layout, mass)
+            pass_rows, pass_layers = glue_pos.numel() + query_pos.numel(), mass.shape[0]
         selected = selector.select(layout, view, budget).to(device) if budget > 0 else chunk_pos[:0]
         rows = torch.cat((selected, tail)).sort().values
     else:
         selected, rows = chunk_pos, all_rows
     h = model.embed(token_ids.to(device)[rows])  # [R, hidden]
-    out = BlendPrefill(logits=torch.empty(0), selected=selected, query_pass_rows=pass_rows)
+    out = BlendPrefill(logits=torch.empty(0), selected=selected, query_pass_rows=pass_rows,
+                       query_pass_layers=pass_layers)
     last = len(model.layers) - 1
     planned: torch.Tensor | None = None  # the rows `attention`, `cos` and `sin` were made for
     attention = None

@@ -330,6 +330,94 @@ def test_stale_query_attention_is_what_naive_reuse_computes():
     assert out.query_pass_rows == len(query) and out.token_layers == sum(out.rows_per_layer) + 4 * len(query)
 
 
+def reference_stale_mass(model, layout, parts, ids, layers):
+    """[layers, N] the query's attention mass on each chunk token per layer, computed directly in
+    float64: the query rows through layers 0 .. layers-1 of a float64 copy of ``model`` over the
+    assembled (stale) cache, keys repeated per head, one softmax per row (no grouping, no blocks)."""
+    import copy
+
+    wide = copy.deepcopy(model).double()
+    stale = assembled(model, layout, parts)
+    rows = layout.query_positions
+    cos, sin = (t.double() for t in wide.rope(torch.arange(layout.total)))
+    chunk_pos = layout.chunk_positions
+    mass = []
+    with torch.inference_mode():
+        h = wide.embed(torch.tensor(ids)[rows])
+        for layer in wide.layers[:layers]:
+            q, k, v = layer.qkv(h, cos[rows], sin[rows])  # [H, R, D], [KVH, R, D] x 2
+            keys, values = (t[:, :layout.total].double().clone() for t in stale.read(layer.index, layout.total))
+            keys[:, rows], values[:, rows] = k, v
+            group = q.shape[0] // keys.shape[0]
+            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # [H, T, D]
+            scores = q @ keys.transpose(1, 2) / q.shape[-1] ** 0.5  # [H, R, T]
+            scores[:, torch.arange(layout.total)[None, :] > rows[:, None]] = float("-inf")
+            probs = scores.softmax(-1)
+            mass.append(probs.sum((0, 1))[chunk_pos])
+            h = h + layer.output(probs @ values)
+            h = h + layer.feed_forward(h)
+    return torch.stack(mass)
+
+
+@pytest.mark.parametrize("pass_layers", [1, 3, 5])
+def test_a_shallow_query_pass_scores_what_a_direct_computation_does(pass_layers):
+    # The query pass cut after ``pass_layers`` layers: its mass is the direct float64 computation's
+    # (and the first layers of the whole pass), and the selector picks the rows that computation picks.
+    from blend.recompute import stale_query_attention
+    from blend.select import StaleAttentionSelector
+
+    model = tiny_model(layers=5)
+    prefix, chunks, query = tiny_prompt(prefix=4, chunks=(19, 7, 26), query=9)
+    ids = prefix + sum(chunks, []) + query
+    layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query))
+    cos, sin = model.rope(torch.arange(layout.total))
+    expected = reference_stale_mass(model, layout, [prefix] + chunks, ids, pass_layers)
+    with torch.inference_mode():
+        mass = stale_query_attention(model, assembled(model, layout, [prefix] + chunks), layout, torch.tensor(ids),
+                                     cos, sin, layers=pass_layers)
+        whole = stale_query_attention(model, assembled(model, layout, [prefix] + chunks), layout, torch.tensor(ids),
+                                      cos, sin)
+    assert mass.shape == (pass_layers, layout.chunk_positions.numel()) and float(expected.sum()) > 1
+    assert (mass.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert torch.equal(mass, whole[:pass_layers])
+    # the selection: 2 leading tokens of every chunk, then the top of layers first_layer .. pass_layers-1
+    first = min(1, pass_layers - 1)
+    selector = StaleAttentionSelector(lead=2, first_layer=first, pass_layers=pass_layers)
+    budget = 14
+    score = expected[first:].sum(0)
+    forced = [c.start + i for c in layout.chunks for i in range(2)]
+    positions = layout.chunk_positions.tolist()
+    rest = sorted((p for p in positions if p not in forced), key=lambda p: -float(score[positions.index(p)]))
+    want = sorted(forced + rest[: budget - len(forced)])
+    out = blend_prefill(model, assembled(model, layout, [prefix] + chunks), layout, torch.tensor(ids), selector,
+                        budget / layout.chunk_positions.numel())
+    assert out.selected.tolist() == want
+    assert out.query_pass_layers == pass_layers and out.query_pass_rows == len(query)
+    assert out.token_layers == sum(out.rows_per_layer) + pass_layers * len(query)
+
+
+@pytest.mark.parametrize("kv_only", [False, True])
+def test_a_shallow_query_pass_keeps_ratio_one_exact(kv_only):
+    # The pass writes the query's K/V on its layers only; whatever it leaves above them, the main
+    # pass computes every row the prompt's answer reads: r = 1 is the full prefill.
+    from blend.select import StaleAttentionSelector
+
+    model = tiny_model(layers=5)
+    prefix, chunks, query = tiny_prompt(prefix=4, chunks=(19, 7, 26), query=9)
+    ids = prefix + sum(chunks, []) + query
+    layout = BlendLayout.from_lengths(len(prefix), [len(c) for c in chunks], len(query))
+    expected, exact_kv = full_logits(model, ids)
+    end = len(ids) if not kv_only else layout.query.start
+    kv = assembled(model, layout, [prefix] + chunks)
+    out = blend_prefill(model, kv, layout, torch.tensor(ids), StaleAttentionSelector(first_layer=1, pass_layers=2), 1.0,
+                        kv_only=kv_only)
+    assert (kv.export(0, end) - exact_kv.export(0, end)).abs().max() <= TOL
+    if not kv_only:
+        assert (out.logits - expected).abs().max() <= TOL
+    with pytest.raises(ValueError, match="pass_layers"):
+        StaleAttentionSelector(first_layer=2, pass_layers=2)
+
+
 def test_attention_in_row_blocks_is_the_same_as_at_once(monkeypatch):
     """A long query's attention is formed a block of rows at a time (memory bounded for any
     prompt): one row per block gives the same mass, KV, selections and logits as all rows at once."""
