@@ -15,6 +15,8 @@ launches, host work). The three steps of the RAG bench (bench/vllm_rag.py)::
     blend r   a query pass (the stale_attention selector: the query's rows over the stale cache,
               about a naive step), then the selected rows (r * passage tokens) and the query's rows,
               each over the whole context
+    shallow r the blend with the query pass cut after --pass-layers layers (the
+              shallow_stale_attention selector: 10 by default), then the same recompute
     fused r   the selection made inside the recompute (a check-layer selector: every row through
               layer 0, the selected and the query's rows through the rest): no second weight read
 
@@ -24,7 +26,7 @@ floor under every step, so naive and blend approach each other and the cost rati
 for a model large enough to be compute-bound in its full prefill; for a 135M model every step is
 the fixed cost, and the blend gains nothing.
 
-    python bench/blend_roofline.py [--gpu h100] [--ratio 0.15] [--json out.json]
+    python bench/blend_roofline.py [--gpu h100] [--ratio 0.15] [--pass-layers 10] [--json out.json]
 """
 
 from __future__ import annotations
@@ -96,15 +98,20 @@ def step_seconds(shape: Shape, device: Device, rows: int, context: int, causal: 
             "bound": max(costs, key=costs.get)}
 
 
-def blend_model(shape: Shape, device: Device, prefix: int, passages: list[int], query: int, ratio: float) -> dict:
+def blend_model(shape: Shape, device: Device, prefix: int, passages: list[int], query: int, ratio: float,
+                pass_layers: int = 10) -> dict:
     """full, naive and blend r of one prompt: each step's FLOPs, bytes and seconds, the blend's
-    speed-up over full and its recompute cost."""
+    speed-up over full and its recompute cost; "shallow", the blend with a query pass of
+    ``pass_layers`` layers."""
     total = prefix + sum(passages) + query
     selected = round(ratio * sum(passages))
     full = step_seconds(shape, device, total, total, causal=True)
     naive = step_seconds(shape, device, query, total, causal=False)
     recompute = step_seconds(shape, device, selected + query, total, causal=False)
     blend = {key: naive[key] + recompute[key] for key in ("flops", "bytes", "seconds")}  # query pass + recompute
+    shallow_pass = step_seconds(shape, device, query, total, causal=False, layers=min(pass_layers, shape.layers),
+                                logits=False)
+    shallow = {key: shallow_pass[key] + recompute[key] for key in ("flops", "bytes", "seconds")}
     first = step_seconds(shape, device, total, total, causal=True, layers=1, logits=False)  # layer 0, every row
     rest = step_seconds(shape, device, selected + query, total, causal=False, layers=shape.layers - 1)
     fused = {key: first[key] + rest[key] for key in ("flops", "bytes", "seconds")}
@@ -113,7 +120,8 @@ def blend_model(shape: Shape, device: Device, prefix: int, passages: list[int], 
         return (step["seconds"] - naive["seconds"]) / full["seconds"] / ratio
 
     return {"tokens": total, "selected": selected, "full": full, "naive": naive, "blend": blend, "fused": fused,
-            "speedup": full["seconds"] / blend["seconds"], "recompute_cost": cost(blend),
+            "shallow": shallow, "speedup": full["seconds"] / blend["seconds"], "recompute_cost": cost(blend),
+            "shallow_speedup": full["seconds"] / shallow["seconds"], "shallow_recompute_cost": cost(shallow),
             "fused_speedup": full["seconds"] / fused["seconds"], "fused_recompute_cost": cost(fused)}
 
 
@@ -121,20 +129,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpu", choices=sorted(DEVICES), default="h100")
     parser.add_argument("--ratio", type=float, default=0.15)
+    parser.add_argument("--pass-layers", type=int, default=10,
+                        help="the shallow query pass's layers (shallow_stale_attention's)")
     parser.add_argument("--json", help="write the figures as JSON")
     args = parser.parse_args()
+    if args.pass_layers < 1:
+        raise SystemExit("--pass-layers must be >= 1")
     device = DEVICES[args.gpu]
     print(f"{device.name}; mfu {device.mfu}, mbu {device.mbu}, {device.fixed_per_layer_s * 1e6:.0f} us fixed per "
-          f"layer; blend r = {args.ratio}")
+          f"layer; blend r = {args.ratio}; shallow: a {args.pass_layers}-layer query pass")
     print(f"{'model':<14}{'prompt':<8}{'tokens':>7}{'full ms':>9}{'naive ms':>10}{'blend ms':>10}{'speed-up':>10}"
-          f"{'cost':>7}{'fused ms':>10}{'speed-up':>10}{'cost':>7}  a full step's layer is")
+          f"{'cost':>7}{'shallow ms':>11}{'speed-up':>10}{'cost':>7}{'fused ms':>10}{'speed-up':>10}{'cost':>7}"
+          f"  a full step's layer is")
     report = {"device": asdict(device), "ratio": args.ratio, "cases": []}
     for shape in SHAPES.values():
         for prompt, (prefix, passages, query) in PROMPTS.items():
-            m = blend_model(shape, device, prefix, passages, query, args.ratio)
+            m = blend_model(shape, device, prefix, passages, query, args.ratio, args.pass_layers)
             print(f"{shape.name:<14}{prompt:<8}{m['tokens']:>7}{m['full']['seconds'] * 1e3:>9.2f}"
                   f"{m['naive']['seconds'] * 1e3:>10.2f}{m['blend']['seconds'] * 1e3:>10.2f}{m['speedup']:>9.2f}x"
-                  f"{m['recompute_cost']:>7.2f}{m['fused']['seconds'] * 1e3:>10.2f}{m['fused_speedup']:>9.2f}x"
+                  f"{m['recompute_cost']:>7.2f}{m['shallow']['seconds'] * 1e3:>11.2f}{m['shallow_speedup']:>9.2f}x"
+                  f"{m['shallow_recompute_cost']:>7.2f}{m['fused']['seconds'] * 1e3:>10.2f}{m['fused_speedup']:>9.2f}x"
                   f"{m['fused_recompute_cost']:>7.2f}  {m['full']['bound']}-bound")
             report["cases"].append({"model": shape.name, "prompt": prompt, **m})
     if args.json:
