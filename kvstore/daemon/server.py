@@ -61,7 +61,6 @@ def _rpc(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
         except Exception as exc:  # noqa: BLE001 - every error becomes a status, none a crash
             await _abort(context, method.__name__, exc)
         finally:
-            self.store.publish_availability()  # clients' local Lookups see a tier going down at once
             histogram.observe(time.perf_counter() - started)
 
     return wrapper
