@@ -451,7 +451,8 @@ class Transfers:
         """Per item its result and, for one read inline (no dest), its payload (read into a buffer
         from ``allocate``, which may be larger; called on the loop); and the inline bytes taken
         from ``self.inline`` for them (``copies`` times the payloads: the copies the caller's reply
-        makes), which the caller releases, as ``tenant.name``'s, once it sent them."""
+        makes), which the caller releases, as ``tenant.name``'s, once it sent them. A Get with
+        ``copies`` > 1 whose bytes exceed the whole budget is refused (BudgetExhausted) at once."""
         _, plan, inline = await self.plan_get(request, tenant, need_dest=False)
         inline *= copies
         if copies > 1 and inline > self.inline.total:  # its copies alone would overrun the budget
