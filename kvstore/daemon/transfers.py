@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import grpc
 
@@ -55,9 +55,15 @@ INLINE_GET_TOO_LARGE = ("this Get's inline reply is larger than the daemon lets 
                         "read large blocks through a shared-memory arena or the data channel (data_listen), "
                         "or Get fewer blocks per call")
 
-#: A Get's plan, per item: the stored key, the header found (None: a miss) and the destination:
-#: a slice, a slice in rows (kvstore/scatter.py), or None (inline).
-Plan = list[tuple[bytes, BlockHeader | None, memoryview | Scatter | None]]
+class PlannedRead(NamedTuple):
+    """One item of a Get's plan."""
+    key: bytes                              # the stored key (the tenant's, kvstore/daemon/auth.py)
+    header: BlockHeader | None              # the block found; None: a miss
+    dest: memoryview | Scatter | None       # a slice, a slice in rows (kvstore/scatter.py), or None: inline
+
+
+#: A Get's plan: per item, what it reads and where to.
+Plan = list[PlannedRead]
 #: A Get's replies, per item: its result and, for one read inline, its payload.
 Replies = list[tuple[pb.GetResult, memoryview | None]]
 
@@ -442,7 +448,7 @@ class Transfers:
                     raise ValueError(f"items[{i}].dest has {len(dest)} bytes; the block needs {header.payload_len}")
                 else:
                     shared += header.payload_len
-            plan.append((key, header, dest))
+            plan.append(PlannedRead(key, header, dest))
         self._check_bytes(tenant, "this Get", inline, shared, arena_ids)
         return keys, plan, inline
 
@@ -474,16 +480,16 @@ class Transfers:
         results: list[GetResult | None] = [None] * len(plan)
         # A block that is not whole rows of a scatter item's destination: found, its meta in the
         # reply, nothing copied (the caller Gets it into a plain slice); neither a hit nor a miss.
-        unfit = {i: GetResult(header, "") for i, (_, header, dest) in enumerate(plan)
-                 if header is not None and isinstance(dest, Scatter) and not dest.fits(header.payload_len)}
-        found_at = [i for i, (_, header, _) in enumerate(plan)
-                    if header is not None and i not in by_reference and i not in unfit]
-        buffers = {i: allocate(plan[i][1].payload_len) for i in found_at if plan[i][2] is None}
-        reads = [(plan[i][0], plan[i][2] if i not in buffers else memoryview(buffers[i])[: plan[i][1].payload_len])
+        unfit = {i: GetResult(read.header, "") for i, read in enumerate(plan) if read.header is not None
+                 and isinstance(read.dest, Scatter) and not read.dest.fits(read.header.payload_len)}
+        found_at = [i for i, read in enumerate(plan)
+                    if read.header is not None and i not in by_reference and i not in unfit]
+        buffers = {i: allocate(plan[i].header.payload_len) for i in found_at if plan[i].dest is None}
+        reads = [(plan[i].key, memoryview(buffers[i])[: plan[i].header.payload_len] if i in buffers else plan[i].dest)
                  for i in found_at]
         for i, found in zip(found_at, await self.store.reads.get_many_into(reads)):
             results[i] = found
-        self.store.metrics.misses.inc(sum(header is None for _, header, _ in plan))
+        self.store.metrics.misses.inc(sum(read.header is None for read in plan))
         self.count(tenant, "get", [by_reference[i][1] if i in by_reference else r
                                    for i, r in enumerate(results) if i not in unfit], requested=len(plan))
         results = [unfit.get(i, r) for i, r in enumerate(results)]
@@ -496,13 +502,13 @@ class Transfers:
         """Blocks in the GPU tier, by reference: their offsets in the exported pool, no copy. Only
         blocks the tenant may lease (within its bound) go by reference; the others are copied."""
         out = {}
-        for i, (key, header, _) in enumerate(plan):
-            offset = self.store.gpu_offset(key) if header is not None else None
+        for i, read in enumerate(plan):
+            offset = self.store.gpu_offset(read.key) if read.header is not None else None
             # stays put until Release or the lease ends
-            if offset is not None and self.store.lease(key, GPU_LEASE_SECONDS, tenant.name):
+            if offset is not None and self.store.lease(read.key, GPU_LEASE_SECONDS, tenant.name):
                 self.store.metrics.hits.labels("gpu").inc()  # served by reference: a Get hit all the same
-                meta = meta_from_header(header)
+                meta = meta_from_header(read.header)
                 meta.key = request.items[i].key
                 out[i] = (pb.GetResult(found=True, meta=meta, tier="gpu", gpu_offset=offset, on_gpu=True),
-                          GetResult(header, "gpu"))
+                          GetResult(read.header, "gpu"))
         return out
