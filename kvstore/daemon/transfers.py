@@ -55,6 +55,7 @@ INLINE_GET_TOO_LARGE = ("this Get's inline reply is larger than the daemon lets 
                         "read large blocks through a shared-memory arena or the data channel (data_listen), "
                         "or Get fewer blocks per call")
 
+
 class PlannedRead(NamedTuple):
     """One item of a Get's plan."""
     key: bytes                              # the stored key (the tenant's, kvstore/daemon/auth.py)
