@@ -25,8 +25,8 @@ from kvstore.daemon.arena_registry import ArenaNotFound
 from kvstore.daemon.auth import Tenant
 from kvstore.daemon.log_limit import LogLimit
 from kvstore.daemon.placement import STREAM_HOLD_S
-from kvstore.daemon.transfers import GRPC_GET_COPIES, BadRequest, Transfers, get_result, status_of, stored_keys
-from kvstore.limits import MAX_LAYER_COPIES, MAX_LEASE_MS
+from kvstore.daemon.transfers import BadRequest, Transfers, get_result, status_of, stored_keys
+from kvstore.limits import GRPC_GET_COPIES, MAX_LAYER_COPIES, MAX_LEASE_MS
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import encode_get_response

@@ -32,7 +32,8 @@ from kvstore.daemon.budget import BudgetExhausted, ByteBudget
 from kvstore.daemon.placement import BlockGoneError, BlockStore, GetResult, HoldRefused
 from kvstore.daemon.residency import WalkBudget
 from kvstore.keys import KEY_BYTES
-from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS, MAX_SKIPPED_REPORT, SKIPPED_STORES_HEADER
+from kvstore.limits import (
+    GRPC_GET_COPIES, MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS, MAX_SKIPPED_REPORT, SKIPPED_STORES_HEADER)
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scatter import Gather, Scatter
 from kvstore.shm_index import (
@@ -48,12 +49,12 @@ RESULT_OVERHEAD = 512
 GPU_LEASE_SECONDS = 30.0
 #: Longest a Get waits for inline reply bytes to come free before RESOURCE_EXHAUSTED.
 INLINE_WAIT_S = 10.0
-#: Copies of its payloads a gRPC inline Get's reply makes, each charged to the inline budget until
-#: gRPC sent it: the buffers the tiers read into, the serialized reply, and gRPC's own copy of it,
-#: made on gRPC's thread (whose malloc arena does not reuse what the first two freed: the daemon
-#: keeps freed memory, kvstore/daemon/process.py keep_freed_memory). Measured: one 48 MiB Get
-#: raised the daemon's peak RSS by 132 MiB, 2.75x. The data channel sends from its read buffers.
-GRPC_GET_COPIES = 3
+#: Why a gRPC inline Get larger than the inline budget, with its copies, is refused (it names no
+#: figure of the daemon's): there is no waiting it out.
+INLINE_GET_TOO_LARGE = ("this Get's inline reply is larger than the daemon lets one gRPC reply hold with its copies; "
+                        "read large blocks through a shared-memory arena or the data channel (data_listen), "
+                        "or Get fewer blocks per call")
+
 
 class PlannedRead(NamedTuple):
     """One item of a Get's plan."""
@@ -457,9 +458,12 @@ class Transfers:
         """Per item its result and, for one read inline (no dest), its payload (read into a buffer
         from ``allocate``, which may be larger; called on the loop); and the inline bytes taken
         from ``self.inline`` for them (``copies`` times the payloads: the copies the caller's reply
-        makes), which the caller releases, as ``tenant.name``'s, once it sent them."""
+        makes), which the caller releases, as ``tenant.name``'s, once it sent them. A Get with
+        ``copies`` > 1 whose bytes exceed the whole budget is refused (BudgetExhausted) at once."""
         _, plan, inline = await self.plan_get(request, tenant, need_dest=False)
         inline *= copies
+        if copies > 1 and inline > self.inline.total:  # its copies alone would overrun the budget
+            raise BudgetExhausted(INLINE_GET_TOO_LARGE)
         if inline:
             await self.inline.acquire(inline, INLINE_WAIT_S, tenant.name)
         try:
