@@ -26,7 +26,7 @@ from typing import Callable
 from serving_workload import Turn, Workload
 
 ROOT = Path(__file__).resolve().parent.parent
-CONNECTOR = ROOT / "engine_adapter" / "vllm" / "connector.py"
+SETTINGS = ROOT / "engine_adapter" / "vllm" / "settings.py"
 SERVED_NAME = "smollm2"
 PAGE_TOKENS = 128  # vLLM's CPU backend pages (its log: 64 blocks = "CPU KV cache size: 8,192 tokens")
 GiB = 1 << 30
@@ -41,7 +41,7 @@ def free_port() -> int:
 def connector_settings() -> set[str]:
     """The ``kv_connector_extra_config`` keys this tree's connector accepts (its ConnectorSettings
     fields, read from the source: unknown keys fail vLLM's start, and importing it needs vLLM)."""
-    tree = ast.parse(CONNECTOR.read_text())
+    tree = ast.parse(SETTINGS.read_text())
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == "ConnectorSettings":
             return {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}

@@ -9,14 +9,19 @@ params; decoding calls `resolve(id)`, which looks in this order:
 3. the sources added with `add_source`, e.g. `client_source(client)`, which Gets the calibration
    block from a kvstore daemon, so every tier (and another host sharing the S3 bucket) serves it.
 
-A calibration is stored in the cache as a raw float16 block of the namespace
-`calibration_namespace()`: key = the first KEY_BYTES (16) bytes of its id, payload = its bytes zero-padded
-to whole 256-byte "tokens" ([1, 2, 1, tokens, 64] float16). The bytes are checked against the id
-on every load, so a wrong or damaged copy is never used.
+A calibration is stored in the cache as raw float16 blocks of the namespace
+`calibration_namespace()`, its bytes cut in parts of `PART_BYTES` (the last zero-padded to whole
+256-byte "tokens", [1, 2, 1, tokens, 64] float16): part 0's key is the first KEY_BYTES (16) bytes of
+its id, part i's the first 16 bytes of SHA-256 of "<id>:<i>" (`part_key`). A part fits any daemon's
+inline Get with its reply's copies (kvstore/limits.py GRPC_GET_COPIES), where a calibration whole
+(Llama-3-8B's: 128 MiB) would be refused. `fetch_calibration` reads the parts in order until one
+is short or missing. The bytes are checked against the id on every load, so a wrong, damaged or
+incomplete copy is never used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from pathlib import Path
@@ -29,6 +34,9 @@ SUFFIX = ".kvcal"
 CALIBRATION_MODEL_ID = "kvstore-calibration"
 _TOKEN_BYTES = 2 * 64 * 2  # one "token" of the [1, 2, 1, T, 64] float16 carrier block
 MAX_FETCH_BYTES = 256 << 20  # largest calibration block a source Gets (inline: the daemon's max_message_bytes)
+#: Bytes of one stored part of a calibration (whole "tokens"): with its inline reply's three copies,
+#: 48 MiB of a daemon's inline budget (default 256 MiB).
+PART_BYTES = 16 << 20
 
 Source = Callable[[str], bytes | None]  # full id -> calibration bytes (possibly padded), or None
 
@@ -137,26 +145,54 @@ def calibration_key(calibration_id: str) -> bytes:
     return bytes.fromhex(calibration_id)[:KEY_BYTES]
 
 
-def calibration_block(calibration: Calibration) -> tuple[bytes, int, bytes]:
-    """``(key, tokens, payload)`` for `KVStoreClient.put` in `calibration_namespace()`."""
+def part_key(calibration_id: str, part: int) -> bytes:
+    """The key of part ``part`` of a calibration's blocks (part 0: `calibration_key`)."""
+    from kvstore.keys import KEY_BYTES
+
+    if part == 0:
+        return calibration_key(calibration_id)
+    return hashlib.sha256(f"{calibration_id}:{part}".encode()).digest()[:KEY_BYTES]
+
+
+def calibration_blocks(calibration: Calibration) -> list[tuple[bytes, int, bytes]]:
+    """``(key, tokens, payload)`` of each part, in order, for `KVStoreClient.put` in `calibration_namespace()`."""
     raw = calibration.to_bytes
-    tokens = -(-len(raw) // _TOKEN_BYTES)
-    return calibration_key(calibration.id), tokens, raw + bytes(tokens * _TOKEN_BYTES - len(raw))
+    blocks = []
+    for part, start in enumerate(range(0, len(raw), PART_BYTES)):
+        piece = raw[start : start + PART_BYTES]
+        tokens = -(-len(piece) // _TOKEN_BYTES)
+        blocks.append((part_key(calibration.id, part), tokens, piece + bytes(tokens * _TOKEN_BYTES - len(piece))))
+    return blocks
 
 
 def put_calibration(client: Any, calibration: Calibration, tenant: str = "", durable: bool = False) -> int:
     """Store a calibration through a `KVStoreClient` (every tier, S3 included); returns blocks stored."""
     # "exact": the daemon never re-encodes this block for a lossy lower tier (compression/transcode.py).
-    return client.put(calibration_namespace(tenant), [calibration_block(calibration)], durable=durable,
+    # Part 0 last: a reader that finds it finds every part.
+    return client.put(calibration_namespace(tenant), calibration_blocks(calibration)[::-1], durable=durable,
                       codec_params={"exact": True})
+
+
+def fetch_calibration(client: Any, calibration_id: str) -> bytes | None:
+    """A calibration's bytes (zero-padded) from its parts through a `KVStoreClient`, inline (a
+    caller may hold arena space: kvstore_client.fetch), or None when part 0 is missing. Parts are
+    read in order until one is shorter than `PART_BYTES` or missing; a part 0 that is longer (a
+    calibration stored whole, before parts) is the calibration."""
+    parts: list[bytes] = []
+    while len(parts) * PART_BYTES < MAX_FETCH_BYTES:
+        (raw,) = client.get([part_key(calibration_id, len(parts))], max_payload_bytes=MAX_FETCH_BYTES, inline=True)
+        if raw is None:
+            break
+        parts.append(bytes(raw))
+        if len(raw) != PART_BYTES:
+            break
+    return b"".join(parts) if parts else None
 
 
 def client_source(client: Any) -> Source:
     """A source that Gets calibration blocks from a kvstore daemon through `KVStoreClient`."""
 
     def fetch(calibration_id: str) -> bytes | None:
-        key = calibration_key(calibration_id)
-        (raw,) = client.get([key], max_payload_bytes=MAX_FETCH_BYTES, inline=True)
-        return None if raw is None else bytes(raw)
+        return fetch_calibration(client, calibration_id)
 
     return fetch

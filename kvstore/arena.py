@@ -107,11 +107,6 @@ class Arena:
         """Fault in this process's mapping now (blocking), so copies never stall on first touch."""
         prefault(self._mmap, background=False)
 
-    def view(self, offset: int, length: int) -> memoryview:
-        if offset < 0 or length < 0 or offset + length > self.size:
-            raise ValueError(f"slice [{offset}, {offset + length}) is outside the {self.size}-byte arena")
-        return self.buffer[offset : offset + length]
-
     def close(self) -> None:
         try:
             self.buffer.release()

@@ -176,7 +176,9 @@ class BlockHeader:
             raise ValueError(f"token_ids must hold the block's {self.tokens} tokens (at most {MAX_CHAIN_TOKENS}), "
                              f"got {len(self.token_ids)} bytes")
 
-    @property
+    # The lengths below are asked on every read and write of the block: each is computed once per
+    # header (a header is immutable: a changed one is a new object, `dataclasses.replace`).
+    @functools.cached_property
     def chain(self) -> bytes:
         """The chain's bytes after the params: the parent and the token ids, each where kept."""
         return self.parent + self.token_ids
@@ -185,17 +187,17 @@ class BlockHeader:
         """The block's token ids ([] when not kept)."""
         return np.frombuffer(self.token_ids, dtype="<u4").tolist()
 
-    @property
+    @functools.cached_property
     def params_json(self) -> bytes:
         if not self.codec_params:  # raw blocks: a Put asks each one's lengths a handful of times
             return b"{}"
         return json.dumps(self.codec_params, sort_keys=True, separators=(",", ":")).encode()
 
-    @property
+    @functools.cached_property
     def header_len(self) -> int:
         return _align(FIXED_BYTES + len(self.params_json) + len(self.chain))
 
-    @property
+    @functools.cached_property
     def block_len(self) -> int:
         """Bytes of header plus payload: what a tier stores."""
         return self.header_len + self.payload_len

@@ -76,8 +76,9 @@ _FIELD_HELP = {
                       "quarter); the least recently put are forgotten beyond",
     "data_max_connections": "data-channel connections at once (half at most waiting for a token, a quarter "
                             "at most one named tenant's)",
-    "max_inline_bytes": "inline Get reply bytes held at once, all calls together (0: max_message_bytes); a Get "
-                        "waits for room, then gets RESOURCE_EXHAUSTED",
+    "max_inline_bytes": "inline Get reply bytes held at once, all calls together, each gRPC reply counted three "
+                        "times (its copies) (0: max_message_bytes); a Get waits for room, then gets "
+                        "RESOURCE_EXHAUSTED, at once if its copies alone exceed it",
     "hold_share": "share of the smallest tier all pins and leases may hold together, split among named "
                   "tenants (each also within its quota); the rest stays free for any Put",
     "metrics_listen": "Prometheus /metrics address host:port, loopback unless metrics_public ('' disables it; "

@@ -96,6 +96,24 @@ def test_a_sealed_disk_tier_hides_payload_and_token_ids_and_refuses_what_does_no
     other.close()
 
 
+def test_a_sealed_disk_write_refuses_a_payload_its_checksum_does_not_name(tmp_path):
+    """A sealed read trusts the payload's AEAD tag for its checksum and hashes nothing
+    (tiers/disk.py _read_sealed), so the write is where the payload is checked against its header's
+    checksum: a block whose payload is not the one its checksum names is not written at all (a
+    plain tier writes it and its reads find the mismatch)."""
+    tier = DiskTier(tmp_path, 1 << 24, fsync=False, at_rest=AtRestKey(os.urandom(32)))
+    header, payload = sealed_block(6, tokens=1500)
+    altered = bytearray(payload)
+    altered[len(altered) // 2] ^= 1
+    with pytest.raises(CorruptBlockError, match="checksum"):
+        tier.put(header, memoryview(altered))
+    assert len(tier) == 0 and not [p for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"]
+    tier.check_integrity()
+    tier.put(header, memoryview(payload))
+    assert read(tier, header) == payload
+    tier.close()
+
+
 def test_sealed_and_plain_files_never_mix_in_one_folder(tmp_path):
     """Turning disk_encrypt on drops the plain files (no plain block stays on disk); off, the sealed ones."""
     plain = DiskTier(tmp_path, 1 << 24, fsync=False)

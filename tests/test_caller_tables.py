@@ -154,46 +154,71 @@ def test_health_watch_streams_are_bounded_per_connection_and_before_authenticati
         channel.close()
 
 
-def test_inline_gets_are_charged_for_every_copy_their_reply_holds(daemon_factory):
-    """guarantees: budgets count real bytes — six concurrent inline Gets of 32 MiB under a 96 MiB
-    budget: a gRPC reply makes three copies of its payloads (the tiers' read buffers, the
-    serialized reply, gRPC's copy of it), so each is charged three times and they run one at a
-    time; the daemon's peak RSS grows by under the budget plus 16 MiB (on ee82bf6 each was charged
-    once and three ran at once)."""
-    layout = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, dtype="float16")  # 4 MiB a 128-token block
-    namespace = Namespace("copies", layout, chunk_tokens=128)
-    d = daemon_factory(cpu_capacity="160MiB", disk_path="", max_inline_bytes="96MiB")
+def _inline_get_outcome(client: KVStoreClient, keys: list[bytes], max_payload_bytes: int) -> str:
+    """``"served"`` when every block came back, else the refusal's status and details."""
+    try:
+        with client.fetch(keys, max_payload_bytes, inline=True) as blocks:
+            return "served" if all(b is not None for b in blocks) else "missed"
+    except grpc.RpcError as exc:
+        return f"{exc.code().name}: {exc.details()}"
+
+
+def _six_inline_gets(d, readers: list[KVStoreClient], calls: list[tuple[list[bytes], int]]) -> tuple[list[str], int]:
+    """Each reader's calls, the six readers at once; their outcomes and the daemon's peak RSS
+    above its RSS before them (VmHWM after clear_refs)."""
+    Path(f"/proc/{d.proc.pid}/clear_refs").write_text("5")  # peak RSS := RSS now
+    idle = rss_bytes(d.proc.pid)
+    with concurrent.futures.ThreadPoolExecutor(len(readers)) as pool:
+        outcomes = list(pool.map(lambda c: [_inline_get_outcome(c, *call) for call in calls], readers))
+    return [o for per_reader in outcomes for o in per_reader], rss_bytes(d.proc.pid, "VmHWM") - idle
+
+
+def test_six_concurrent_large_inline_gets_keep_peak_rss_within_the_inline_budget(daemon_factory):
+    """guarantees: budgets count real bytes — issue 56's six concurrent 250 MiB inline Gets under
+    a 256 MiB budget, scaled to 60 MiB Gets under 64 MiB: a gRPC reply makes three copies of its
+    payloads (the tiers' read buffers, the serialized reply, gRPC's copy of it), so a Get whose
+    three copies exceed the budget is refused at once (RESOURCE_EXHAUSTED, pointing to shared
+    memory and the data channel, no figure of the daemon's in it), and six 16 MiB Gets (48 MiB
+    charged each) run one at a time; all twelve together raise the daemon's peak RSS by less than
+    the budget (before this refusal the 60 MiB Gets ran, one at a time: +168 MiB)."""
+    layout = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, dtype="float16")  # 32 KiB a token
+    small_ns = Namespace("copies", layout, chunk_tokens=128)
+    large_ns = Namespace("copies-large", layout, chunk_tokens=1920)
+    budget = 64 * 2**20
+    d = daemon_factory(cpu_capacity="160MiB", disk_path="", max_inline_bytes="64MiB")
     rng = np.random.default_rng(5)
-    keys = prefix_keys(namespace, rng.integers(0, 30000, size=8 * 128))
-    payload = rng.integers(1, 255, layout.block_bytes(128), dtype=np.uint8)
+    small_keys = prefix_keys(small_ns, rng.integers(0, 30000, size=4 * 128))  # 4 x 4 MiB
+    large_key = prefix_keys(large_ns, rng.integers(0, 30000, size=1920))[0]  # 60 MiB
+    small = rng.integers(1, 255, layout.block_bytes(128), dtype=np.uint8)
+    large = rng.integers(1, 255, layout.block_bytes(1920), dtype=np.uint8)
     with KVStoreClient(d.address) as writer:  # through shared memory: no inline buffers left behind
         assert writer.shared_memory
-        assert writer.put(namespace, [(k, 128, payload) for k in keys]) == len(keys)
+        assert writer.put(small_ns, [(k, 128, small) for k in small_keys]) == len(small_keys)
+        assert writer.put(large_ns, [(large_key, 1920, large)]) == 1
     readers = [KVStoreClient(d.address, shared_memory=False) for _ in range(6)]
     try:
-        assert readers[0].get(keys[:1], layout.block_bytes(128))[0] == payload.tobytes()
-        Path(f"/proc/{d.proc.pid}/clear_refs").write_text("5")  # peak RSS := RSS now
-        idle = rss_bytes(d.proc.pid)
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            got = list(pool.map(lambda c: len(c.get(keys, layout.block_bytes(128))), readers))
-        grown = rss_bytes(d.proc.pid, "VmHWM") - idle
+        assert readers[0].get(small_keys[:1], layout.block_bytes(128))[0] == small.tobytes()
+        outcomes, grown = _six_inline_gets(d, readers, [([large_key], layout.block_bytes(1920)),
+                                                        (small_keys, layout.block_bytes(128))])
     finally:
         for reader in readers:
             reader.close()
-    assert got == [len(keys)] * 6
-    print(f"six 32 MiB inline Gets under a 96 MiB budget: peak RSS +{grown >> 20} MiB")
-    assert grown < (96 + 16) * 2**20, f"peak RSS grew by {grown >> 20} MiB"
+    print(f"six 60 MiB and six 16 MiB inline Gets under a 64 MiB budget: peak RSS +{grown >> 20} MiB")
+    refusals, served = outcomes[0::2], outcomes[1::2]
+    assert served == ["served"] * 6, served
+    for refusal in refusals:
+        assert refusal.startswith("RESOURCE_EXHAUSTED") and "data channel" in refusal, refusal
+        assert not re.search(r"\d", refusal.split(":", 1)[1]), refusal  # no figure of the daemon's
+    assert grown < budget, f"peak RSS grew by {grown >> 20} MiB"
 
 
 @pytest.mark.slow
-def test_six_concurrent_250_mib_inline_gets_run_one_at_a_time_within_three_copies(daemon_factory):
+def test_six_concurrent_250_mib_inline_gets_stay_under_256_mib_above_idle(daemon_factory):
     """guarantees: budgets count real bytes, at issue 56's full scale — six clients without shared
-    memory Get one 250 MiB block inline at once, default budget: each reply is charged its three
-    copies (750 MiB, more than the 256 MiB budget), so they run one at a time and the daemon's
-    peak RSS grows by one reply's copies, under 3 x 250 + 64 MiB (measured: +749 MiB; six at once would
-    take 4.4 GiB). Issue 56's target of 256 MiB above idle is out of reach of unary gRPC, whose
-    own copy of a reply comes on top of the daemon's (docs/guarantees.md); the data channel and
-    shared memory are the paths for replies this large."""
+    memory Get one 250 MiB block inline at once, default budget (256 MiB): each reply would hold
+    three copies (750 MiB), so each is refused at once, pointing to shared memory and the data
+    channel, and the daemon's peak RSS stays under 256 MiB above idle (before the refusal: +749
+    MiB, the six served one after another; on ee82bf6 +623-749 MiB)."""
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16")
     tokens = 2000  # 250 MiB
     namespace = Namespace("large", layout, chunk_tokens=tokens)
@@ -205,17 +230,13 @@ def test_six_concurrent_250_mib_inline_gets_run_one_at_a_time_within_three_copie
         assert writer.shared_memory and writer.put(namespace, [(key, tokens, payload)]) == 1
     readers = [KVStoreClient(d.address, shared_memory=False) for _ in range(6)]
     try:
-        Path(f"/proc/{d.proc.pid}/clear_refs").write_text("5")  # peak RSS := RSS now
-        idle = rss_bytes(d.proc.pid)
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            got = list(pool.map(lambda c: c.get([key], layout.block_bytes(tokens))[0] is not None, readers))
-        grown = rss_bytes(d.proc.pid, "VmHWM") - idle
+        outcomes, grown = _six_inline_gets(d, readers, [([key], layout.block_bytes(tokens))])
     finally:
         for reader in readers:
             reader.close()
     print(f"six 250 MiB inline Gets at once: peak RSS +{grown >> 20} MiB")
-    assert got == [True] * 6
-    assert grown < (3 * 250 + 64) * 2**20, f"peak RSS grew by {grown >> 20} MiB"
+    assert all(o.startswith("RESOURCE_EXHAUSTED") and "data channel" in o for o in outcomes), outcomes
+    assert grown < 256 * 2**20, f"peak RSS grew by {grown >> 20} MiB"
 
 
 def test_a_byte_budget_keeps_each_named_owners_share_while_others_wait():

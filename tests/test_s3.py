@@ -246,18 +246,23 @@ def test_breaker_fails_fast_while_open_then_probes():
 
     now = [0.0]
     breaker = CircuitBreaker(failures=3, cooldown_s=2.0, clock=lambda: now[0])
+    changes: list[str] = []  # the tier's availability is published on each (BlockStore.publish_availability)
+    breaker.on_change = lambda: changes.append(breaker.state)
     for _ in range(3):
         assert breaker.allow()
         breaker.record_failure()
-    assert breaker.state == "open" and not breaker.allow()
+    assert breaker.state == "open" and not breaker.allow() and changes == ["open"]
     now[0] = 2.5
     assert breaker.allow() and not breaker.allow()  # one probe, others still refused
     breaker.record_failure()
-    assert breaker.state == "open" and not breaker.allow()
+    assert breaker.state == "open" and not breaker.allow() and changes == ["open", "open"]
     now[0] = 5.0
     assert breaker.allow()
     breaker.record_success()
     assert breaker.state == "closed" and breaker.allow() and breaker.opened == 1
+    assert changes == ["open", "open", "closed"]
+    breaker.record_success()  # closed already: no change
+    assert changes == ["open", "open", "closed"]
 
 
 def serve_args(tmp, endpoint: str, bucket: str) -> list[str]:

@@ -20,8 +20,8 @@ from compression import get_codec
 from engine_adapter.client.kvstore_client import KVStoreClient
 from engine_adapter.reference.kv_cache import KVCache
 from engine_adapter.client.prefix_cache import PrefixCache
-from engine_adapter.client.blocks import Rows
-from engine_adapter.client.shared_kv import RowsInRegion, SharedKVMemory, SharedRegion, block_to_store, region_of
+from engine_adapter.client.shared_kv import (
+    RowsInRegion, SharedKVMemory, SharedRegion, block_to_store, region_of, rows_in)
 from kvstore.block import CHECKSUM_STEP, payload_checksum
 from kvstore.keys import KVLayout, Namespace, prefix_keys
 from kvstore.proto import kvstore_pb2 as pb
@@ -136,8 +136,7 @@ def test_a_coded_block_is_not_copied_in_rows_and_loads_the_usual_way(daemon):
         cache = PrefixCache(client, NS)
         kv = KVCache(5, 3, 48, 4 * N, torch.float32, "cpu", SharedKVMemory(client))
         region = region_of(kv.data)
-        places = [Rows(region.offset_of(kv.data) + o, rb, s, r) for o, rb, s, r in
-                  (kv.block_rows(c * N, N) for c in range(4))]
+        places = [rows_in(kv, region, c * N, N) for c in range(4)]
         kv.data.fill_(-3.0)
         found = client.get_rows(region.arena_id, keys, places, NS.layout)
         assert [g.in_place for g in found] == [True, True, False, False]

@@ -416,3 +416,13 @@ def test_trace_run_replays_a_small_trace_through_vllm_and_kvstore(tmp_path):
     assert [r["prompt_tokens"] for r in run["records"]] == [128 * 2 + 119, 128 + 97, 128 * 3 + 116]
     assert [r["round"] for r in run["records"]] == [1, 1, 2]
     assert result["workload"]["requests"] == 3 and "trace" in proc.stdout
+
+
+def test_the_bench_reads_the_connectors_settings_where_they_are_defined():
+    """The bench passes only settings the connector accepts (an unknown one fails vLLM's start) and
+    reports the Lookup cost only when the connector writes a trace: the keys are read from
+    ConnectorSettings' source, which moved to engine_adapter/vllm/settings.py (issue #58); read
+    from connector.py they were none, and every run since printed "no per-request Lookup cost"."""
+    import serving_engines
+
+    assert {"address", "trace_file", "lease_s"} <= serving_engines.connector_settings()

@@ -137,7 +137,7 @@ def test_calibration_travels_through_the_daemon(calibration, daemon):
     block = kv_block(64, seed=11)
     encoded = TransformCodec(calibration).encode(block)
     with KVStoreClient(daemon.address) as client:
-        assert calibration_store.put_calibration(client, calibration) == 1
+        assert calibration_store.put_calibration(client, calibration) == len(calibration_store.calibration_blocks(calibration))
         calibration_store._loaded.pop(calibration.id, None)
         source = calibration_store.client_source(client)
         calibration_store.add_source(source)
@@ -146,6 +146,35 @@ def test_calibration_travels_through_the_daemon(calibration, daemon):
         finally:
             calibration_store.remove_source(source)
     assert (decoded.double() - block.double()).abs().max() <= TransformCodec(calibration).error_bound(block)
+
+
+def test_a_calibration_travels_in_parts_each_within_an_inline_get(calibration, daemon, monkeypatch):
+    """A calibration larger than a part (Llama-3-8B's is 128 MiB, which one inline Get with its
+    reply's copies could not carry) is stored and fetched in parts; with a part gone it is not
+    resolved at all (never a truncated calibration)."""
+    from engine_adapter.client.kvstore_client import KVStoreClient
+
+    raw = calibration.to_bytes
+    monkeypatch.setattr(calibration_store, "PART_BYTES", 64 * 256)  # parts of 16 KiB: several for this calibration
+    blocks = calibration_store.calibration_blocks(calibration)
+    assert len(blocks) >= 3 and len({key for key, _, _ in blocks}) == len(blocks)
+    assert blocks[0][0] == calibration_store.calibration_key(calibration.id)
+    assert all(len(payload) == calibration_store.PART_BYTES for _, _, payload in blocks[:-1])
+    with KVStoreClient(daemon.address) as client:
+        assert calibration_store.put_calibration(client, calibration) == len(blocks)
+        fetched = calibration_store.fetch_calibration(client, calibration.id)
+        assert fetched[: len(raw)] == raw and not any(fetched[len(raw):])  # the last part's padding
+        calibration_store._loaded.pop(calibration.id, None)
+        source = calibration_store.client_source(client)
+        calibration_store.add_source(source)
+        try:
+            assert calibration_store.resolve(calibration.id).id == calibration.id
+            calibration_store._loaded.pop(calibration.id, None)
+            assert client.delete([blocks[1][0]]) == 1  # a middle part evicted
+            with pytest.raises(ValueError):
+                calibration_store.resolve(calibration.id)
+        finally:
+            calibration_store.remove_source(source)
 
 
 def test_exact_blocks_such_as_calibrations_are_never_transcoded():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from abc import ABC, abstractmethod
-from typing import Iterator
+from typing import Callable, Iterator
 
 from kvstore.block import BlockHeader, payload_checksum
 
@@ -154,6 +154,11 @@ class Tier(ABC):
     def available(self) -> bool:
         """False while the tier is known to be unreachable (its blocks then count as misses)."""
         return True
+
+    def on_availability_change(self, callback: Callable[[], None]) -> None:
+        """Have ``callback`` called, from any thread, when `available` changes on a request's
+        outcome (a tier with a circuit breaker: it opened or closed); a change by time alone (the
+        breaker's cooldown over) calls nothing. Tiers that are always available ignore it."""
 
     def take_new_keys(self) -> list[bytes]:
         """Keys the tier indexed by itself (a background listing, :meth:`discover`) since the last

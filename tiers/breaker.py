@@ -31,6 +31,9 @@ class CircuitBreaker:
         self._probing = False
         #: Times the breaker opened (a metric).
         self.opened = 0
+        #: Called (in the thread that reported) when requests stop or start going out: the breaker
+        #: opened, or a success closed it (open -> half-open is by time alone and calls nothing).
+        self.on_change: Callable[[], None] | None = None
 
     @property
     def state(self) -> str:
@@ -52,18 +55,25 @@ class CircuitBreaker:
 
     def record_success(self) -> None:
         with self._lock:
-            if self._opened_at is not None:
+            changed = self._opened_at is not None
+            if changed:
                 log.warning("%s answers again: circuit closed", self.name)
             self._failures = 0
             self._opened_at = None
             self._probing = False
+        if changed and self.on_change is not None:
+            self.on_change()
 
     def record_failure(self) -> None:
+        changed = False
         with self._lock:
             self._failures += 1
             if self._probing or (self._opened_at is None and self._failures >= self.failures_to_open):
                 if self._opened_at is None:
                     log.warning("%s failing: circuit open for %.1fs (requests fail fast)", self.name, self.cooldown_s)
                     self.opened += 1
+                changed = True  # closed or half-open -> open
                 self._opened_at = self._clock()
                 self._probing = False
+        if changed and self.on_change is not None:
+            self.on_change()

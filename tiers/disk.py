@@ -17,10 +17,12 @@ benchmarks.
 
 With ``at_rest`` (``disk_encrypt``) every file is a sealed block (tiers/at_rest.py: AES-GCM under a
 key derived from the server secret): the header and payload on disk are ciphertext. A write seals
-the payload a chunk at a time into a small buffer and writes it, then the head at the file's
-start; a read opens the head (the header inside is compared with the indexed one), then preads
-each chunk into a small buffer and opens it into the caller's, hashed there, the tag checked at
-the end; ``o_direct`` reads the whole file into its bounce buffer and opens it from there. A file
+the payload a chunk at a time into a small buffer and writes it, each chunk hashed, then, if the
+payload is its header's checksum's, the head at the file's start; a read opens the head (the
+header inside is compared with the indexed one), then preads each chunk into its thread's bounce
+buffer and opens it into the caller's, the tag checked at the end, which stands for the checksum
+(the payload is the one sealed: no hash on reads); ``o_direct`` reads the whole file into its
+bounce buffer and opens it from there. A file
 that does not open (another key, a flipped byte, another block's) is a corrupt block, like one
 whose checksum fails. A folder's files are either all sealed or all plain: those of the other
 kind are dropped at start (counted as corrupt), so turning encryption on leaves no plain block.
@@ -59,6 +61,11 @@ _TRANSIENT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, er
 #: Bytes per pread: small enough that a chunk is still in L2 when it is hashed, large enough that
 #: syscalls stay cheap (measured here: 128-256 KB beat both 64 KB and 1 MB).
 READ_CHUNK = 256 * 1024
+#: Bytes a sealed read preads and opens at once (into each reader thread's own bounce buffer,
+#: kept): 1 MiB of AES-GCM per call into cryptography, whose per-call cost (it holds the GIL)
+#: weighed ~10% at 256 KiB; the chunk stays in this host's 1 MiB of L2 per core.
+SEALED_CHUNK = 1 << 20
+_bounces = threading.local()  # .buffer: this thread's bounce buffer for sealed reads
 #: The least capacity the tier starts with after shrinking to the free space (DaemonConfig's minimum).
 MIN_CAPACITY = 2**20
 
@@ -210,7 +217,7 @@ class DiskTier(HeaderIndex, Tier):
                     _write_all(fd, packed)
                     _write_all(fd, payload)
                 else:
-                    _write_sealed(fd, self.at_rest.sealer(len(packed)), packed, payload)
+                    _write_sealed(fd, self.at_rest.sealer(len(packed)), packed, payload, header.checksum)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -218,6 +225,9 @@ class DiskTier(HeaderIndex, Tier):
             os.replace(tmp, path)
             if self.fsync:
                 _fsync_dir(path.parent)  # the rename itself must survive a power cut
+        except CorruptBlockError:  # a sealed payload that is not its header's: nothing written
+            tmp.unlink(missing_ok=True)
+            raise
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             if exc.errno == 28:  # ENOSPC: the device is fuller than our capacity says
@@ -287,7 +297,7 @@ class DiskTier(HeaderIndex, Tier):
             if self.at_rest is not None:
                 with memoryview(bounce) as view:
                     opened = self.at_rest.open_head(view[: at_rest.OVERHEAD + header.header_len])
-                    checksum = _open_hashed(opened, view[at_rest.OVERHEAD + header.header_len : total],
+                    checksum = _open_sealed(opened, view[at_rest.OVERHEAD + header.header_len : total],
                                             dest[: header.payload_len])
                 return opened.packed, checksum
             on_disk = bounce[: header.header_len]
@@ -392,20 +402,27 @@ def _read_hashed(fd: int, header_len: int, dest: memoryview) -> tuple[bytes, int
         n = os.preadv(fd, buffers, header_len + pos)
 
 
-def _write_sealed(fd: int, sealer: at_rest.BlockSealer, packed: bytes, payload: memoryview) -> None:
+def _write_sealed(fd: int, sealer: at_rest.BlockSealer, packed: bytes, payload: memoryview, checksum: int) -> None:
     """Write the sealed block of ``packed`` and ``payload`` to ``fd``: each ``READ_CHUNK`` of the
     payload sealed into one small buffer and written at its place, then the head at the start.
+    Each chunk is hashed as it is sealed, and the head is written only if the payload sealed is the
+    one ``checksum`` (the header's) names (else CorruptBlockError): a reader then trusts the
+    payload's AEAD tag for it and hashes nothing (:func:`_read_sealed`).
 
         file:  | head (sealer.seal_head, written last) | sealed chunk 0 | sealed chunk 1 | ... |
     """
     source = memoryview(payload).cast("B")
     out = memoryview(bytearray(min(READ_CHUNK, len(source))))
     at = at_rest.OVERHEAD + len(packed)
+    hasher = xxhash.xxh3_64()  # streaming form of kvstore.block.payload_checksum
     for start in range(0, len(source), READ_CHUNK):
         chunk = source[start : start + READ_CHUNK]
         sealed = out[: len(chunk)]
         sealer.seal_into(chunk, sealed)
+        hasher.update(chunk)  # while in cache
         _pwrite_all(fd, sealed, at + start)
+    if hasher.intdigest() != checksum:
+        raise CorruptBlockError("payload does not match its header's checksum; not written")
     _pwrite_all(fd, sealer.seal_head(packed), 0)
 
 
@@ -418,9 +435,14 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
 
 def _read_sealed(fd: int, key: AtRestKey, header_len: int, dest: memoryview) -> tuple[bytes, int]:
     """:func:`_read_hashed` for a sealed file: the head opened (its header returned as packed),
-    then the payload in ``READ_CHUNK`` preads into a small buffer, each opened into ``dest`` and
-    hashed there; the payload's tag checked once all is read. CorruptBlockError when the file
-    does not open, ends early or runs on.
+    then the payload in ``SEALED_CHUNK`` preads into this thread's bounce buffer, each opened into
+    ``dest``; the payload's tag checked once all is read. CorruptBlockError when the file does not
+    open, ends early or runs on.
+
+    The checksum returned is the sealed header's, not a hash of ``dest``: the tag proves the
+    payload is the one sealed, and the sealer checked that one against this checksum
+    (:func:`_write_sealed`), so a hash here would prove nothing more (it cost a fifth of a
+    sealed read: docs/benchmarks.md, issue 56).
 
         file:   | head (OVERHEAD + header_len) | sealed payload (len(dest))      | EOF
         preads: |<- head ->|<- chunk 0 ->|<- chunk 1 ->| ... |<- last chunk + 1 spare byte ->
@@ -430,36 +452,39 @@ def _read_sealed(fd: int, key: AtRestKey, header_len: int, dest: memoryview) -> 
     if len(head) < head_len:
         raise CorruptBlockError("file is shorter than its header (truncated)")
     opened = key.open_head(head)
-    hasher = xxhash.xxh3_64()
     size, pos = len(dest), 0
-    bounce = memoryview(bytearray(min(READ_CHUNK, size)))
+    bounce = _bounce()
     spare = bytearray(1)  # filled only if the file is longer than head + payload
     while True:
-        want = min(READ_CHUNK, size - pos)
+        want = min(SEALED_CHUNK, size - pos)
         buffers = [bounce[:want]] if pos + want < size else [bounce[:want], spare]
         n = os.preadv(fd, buffers, head_len + pos)
         if n > size - pos:
             raise CorruptBlockError("file is longer than its header says")
         if n:
             opened.payload.open_into(bounce[:n], dest[pos : pos + n])
-            hasher.update(dest[pos : pos + n])
             pos += n
         if pos == size:
             opened.payload.finish()
-            return opened.packed, hasher.intdigest()
+            return opened.packed, opened.header.checksum
         if n == 0:
             raise CorruptBlockError("file is shorter than its header says (truncated)")
 
 
-def _open_hashed(opened: at_rest.OpenedHead, sealed: memoryview, dest: memoryview) -> int:
-    """Open the sealed payload in ``sealed`` into ``dest`` (as long), a ``READ_CHUNK`` at a time,
-    each hashed while in cache; the tag checked. Returns the payload checksum."""
+def _bounce() -> memoryview:
+    """This thread's ``SEALED_CHUNK`` bounce buffer (made once: a read zeroes no fresh buffer)."""
+    buffer = getattr(_bounces, "buffer", None)
+    if buffer is None:
+        buffer = _bounces.buffer = memoryview(bytearray(SEALED_CHUNK))
+    return buffer
+
+
+def _open_sealed(opened: at_rest.OpenedHead, sealed: memoryview, dest: memoryview) -> int:
+    """Open the sealed payload in ``sealed`` into ``dest`` (as long), a ``SEALED_CHUNK`` at a
+    time; the tag checked. Returns the sealed header's checksum (why: :func:`_read_sealed`)."""
     if len(sealed) != len(dest):
         raise CorruptBlockError(f"sealed payload of {len(sealed)} bytes, header says {len(dest)}")
-    hasher = xxhash.xxh3_64()
-    for start in range(0, len(dest), READ_CHUNK):
-        out = dest[start : start + READ_CHUNK]
-        opened.payload.open_into(sealed[start : start + READ_CHUNK], out)
-        hasher.update(out)
+    for start in range(0, len(dest), SEALED_CHUNK):
+        opened.payload.open_into(sealed[start : start + SEALED_CHUNK], dest[start : start + SEALED_CHUNK])
     opened.payload.finish()
-    return hasher.intdigest()
+    return opened.header.checksum

@@ -47,6 +47,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+from typing import Callable
 
 import xxhash
 
@@ -216,6 +217,9 @@ class S3Tier(HeaderIndex, Tier):
     @property
     def available(self) -> bool:
         return self.breaker.state != "open"
+
+    def on_availability_change(self, callback: Callable[[], None]) -> None:
+        self.breaker.on_change = callback
 
     def take_new_keys(self) -> list[bytes]:
         with self._lock:

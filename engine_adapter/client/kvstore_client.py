@@ -43,7 +43,7 @@ from kvstore.arena import ArenaLease, arena_socket_path
 from kvstore.connect import (PYTHON_OPTIONS, ClientSettings, DaemonError, OptionNames, client_settings, explain,
                              is_unix, open_channel, plaintext_token_refusal)
 from kvstore.keys import KEY_BYTES, KVLayout, LookupResult, Namespace
-from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_LEASE_MS, MAX_SKIPPED_REPORT, SKIPPED_STORES_HEADER
+from kvstore.limits import GRPC_GET_COPIES, MAX_ITEMS_PER_CALL, MAX_LEASE_MS, MAX_SKIPPED_REPORT, SKIPPED_STORES_HEADER
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.shm_index import KeyIndexReader
@@ -487,8 +487,11 @@ class KVStoreClient:
                 self._call(self._stub.Release, pb.KeysRequest(keys=on_gpu))
 
     def max_fetch_blocks(self, max_payload_bytes: int) -> int:
-        """How many blocks one :meth:`fetch` can carry: through the arena, else in half a message."""
-        return max(1, min(MAX_ITEMS_PER_CALL, self._planned_bytes() // slot_bytes(max_payload_bytes)))
+        """How many blocks one :meth:`fetch` can carry: through the arena, else in half a message
+        over the copies the daemon holds of an inline reply (it refuses a Get whose copies exceed
+        its inline budget, by default one message: so two such Gets fit at once)."""
+        planned = self._planned_bytes() if self._arena else self._planned_bytes() // GRPC_GET_COPIES
+        return max(1, min(MAX_ITEMS_PER_CALL, planned // slot_bytes(max_payload_bytes)))
 
     def get(self, keys: Sequence[bytes], max_payload_bytes: int, inline: bool = False) -> list[bytes | None]:
         """Convenience: payload copies (None for misses); ``inline``: see `fetch`."""

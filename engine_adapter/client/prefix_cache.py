@@ -178,11 +178,9 @@ class PrefixCache:
             if client is None:
                 return None
             try:
-                (raw,) = client.get([calibration_store.calibration_key(calibration_id)],
-                                    calibration_store.MAX_FETCH_BYTES, inline=True)
+                return calibration_store.fetch_calibration(client, calibration_id)
             except Exception:  # noqa: BLE001 - no calibration from here: the block is a miss
                 return None
-            return None if raw is None else bytes(raw)
 
         self._calibration_source = fetch
         calibration_store.add_source(fetch)

@@ -16,8 +16,9 @@ chunk's rows where the cache keeps them and `KVStoreClient.put_rows` sends Put i
 ``row_bytes``, which the daemon copies out of the region into its tier (a Put of a private tensor
 copies it into the staging arena first, then the daemon copies it again).
 
-A KV cache here is the reference engine's `KVCache` or anything with its ``data`` tensor,
-``length``, ``head_dim``, ``export(start, end)`` and ``block_rows(start, tokens)``.
+A KV cache here is the reference engine's `KVCache` or anything with its attributes: ``data``
+(one contiguous tensor [layers, 2, kv_heads, capacity, head_dim]), ``capacity``, ``length``,
+``head_dim``, and ``export(start, end)``.
 
 The region's arena is released when the region is closed or collected; tensors over it keep this
 process's mapping until they go (kvstore/arena.py), so a view never outlives its memory.
@@ -191,9 +192,15 @@ def region_of(tensor: torch.Tensor) -> SharedRegion | None:
 
 def rows_in(kv: Any, region: SharedRegion, start: int, tokens: int, data: torch.Tensor | None = None) -> Rows:
     """Where a block of ``tokens`` tokens at ``start`` of ``kv`` (whose tensor, or ``data`` as read
-    before, is in ``region``) goes."""
-    offset, row_bytes, stride, rows = kv.block_rows(start, tokens)
-    return Rows(region.offset_of(kv.data if data is None else data) + offset, row_bytes, stride, rows)
+    before, is in ``region``) goes: in the contiguous [layers, 2, kv_heads, capacity, head_dim]
+    tensor, a row of ``tokens * head_dim`` elements per (layer, K/V, head), one capacity apart."""
+    data = kv.data if data is None else data
+    capacity, head_dim = data.shape[-2:]
+    if not 0 <= start <= start + tokens <= capacity:
+        raise ValueError(f"tokens {start}..{start + tokens} are outside the capacity {capacity}")
+    size = data.element_size() * head_dim
+    rows = data.numel() // (capacity * head_dim)
+    return Rows(region.offset_of(data) + start * size, tokens * size, capacity * size, rows)
 
 
 @dataclass(frozen=True)

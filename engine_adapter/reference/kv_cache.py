@@ -37,35 +37,20 @@ class KVCache:
         """One tensor [num_layers, 2, num_kv_heads, capacity, head_dim] holds every layer, so a
         block loads or exports in one strided copy; ``keys[layer]`` and ``values[layer]`` are its
         contiguous [num_kv_heads, capacity, head_dim] views. Tokens past ``length`` are unset."""
-        self._data = data
+        #: The one tensor [num_layers, 2, num_kv_heads, capacity, head_dim], contiguous (a block's
+        #: rows lie at one stride: engine_adapter/client/shared_kv.py `rows_in`); replaced when the cache grows.
+        self.data = data
+        self.capacity = data.shape[3]
         self.keys = [data[layer, 0] for layer in range(self.num_layers)]
         self.values = [data[layer, 1] for layer in range(self.num_layers)]
 
     @property
-    def capacity(self) -> int:
-        return self._data.shape[3]
-
-    @property
-    def data(self) -> torch.Tensor:
-        """The one tensor [num_layers, 2, num_kv_heads, capacity, head_dim]; replaced when the cache grows."""
-        return self._data
-
-    def block_rows(self, start: int, tokens: int) -> tuple[int, int, int, int]:
-        """Where a block of ``tokens`` tokens at ``start`` lies in `data`, as rows: (byte offset of its
-        first row, bytes per row, bytes from one row to the next, rows). A block's payload is the same
-        rows back to back (kvstore/scatter.py)."""
-        if not 0 <= start <= start + tokens <= self.capacity:
-            raise ValueError(f"tokens {start}..{start + tokens} are outside the capacity {self.capacity}")
-        size = self._data.element_size() * self.head_dim
-        return start * size, tokens * size, self.capacity * size, self.num_layers * 2 * self.num_kv_heads
-
-    @property
     def dtype(self) -> torch.dtype:
-        return self._data.dtype
+        return self.data.dtype
 
     @property
     def device(self) -> torch.device:
-        return self._data.device
+        return self.data.device
 
     def reserve(self, num_tokens: int) -> None:
         """Grow (doubling) until `num_tokens` fit; the valid tokens are copied over."""
@@ -74,9 +59,9 @@ class KVCache:
         capacity = self.capacity
         while capacity < num_tokens:
             capacity *= 2
-        old = self._data
+        old = self.data
         self._allocate(self._new((*old.shape[:3], capacity, self.head_dim), old.dtype))
-        self._data[:, :, :, : self.length] = old[:, :, :, : self.length]
+        self.data[:, :, :, : self.length] = old[:, :, :, : self.length]
 
     def truncate(self, num_tokens: int) -> None:
         """Keep tokens 0..num_tokens-1; the rest become invalid (memory is kept)."""
@@ -99,19 +84,19 @@ class KVCache:
         T, head_dim] at tokens start..start+T, one copy each. Does not move `length`."""
         end = start + keys.shape[2]
         self.reserve(end)
-        self._data[:, 0, :, start:end] = keys
-        self._data[:, 1, :, start:end] = values
+        self.data[:, 0, :, start:end] = keys
+        self.data[:, 1, :, start:end] = values
 
     def clear(self, start: int, end: int) -> None:
         """Zero tokens start..end-1 of every layer (memory past `length` is otherwise unset)."""
-        self._data[:, :, :, start:end].zero_()
+        self.data[:, :, :, start:end].zero_()
 
     def span(self, start: int, end: int) -> torch.Tensor:
         """Tokens start..end-1 as a block [num_layers, 2, num_kv_heads, end-start, head_dim]: a
         view, valid until the cache grows or is written (`export` is the copy)."""
         if not 0 <= start <= end <= self.length:
             raise ValueError(f"span({start}, {end}) is outside the filled range 0..{self.length}")
-        return self._data[:, :, :, start:end]
+        return self.data[:, :, :, start:end]
 
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of one layer's keys and values for tokens 0..end-1, each [num_kv_heads, end, head_dim]."""
@@ -121,7 +106,7 @@ class KVCache:
         """A copy of tokens start..end-1 as a block [num_layers, 2, num_kv_heads, end-start, head_dim]."""
         if not 0 <= start <= end <= self.length:
             raise ValueError(f"export({start}, {end}) is outside the filled range 0..{self.length}")
-        return self._data[:, :, :, start:end].clone(memory_format=torch.contiguous_format)
+        return self.data[:, :, :, start:end].clone(memory_format=torch.contiguous_format)
 
     def load(self, block: torch.Tensor, start: int) -> None:
         """Write a block [num_layers, 2, num_kv_heads, n, head_dim] at tokens start..start+n-1.
@@ -139,5 +124,5 @@ class KVCache:
             raise ValueError(f"load at {start} would leave a gap after length {self.length}; load blocks in order")
         end = start + block.shape[3]
         self.reserve(end)
-        self._data[:, :, :, start:end].copy_(block)  # one strided copy, cast to this cache's dtype and device
+        self.data[:, :, :, start:end].copy_(block)  # one strided copy, cast to this cache's dtype and device
         self.length = max(self.length, end)

@@ -15,9 +15,10 @@ have nothing to call. A request's path through them:
     1. keys     get_num_new_matched_tokens  keys of prompt[:-1]: full chunks as the reference engine
                                             computes them, then a tail block up to the last page
     2. lookup                               the daemon's shared key index (no round trip); a hit
-                                            vLLM will load is leased (one Lookup RPC, lease_s) so
-                                            eviction cannot take it before the load; returns the hit
-                                            tokens beyond vLLM's own prefix-cache hit
+                                            vLLM will load is leased (one Lookup RPC, lease_s, sent
+                                            off the scheduler's thread: leases.py) so eviction
+                                            cannot take it before the load; returns the hit tokens
+                                            beyond vLLM's own prefix-cache hit
     3. plan     update_state_after_alloc    which block rows go to which vLLM pages (plan.py)
                 build_connector_meta        this step's loads, and the pieces it completes
     4. load     start_load_kv               Get through the shared-memory arena, then the pages are

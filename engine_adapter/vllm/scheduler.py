@@ -3,8 +3,9 @@
 ``KVStoreConnector`` (connector.py) builds one in the scheduler's role and forwards these hooks::
 
     get_num_new_matched_tokens  keys of prompt[:-1] (plan.py), the daemon's shared key index (no round
-                                trip); a hit vLLM will load is leased (one Lookup RPC, lease_s); a
-                                blend request (blend.py) reports every token before its query
+                                trip); a hit vLLM will load is leased (one Lookup RPC, lease_s, sent
+                                off this thread: leases.py); a blend request (blend.py) reports every
+                                token before its query
     update_state_after_alloc    which block rows go to which vLLM pages; a blend's pages
     build_connector_meta        this step's loads, saves and blends: a StepPlan for the workers
     update_connector_output     a load that failed: vLLM's cached-token count corrected; the
@@ -13,7 +14,8 @@
 
 It moves no KV itself: the worker side (worker.py) does, from the plan. ``warm_up`` (when the
 connector is built) makes one empty local Lookup and one empty leasing Lookup, so the first
-request's are as fast as any later one's; the first hit's lookup and lease times are logged once.
+request's are as fast as any later one's; the first hit's lookup and lease times (the lease's:
+queueing it) are logged once.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from engine_adapter.client.prefix_cache import PrefixCache
 from engine_adapter.vllm.blend import BlendRequest, BlendRequests, BlendSpec, brief
 from engine_adapter.vllm.layout import PagedSpan
+from engine_adapter.vllm.leases import Leases
 from engine_adapter.vllm.plan import Planner, StepPlan
 from engine_adapter.vllm.trace import AccessTrace
 from kvstore.keys import Namespace, chunk_key
@@ -93,6 +96,7 @@ class ConnectorScheduler:
         self.settings = settings
         self.namespace = namespace
         self.cache = cache
+        self.leases = Leases(lambda keys, lease_s: cache.lookup(keys, lease_s=lease_s))
         self.page_tokens = vllm_config.cache_config.block_size
         # a consumer (prefill/decode through the cache) only loads
         kv_role = vllm_config.kv_transfer_config.kv_role or "kv_both"
@@ -158,8 +162,8 @@ class ConnectorScheduler:
         leased = None
         if found is not None and found.hits and self.settings.lease_s > 0 \
                 and self.planner.loadable(request_id, found.hits, num_computed_tokens) > 0:
-            # a hit vLLM will load: confirm it and keep it from eviction until the load
-            found = self.cache.lookup(keys[: found.hits], lease_s=self.settings.lease_s)
+            # a hit vLLM will load: kept from eviction until the load, by a lease sent off this thread
+            self.leases.send(keys[: found.hits], self.settings.lease_s)
             leased = time.perf_counter()
         if self.first_hit_ms is None and found is not None and found.hits:
             self.first_hit_ms = {"keys": (asked - started) * 1e3, "lookup": (looked - asked) * 1e3}
@@ -286,6 +290,7 @@ class ConnectorScheduler:
         return False, None  # saves copy their pages within the step: vLLM may free them now
 
     def shutdown(self) -> None:
+        self.leases.stop()
         self.cache.close(timeout=30.0)
         if self._trace is not None:
             self._trace.close()

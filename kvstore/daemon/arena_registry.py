@@ -107,8 +107,12 @@ class ArenaRegistry:
         return entry
 
     def view(self, arena_id: int, tenant: Tenant, offset: int, length: int) -> memoryview:
-        """The bytes ``[offset, offset + length)`` of the caller's arena ``arena_id``."""
-        return self._entry(arena_id, tenant).arena.view(offset, length)
+        """The bytes ``[offset, offset + length)`` of the caller's arena ``arena_id``; ValueError
+        for a slice outside it."""
+        arena = self._entry(arena_id, tenant).arena
+        if offset < 0 or length < 0 or offset + length > arena.size:
+            raise ValueError(f"slice [{offset}, {offset + length}) is outside the {arena.size}-byte arena")
+        return arena.buffer[offset : offset + length]
 
     def size(self, arena_id: int, tenant: Tenant) -> int:
         return self._entry(arena_id, tenant).arena.size

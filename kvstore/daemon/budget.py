@@ -7,7 +7,9 @@
 
 A request larger than the whole budget waits until nothing else is in flight and then runs alone,
 so no valid request is refused for its size alone (its size is bounded elsewhere: the message
-limit). Runs on the daemon's event loop; no lock.
+limit); except a gRPC inline Get, which ``Transfers.get_blocks`` refuses before asking when its
+copies exceed the whole budget (the budget would not hold what it really costs; large reads have
+shared memory and the data channel). Runs on the daemon's event loop; no lock.
 
 Fair shares (``shared``, when tenants are named): a named owner holds at most a quarter of the
 budget (``share``) beyond its one call in flight; a call of an owner past its share waits without

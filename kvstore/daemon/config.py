@@ -115,8 +115,9 @@ class DaemonConfig:
     shm_index: bool = True
     #: Largest request or response message (inline payloads included).
     max_message_bytes: int = 256 * 2**20
-    #: Inline Get reply bytes the daemon holds at once, all calls together (a Get waits for room,
-    #: then gets RESOURCE_EXHAUSTED); 0: max_message_bytes.
+    #: Inline Get reply bytes the daemon holds at once, all calls together, a gRPC reply counted
+    #: with its copies (kvstore.limits.GRPC_GET_COPIES; a Get waits for room, then gets
+    #: RESOURCE_EXHAUSTED, at once if its copies alone exceed this); 0: max_message_bytes.
     max_inline_bytes: int = 0
     #: Share of the smallest bounded tier that all pins and leases together may hold, split equally
     #: among named tenants (each also within its quota): the rest is always free for anyone's Put.

@@ -344,7 +344,6 @@ class DataChannel:
         try:
             return await coroutine
         finally:
-            self.transfers.store.publish_availability()
             self.transfers.store.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
 
     def _release(self, nbytes: int, tenant) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,9 @@ class BlockStore:
         self.discover_timeout_s = discover_timeout_s
         #: Same-host clients' view of which tier holds what (kvstore/shm_index.py); None: not published.
         self.key_index = key_index
+        self._availability_lock = threading.Lock()
+        for tier in tiers:
+            tier.on_availability_change(self.publish_availability)
         #: KV events for routers (kvstore/daemon/events.py); None: not published. Started and closed by the daemon.
         self.events = events
         #: Held by every change of what a tier holds, and by evictions.
@@ -150,7 +154,8 @@ class BlockStore:
             try:
                 self._adopt_shared()
                 if self.key_index is not None:
-                    self.key_index.tick(t.available for t in self.tiers)
+                    with self._availability_lock:
+                        self.key_index.tick(t.available for t in self.tiers)
             except Exception:  # never let the heartbeat die silently: clients would fall back for good
                 log.exception("key index refresh failed")
             await asyncio.sleep(TICK_S)
@@ -251,10 +256,13 @@ class BlockStore:
                     self.metrics.corrupt.labels(tier.name).inc(refused)
 
     def publish_availability(self) -> None:
-        """Tell the shared key index which tiers can be read now (after each call that may have
-        tripped or reset a tier's circuit breaker; the index's tick catches the rest)."""
+        """Tell the shared key index which tiers can be read now: called by a tier whose circuit
+        breaker opened or closed, in the thread that saw it (`Tier.on_availability_change`), so
+        clients' local Lookups see a tier go down at once; the index's tick (every TICK_S) catches
+        the rest (a cooldown over) and any publication two threads raced."""
         if self.key_index is not None:
-            self.key_index.set_available([t.available for t in self.tiers])
+            with self._availability_lock:
+                self.key_index.set_available([t.available for t in self.tiers])
 
     def header(self, key: bytes) -> BlockHeader | None:
         level = self.locate(key)

@@ -98,26 +98,27 @@ class Daemon:
         self._chores: list[asyncio.Task] = []
 
     def _publish_calibration(self, calibration, tenant) -> None:
-        """Store an auto-calibration in the cache as a block of ``tenant`` (through every tier, S3
-        too; durably where a durable tier exists), so engines and other hosts decode its blocks
+        """Store an auto-calibration in the cache as blocks of ``tenant`` (its parts, through every
+        tier, S3 too; durably where a durable tier exists), so engines and other hosts decode its blocks
         (`calibration_store.client_source`). Called from the calibrator's own thread, never from the
         event loop or under the store's lock: it waits for the Put and raises if it failed."""
-        from compression.calibration_store import calibration_block, calibration_namespace
+        from compression.calibration_store import calibration_blocks, calibration_namespace
 
-        key, tokens, payload = calibration_block(calibration)
         namespace = calibration_namespace()
-        header = BlockHeader(key=tenant.stored_key(key), namespace=tenant.stored_key(namespace.id),
-                             layout=namespace.layout, tokens=tokens, payload_len=len(payload),
-                             checksum=payload_checksum(payload), codec="raw", codec_params={"exact": True})
+        headers = [(BlockHeader(key=tenant.stored_key(key), namespace=tenant.stored_key(namespace.id),
+                                layout=namespace.layout, tokens=tokens, payload_len=len(payload),
+                                checksum=payload_checksum(payload), codec="raw", codec_params={"exact": True}), payload)
+                   for key, tokens, payload in calibration_blocks(calibration)]
         top = self.store.tiers[0]
-        if header.block_len > top.capacity_bytes // 4:  # making room for it would empty the top tier
-            raise CalibrationTooLarge(f"a {header.block_len >> 20} MiB calibration is over a quarter of the {top.name} "
-                                      f"tier")
+        total = sum(header.block_len for header, _ in headers)
+        if total > top.capacity_bytes // 4:  # making room for it would empty the top tier
+            raise CalibrationTooLarge(f"a {total >> 20} MiB calibration is over a quarter of the {top.name} tier")
         durable = any(t.durable for t in self.store.tiers)
         if self._loop is None:
             raise RuntimeError("the daemon is not serving yet")
-        asyncio.run_coroutine_threadsafe(self.store.put(header, memoryview(payload), durable=durable),
-                                         self._loop).result(timeout=120)
+        for header, payload in reversed(headers):  # part 0 last: a reader that finds it finds every part
+            asyncio.run_coroutine_threadsafe(self.store.put(header, memoryview(payload), durable=durable),
+                                             self._loop).result(timeout=120)
 
     def _key_index(self, tiers: list[Tier]) -> KeyIndexWriter | None:
         """The shared-memory key index, unless turned off, unsupported here, or tenants are set: it

@@ -25,8 +25,8 @@ from kvstore.daemon.arena_registry import ArenaNotFound
 from kvstore.daemon.auth import Tenant
 from kvstore.daemon.log_limit import LogLimit
 from kvstore.daemon.placement import STREAM_HOLD_S
-from kvstore.daemon.transfers import GRPC_GET_COPIES, BadRequest, Transfers, get_result, status_of, stored_keys
-from kvstore.limits import MAX_LAYER_COPIES, MAX_LEASE_MS
+from kvstore.daemon.transfers import BadRequest, Transfers, get_result, status_of, stored_keys
+from kvstore.limits import GRPC_GET_COPIES, MAX_LAYER_COPIES, MAX_LEASE_MS
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import encode_get_response
@@ -61,7 +61,6 @@ def _rpc(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
         except Exception as exc:  # noqa: BLE001 - every error becomes a status, none a crash
             await _abort(context, method.__name__, exc)
         finally:
-            self.store.publish_availability()  # clients' local Lookups see a tier going down at once
             histogram.observe(time.perf_counter() - started)
 
     return wrapper
@@ -142,19 +141,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         try:
             tenant = self._tenant(context)
             _, plan, _ = await self.transfers.plan_get(request, tenant, need_dest=True)
-            copies = sum(header.layout.num_layers for _, header, _ in plan if header is not None)
+            copies = sum(read.header.layout.num_layers for read in plan if read.header is not None)
             if copies > MAX_LAYER_COPIES:
                 raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"this GetLayers would make {copies} layer copies; at most {MAX_LAYER_COPIES}")
             stream = self.store.reads.get_layerwise(
-                [(key, dest) for key, header, dest in plan if header is not None], tenant.name)
+                [(read.key, read.dest) for read in plan if read.header is not None], tenant.name)
             async for layer, found in stream:
                 if found is None:
                     await _write(context, pb.LayerReady(layer=layer))
                     continue
                 found_iter = iter(found)
-                ordered = [next(found_iter) if header is not None else None for _, header, _ in plan]
-                self.store.metrics.misses.inc(sum(header is None for _, header, _ in plan))
+                ordered = [next(found_iter) if read.header is not None else None for read in plan]
+                self.store.metrics.misses.inc(sum(read.header is None for read in plan))
                 self.transfers.count(tenant, "get", ordered)
                 await _write(context, pb.LayerReady(layer=-1, results=[get_result(item.key, r)
                                                                    for item, r in zip(request.items, ordered)]))

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import grpc
 
@@ -32,7 +32,8 @@ from kvstore.daemon.budget import BudgetExhausted, ByteBudget
 from kvstore.daemon.placement import BlockGoneError, BlockStore, GetResult, HoldRefused
 from kvstore.daemon.residency import WalkBudget
 from kvstore.keys import KEY_BYTES
-from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS, MAX_SKIPPED_REPORT, SKIPPED_STORES_HEADER
+from kvstore.limits import (
+    GRPC_GET_COPIES, MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS, MAX_SKIPPED_REPORT, SKIPPED_STORES_HEADER)
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scatter import Gather, Scatter
 from kvstore.shm_index import (
@@ -48,16 +49,22 @@ RESULT_OVERHEAD = 512
 GPU_LEASE_SECONDS = 30.0
 #: Longest a Get waits for inline reply bytes to come free before RESOURCE_EXHAUSTED.
 INLINE_WAIT_S = 10.0
-#: Copies of its payloads a gRPC inline Get's reply makes, each charged to the inline budget until
-#: gRPC sent it: the buffers the tiers read into, the serialized reply, and gRPC's own copy of it,
-#: made on gRPC's thread (whose malloc arena does not reuse what the first two freed: the daemon
-#: keeps freed memory, kvstore/daemon/process.py keep_freed_memory). Measured: one 48 MiB Get
-#: raised the daemon's peak RSS by 132 MiB, 2.75x. The data channel sends from its read buffers.
-GRPC_GET_COPIES = 3
+#: Why a gRPC inline Get larger than the inline budget, with its copies, is refused (it names no
+#: figure of the daemon's): there is no waiting it out.
+INLINE_GET_TOO_LARGE = ("this Get's inline reply is larger than the daemon lets one gRPC reply hold with its copies; "
+                        "read large blocks through a shared-memory arena or the data channel (data_listen), "
+                        "or Get fewer blocks per call")
 
-#: A Get's plan, per item: the stored key, the header found (None: a miss) and the destination:
-#: a slice, a slice in rows (kvstore/scatter.py), or None (inline).
-Plan = list[tuple[bytes, BlockHeader | None, memoryview | Scatter | None]]
+
+class PlannedRead(NamedTuple):
+    """One item of a Get's plan."""
+    key: bytes                              # the stored key (the tenant's, kvstore/daemon/auth.py)
+    header: BlockHeader | None              # the block found; None: a miss
+    dest: memoryview | Scatter | None       # a slice, a slice in rows (kvstore/scatter.py), or None: inline
+
+
+#: A Get's plan: per item, what it reads and where to.
+Plan = list[PlannedRead]
 #: A Get's replies, per item: its result and, for one read inline, its payload.
 Replies = list[tuple[pb.GetResult, memoryview | None]]
 
@@ -442,7 +449,7 @@ class Transfers:
                     raise ValueError(f"items[{i}].dest has {len(dest)} bytes; the block needs {header.payload_len}")
                 else:
                     shared += header.payload_len
-            plan.append((key, header, dest))
+            plan.append(PlannedRead(key, header, dest))
         self._check_bytes(tenant, "this Get", inline, shared, arena_ids)
         return keys, plan, inline
 
@@ -451,9 +458,12 @@ class Transfers:
         """Per item its result and, for one read inline (no dest), its payload (read into a buffer
         from ``allocate``, which may be larger; called on the loop); and the inline bytes taken
         from ``self.inline`` for them (``copies`` times the payloads: the copies the caller's reply
-        makes), which the caller releases, as ``tenant.name``'s, once it sent them."""
+        makes), which the caller releases, as ``tenant.name``'s, once it sent them. A Get with
+        ``copies`` > 1 whose bytes exceed the whole budget is refused (BudgetExhausted) at once."""
         _, plan, inline = await self.plan_get(request, tenant, need_dest=False)
         inline *= copies
+        if copies > 1 and inline > self.inline.total:  # its copies alone would overrun the budget
+            raise BudgetExhausted(INLINE_GET_TOO_LARGE)
         if inline:
             await self.inline.acquire(inline, INLINE_WAIT_S, tenant.name)
         try:
@@ -471,16 +481,16 @@ class Transfers:
         results: list[GetResult | None] = [None] * len(plan)
         # A block that is not whole rows of a scatter item's destination: found, its meta in the
         # reply, nothing copied (the caller Gets it into a plain slice); neither a hit nor a miss.
-        unfit = {i: GetResult(header, "") for i, (_, header, dest) in enumerate(plan)
-                 if header is not None and isinstance(dest, Scatter) and not dest.fits(header.payload_len)}
-        found_at = [i for i, (_, header, _) in enumerate(plan)
-                    if header is not None and i not in by_reference and i not in unfit]
-        buffers = {i: allocate(plan[i][1].payload_len) for i in found_at if plan[i][2] is None}
-        reads = [(plan[i][0], plan[i][2] if i not in buffers else memoryview(buffers[i])[: plan[i][1].payload_len])
+        unfit = {i: GetResult(read.header, "") for i, read in enumerate(plan) if read.header is not None
+                 and isinstance(read.dest, Scatter) and not read.dest.fits(read.header.payload_len)}
+        found_at = [i for i, read in enumerate(plan)
+                    if read.header is not None and i not in by_reference and i not in unfit]
+        buffers = {i: allocate(plan[i].header.payload_len) for i in found_at if plan[i].dest is None}
+        reads = [(plan[i].key, memoryview(buffers[i])[: plan[i].header.payload_len] if i in buffers else plan[i].dest)
                  for i in found_at]
         for i, found in zip(found_at, await self.store.reads.get_many_into(reads)):
             results[i] = found
-        self.store.metrics.misses.inc(sum(header is None for _, header, _ in plan))
+        self.store.metrics.misses.inc(sum(read.header is None for read in plan))
         self.count(tenant, "get", [by_reference[i][1] if i in by_reference else r
                                    for i, r in enumerate(results) if i not in unfit], requested=len(plan))
         results = [unfit.get(i, r) for i, r in enumerate(results)]
@@ -493,13 +503,13 @@ class Transfers:
         """Blocks in the GPU tier, by reference: their offsets in the exported pool, no copy. Only
         blocks the tenant may lease (within its bound) go by reference; the others are copied."""
         out = {}
-        for i, (key, header, _) in enumerate(plan):
-            offset = self.store.gpu_offset(key) if header is not None else None
+        for i, read in enumerate(plan):
+            offset = self.store.gpu_offset(read.key) if read.header is not None else None
             # stays put until Release or the lease ends
-            if offset is not None and self.store.lease(key, GPU_LEASE_SECONDS, tenant.name):
+            if offset is not None and self.store.lease(read.key, GPU_LEASE_SECONDS, tenant.name):
                 self.store.metrics.hits.labels("gpu").inc()  # served by reference: a Get hit all the same
-                meta = meta_from_header(header)
+                meta = meta_from_header(read.header)
                 meta.key = request.items[i].key
                 out[i] = (pb.GetResult(found=True, meta=meta, tier="gpu", gpu_offset=offset, on_gpu=True),
-                          GetResult(header, "gpu"))
+                          GetResult(read.header, "gpu"))
         return out
