@@ -262,7 +262,10 @@ class BlockStore:
         the rest (a cooldown over) and any publication two threads raced."""
         if self.key_index is not None:
             with self._availability_lock:
-                self.key_index.set_available([t.available for t in self.tiers])
+                try:
+                    self.key_index.set_available([t.available for t in self.tiers])
+                except (ValueError, TypeError):  # the index closed meanwhile (the daemon stopping): nothing to tell
+                    pass
 
     def header(self, key: bytes) -> BlockHeader | None:
         level = self.locate(key)
