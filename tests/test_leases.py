@@ -74,3 +74,20 @@ def test_a_failed_lease_is_counted_and_the_sender_goes_on():
     assert leases.wait(10)
     assert (leases.sent, leases.failed, leases.dropped) == (1, 2, 0)
     leases.stop()
+
+
+def test_a_waiting_requests_repeated_asks_lease_once_until_its_hit_grows_or_half_the_lease_ran():
+    """vLLM asks a waiting request's lookup at every scheduling step: one lease, not one a step."""
+    sent: list[int] = []
+    leases = Leases(lambda keys, lease_s: sent.append(len(keys)) or object())
+    keys = [bytes([i]) * 16 for i in range(4)]
+    for _ in range(5):
+        leases.lease("r1", keys[:3], 10.0)  # asked again while it waits for pages
+    leases.lease("r2", keys[:2], 10.0)
+    leases.lease("r1", keys, 10.0)  # its hit grew: the new keys need a lease
+    leases.lease("r2", keys[:2], 0.0)  # a lease with no time left to run is renewed
+    leases.forget("r1")
+    leases.lease("r1", keys, 10.0)  # finished, its id seen again: a new request
+    assert leases.wait(10)
+    assert sent == [3, 2, 4, 2, 4] and leases.repeated == 4 and leases.sent == 5
+    leases.stop()

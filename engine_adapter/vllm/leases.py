@@ -12,6 +12,11 @@ in between is a failed load, which vLLM recomputes (the worker reports it,
 The queue is bounded (`MAX_WAITING`): while the daemon is slower than the requests, the leases
 past it are dropped and counted (``dropped``), never waited for. A lease that fails is counted
 (``failed``) and otherwise ignored: the next call on the request's path finds an outage, guarded.
+
+vLLM asks a waiting request's lookup again at every scheduling step until it gets pages; a
+request's keys are leased again only when its hit grew or half the lease has run out
+(``renewed`` counts those sent again, ``repeated`` those that were not), so a queue of waiting
+requests costs the daemon one lease each, not one a step.
 """
 
 from __future__ import annotations
@@ -19,12 +24,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 log = logging.getLogger(__name__)
 
 #: Leases waiting for the sender past which new ones are dropped.
 MAX_WAITING = 64
+#: Requests whose last lease is remembered (the oldest forgotten first: a request vLLM never
+#: reported finished costs at most this many entries).
+MAX_REMEMBERED = 4096
 
 
 class Leases:
@@ -36,7 +46,27 @@ class Leases:
         self._thread: threading.Thread | None = None
         self._idle = threading.Condition()
         self._unsent = 0  # queued or being sent
-        self.sent = self.failed = self.dropped = 0
+        self._last: OrderedDict[str, tuple[float, int]] = OrderedDict()  # request -> (when, keys) of its last lease
+        self.sent = self.failed = self.dropped = self.repeated = 0
+
+    def lease(self, request_id: str, keys: Sequence[bytes], lease_s: float) -> None:
+        """`send` ``keys`` for ``request_id`` unless its last lease named as many keys and has more
+        than half of ``lease_s`` to run (a repeated ask, counted in ``repeated``). Called from one
+        thread (the scheduler's), as `forget` is."""
+        now = time.monotonic()
+        last = self._last.get(request_id)
+        if last is not None and last[1] == len(keys) and now - last[0] < lease_s / 2:
+            self.repeated += 1
+            return
+        self._last[request_id] = (now, len(keys))
+        self._last.move_to_end(request_id)
+        while len(self._last) > MAX_REMEMBERED:
+            self._last.popitem(last=False)
+        self.send(keys, lease_s)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: its next ask (a request id reused) leases anew."""
+        self._last.pop(request_id, None)
 
     def send(self, keys: Sequence[bytes], lease_s: float) -> None:
         """Lease ``keys`` for ``lease_s`` without waiting (dropped, and counted, when `MAX_WAITING` wait)."""

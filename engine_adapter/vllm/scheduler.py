@@ -163,7 +163,7 @@ class ConnectorScheduler:
         if found is not None and found.hits and self.settings.lease_s > 0 \
                 and self.planner.loadable(request_id, found.hits, num_computed_tokens) > 0:
             # a hit vLLM will load: kept from eviction until the load, by a lease sent off this thread
-            self.leases.send(keys[: found.hits], self.settings.lease_s)
+            self.leases.lease(request_id, keys[: found.hits], self.settings.lease_s)
             leased = time.perf_counter()
         if self.first_hit_ms is None and found is not None and found.hits:
             self.first_hit_ms = {"keys": (asked - started) * 1e3, "lookup": (looked - asked) * 1e3}
@@ -283,6 +283,7 @@ class ConnectorScheduler:
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.planner.forget(request.request_id)
+        self.leases.forget(request.request_id)
         self._requests.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
         self._blends.pop(request.request_id, None)
