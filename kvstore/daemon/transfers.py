@@ -32,8 +32,7 @@ from kvstore.daemon.budget import BudgetExhausted, ByteBudget
 from kvstore.daemon.placement import BlockGoneError, BlockStore, GetResult, HoldRefused
 from kvstore.daemon.residency import WalkBudget
 from kvstore.keys import KEY_BYTES
-from kvstore.limits import (
-    GRPC_GET_COPIES, MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS, MAX_SKIPPED_REPORT, SKIPPED_STORES_HEADER)
+from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS, MAX_SKIPPED_REPORT, SKIPPED_STORES_HEADER
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scatter import Gather, Scatter
 from kvstore.shm_index import (
