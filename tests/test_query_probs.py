@@ -82,7 +82,7 @@ def test_the_query_pass_on_the_kernel_selects_what_torch_selects(monkeypatch):
     import blend.recompute
     from blend.assemble import BlendLayout
     from blend.select import StaleReadView, get_selector
-    from tests.test_blend import assembled, tiny_model, tiny_prompt
+    from tests.blend_models import assembled, tiny_model, tiny_prompt
 
     model = tiny_model(seed=4).to(torch.bfloat16)
     prefix, chunks, query = tiny_prompt(seed=5, chunks=(40, 31, 52), query=9)

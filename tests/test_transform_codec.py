@@ -444,7 +444,7 @@ def test_calibrate_model_groups_layers_with_per_layer_sensitivities():
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_blend import tiny_model
+    from tests.blend_models import tiny_model
 
     from engine_adapter.calibrate import calibrate_model
 
