@@ -14,9 +14,9 @@ past it are dropped and counted (``dropped``), never waited for. A lease that fa
 (``failed``) and otherwise ignored: the next call on the request's path finds an outage, guarded.
 
 vLLM asks a waiting request's lookup again at every scheduling step until it gets pages; a
-request's keys are leased again only when its hit grew or half the lease has run out
-(``renewed`` counts those sent again, ``repeated`` those that were not), so a queue of waiting
-requests costs the daemon one lease each, not one a step.
+request's keys are leased again only when its hit grew or half the lease has run out (``repeated``
+counts the asks that sent none), so a queue of waiting requests costs the daemon one lease each,
+not one a step.
 """
 
 from __future__ import annotations
