@@ -180,7 +180,8 @@ def fetch_calibration(client: Any, calibration_id: str) -> bytes | None:
     calibration stored whole, before parts) is the calibration."""
     parts: list[bytes] = []
     while len(parts) * PART_BYTES < MAX_FETCH_BYTES:
-        (raw,) = client.get([part_key(calibration_id, len(parts))], max_payload_bytes=MAX_FETCH_BYTES, inline=True)
+        most = PART_BYTES if parts else MAX_FETCH_BYTES  # a later part is never longer than a part
+        (raw,) = client.get([part_key(calibration_id, len(parts))], max_payload_bytes=most, inline=True)
         if raw is None:
             break
         parts.append(bytes(raw))
