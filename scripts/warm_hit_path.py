@@ -13,7 +13,8 @@ the keys, step 1, is not counted). What is counted:
   Calls within one file, and Python's returns from a call, are not counted.
 
 Threads are all traced (the daemon's event loop, its copy threads, the client's): the path is one
-request's, whichever thread runs it. Native code (kernels/*.c) is named where its Python wrapper is.
+request's, whichever thread runs it; the daemon's periodic tick (`BACKGROUND`), which may fall
+inside the traced load, is not counted. Native code (kernels/*.c) is named where its Python wrapper is.
 
     python scripts/warm_hit_path.py            # the path, files and returns
     python scripts/warm_hit_path.py --json     # the same as JSON (tests/test_floors.py reads it)
@@ -37,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the project's packages, not an installed copy's
     sys.path.insert(0, str(ROOT))
 PROJECT = ("kvstore", "tiers", "compression", "blend", "engine_adapter", "kernels")
+#: Background work that may fall inside the traced load and is not the request's: not counted.
+BACKGROUND = ("BlockStore._tick",)
 
 
 @dataclass
@@ -77,6 +80,11 @@ class Recorder:
         callee = self._file(frame.f_code)
         if callee is None:
             return
+        background = frame
+        while background is not None:  # the key index's 100 ms tick is no request's work
+            if background.f_code.co_qualname in BACKGROUND:
+                return
+            background = background.f_back
         caller, up = None, frame.f_back
         while up is not None and caller is None:
             caller = self._file(up.f_code)
