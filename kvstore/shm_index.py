@@ -36,20 +36,8 @@ On x86-64 stores and loads are not reordered with each other, so a reader that s
 seq twice read a consistent table. On weaker memory models a torn read is possible in principle;
 it can only make the hint wrong, never a Get's data.
 
-Counting: a Lookup answered here never reaches the daemon, yet its keys, hits and misses belong in
-the daemon's metrics. The map is read-only to clients, so a client keeps a tally (keys asked, hits,
-calls) and hands it over on its next call to the daemon, as gRPC metadata (``REPORT_HEADER``,
-``format_report``), or with an empty Lookup of its own when it made no call for ``REPORT_S``. The
-daemon adds a report as if those Lookups had been RPCs (kvstore/daemon/server.py), at most ``MAX_REPORT``
-of each per call and only while it publishes this index (never with tenants). A tally travels
-once: a call that fails loses it, and a client that dies loses what it had not sent yet.
-
-Beside the counts, the keys of the hit runs (``REPORT_KEYS_HEADER``, ``format_report_keys``: the keys
-end to end, each once, at most ``MAX_REPORT_KEYS`` a call; a client drops what it cannot send rather
-than queue it), so eviction ``adaptive`` counts a local Lookup's hits as uses as it counts a Get's
-(kvstore/daemon/residency.py ``note_lookup``). The daemon bounds them again: per call, and
-``MAX_REPORTED_KEYS_PER_S`` for all clients together, counting what it drops; keys no tier holds
-count nothing.
+Counting: a Lookup answered here never reaches the daemon; the client tallies it and reports it
+on a later call (kvstore/lookup_report.py).
 """
 
 from __future__ import annotations
@@ -81,20 +69,6 @@ STALE_S = 2.0
 #: Probe passes a reader tries when writes race it before giving up (and asking the daemon); after
 #: the first two it yields the CPU, so a daemon preempted mid-write (odd seq) can finish.
 READ_RETRIES = 64
-#: gRPC metadata that carries a client's tally of local Lookups: "KEYS,HITS,CALLS" (ASCII decimals).
-REPORT_HEADER = "kvstore-local-lookups"
-#: A client with an unsent tally and no call to carry it sends one this often.
-REPORT_S = 1.0
-#: Most keys (and calls) one report adds: a larger tally goes in several calls.
-MAX_REPORT = 1 << 24
-#: gRPC metadata (binary) that carries the keys of a client's local Lookups' hit runs, end to end.
-REPORT_KEYS_HEADER = "kvstore-local-keys-bin"
-#: Most keys one call reports (2 KiB of metadata, within gRPC's 8 KiB of headers a call).
-MAX_REPORT_KEYS = 128
-#: Most reported keys the daemon counts a second, all clients together (the rest counted as dropped):
-#: a million 256-token blocks' worth of lookups a minute, more than a host's engines load.
-MAX_REPORTED_KEYS_PER_S = 4096
-
 LIVE, CLOSED, MOVED = 1, 2, 3
 FLAG_SHARED_TIER = 1
 
@@ -413,35 +387,3 @@ class KeyIndexReader:
         self.name, self._mm, self._nslots = replacement.name, replacement._mm, replacement._nslots
         self.tier_names = replacement.tier_names
         return True
-
-
-def format_report(keys: int, hits: int, calls: int) -> str:
-    """The metadata value of a tally of local Lookups (each at most ``MAX_REPORT``; hits <= keys)."""
-    return f"{keys},{hits},{calls}"
-
-
-def format_report_keys(keys: Sequence[bytes]) -> bytes:
-    """The metadata value of reported keys: at most ``MAX_REPORT_KEYS`` keys of ``KEY_BYTES``, end to end."""
-    if len(keys) > MAX_REPORT_KEYS or any(len(k) != KEY_BYTES for k in keys):
-        raise ValueError(f"a report carries at most {MAX_REPORT_KEYS} keys of {KEY_BYTES} bytes")
-    return b"".join(keys)
-
-
-def parse_report_keys(value: bytes) -> list[bytes] | None:
-    """The distinct keys of a keys report, in order; None when it is not one (not bytes, not whole
-    keys, more than ``MAX_REPORT_KEYS``)."""
-    if not isinstance(value, bytes) or len(value) % KEY_BYTES or len(value) > MAX_REPORT_KEYS * KEY_BYTES:
-        return None
-    return list(dict.fromkeys(value[i : i + KEY_BYTES] for i in range(0, len(value), KEY_BYTES)))
-
-
-def parse_report(value: str) -> tuple[int, int, int] | None:
-    """``(keys, hits, calls)`` from a report's value; None when it is not a well-formed tally (more
-    than ``MAX_REPORT`` of any, hits above keys, anything but three ASCII decimals)."""
-    parts = value.split(",")
-    if len(parts) != 3 or not all(0 < len(p) <= 9 and p.isascii() and p.isdigit() for p in parts):
-        return None
-    keys, hits, calls = map(int, parts)
-    if keys > MAX_REPORT or calls > MAX_REPORT or hits > keys:
-        return None
-    return keys, hits, calls

@@ -178,7 +178,7 @@ def test_with_tenants_there_is_no_index_and_reports_are_ignored(daemon_factory, 
 
 
 def test_a_tally_over_the_bound_goes_in_several_reports():
-    from kvstore.shm_index import MAX_REPORT, parse_report
+    from kvstore.lookup_report import MAX_REPORT, parse_report
 
     client = KVStoreClient(f"127.0.0.1:{free_port()}")  # never called: the channel connects lazily
     try:
@@ -207,7 +207,7 @@ def test_warm_up_calls_count_nothing_and_start_the_reporter(daemon_factory):
     assert counts(port) == before
 
 
-# -- the keys of local Lookups: uses for eviction adaptive (kvstore/shm_index.py, "Counting") --------
+# -- the keys of local Lookups: uses for eviction adaptive (kvstore/lookup_report.py) --------
 
 
 def key_counts(port: int) -> dict[str, float]:
@@ -242,7 +242,7 @@ def test_local_lookups_are_uses_for_the_adaptive_policy(daemon_factory):
 
 
 def test_reported_keys_are_bounded_and_ignored_with_tenants(daemon_factory, short_tmp):
-    from kvstore.shm_index import MAX_REPORT_KEYS, REPORT_KEYS_HEADER
+    from kvstore.lookup_report import MAX_REPORT_KEYS, REPORT_KEYS_HEADER
 
     port = free_port()
     d = daemon_factory(metrics_listen=f"127.0.0.1:{port}", eviction="adaptive")
@@ -280,8 +280,7 @@ def test_reported_keys_count_within_a_rate_for_all_clients():
 
 
 def test_a_client_keeps_a_bounded_number_of_hit_keys_for_its_reports():
-    from engine_adapter.client.lookup_tally import MAX_PENDING_KEYS
-    from kvstore.shm_index import MAX_REPORT_KEYS, REPORT_KEYS_HEADER, parse_report_keys
+    from kvstore.lookup_report import MAX_PENDING_KEYS, MAX_REPORT_KEYS, REPORT_KEYS_HEADER, parse_report_keys
 
     client = KVStoreClient(f"127.0.0.1:{free_port()}")  # never called: the channel connects lazily
     try:

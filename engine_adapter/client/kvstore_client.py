@@ -10,7 +10,7 @@ calls are the same either way.
 A same-host client also maps the daemon's key index (kvstore/shm_index.py) and answers ``lookup``
 from it without a round trip; it asks the daemon when the index cannot answer (the daemon stopped,
 a miss that a shared S3 tier may still hold, a key of the wrong size), and reports those Lookups
-to the daemon (lookup_tally.py).
+to the daemon (kvstore/lookup_report.py).
 
     client = KVStoreClient("unix:/run/user/1000/kvstore.sock")
     hits = client.lookup(keys)                               # LookupResult(hits, tiers)
@@ -38,12 +38,12 @@ from engine_adapter.client.arena_space import ArenaSpace, batches, slot_bytes
 from engine_adapter.client.arena_calls import ArenaTransport
 from engine_adapter.client.blocks import BlockToPut, FetchedBlock, LayerStream, Rows, RowsGot, fetched_block, payload_view
 from engine_adapter.client.data_channel import DataChannelError, DataChannelPool, DataEndpoint, open_pool
-from engine_adapter.client.lookup_tally import REPORT_TIMEOUT_S, LookupTally
 from kvstore.arena import ArenaLease, arena_socket_path
 from kvstore.connect import (PYTHON_OPTIONS, ClientSettings, DaemonError, OptionNames, client_settings, explain,
                              is_unix, open_channel, plaintext_token_refusal)
 from kvstore.keys import KEY_BYTES, KVLayout, LookupResult, Namespace
 from kvstore.limits import GRPC_GET_COPIES, MAX_ITEMS_PER_CALL, MAX_LEASE_MS, MAX_SKIPPED_REPORT, SKIPPED_STORES_HEADER
+from kvstore.lookup_report import REPORT_TIMEOUT_S, LookupTally
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.shm_index import KeyIndexReader

@@ -33,10 +33,10 @@ from kvstore.daemon.placement import BlockGoneError, BlockStore, GetResult, Hold
 from kvstore.daemon.residency import WalkBudget
 from kvstore.keys import KEY_BYTES
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS, MAX_SKIPPED_REPORT, SKIPPED_STORES_HEADER
+from kvstore.lookup_report import (
+    MAX_REPORTED_KEYS_PER_S, REPORT_HEADER, REPORT_KEYS_HEADER, parse_report, parse_report_keys)
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scatter import Gather, Scatter
-from kvstore.shm_index import (
-    MAX_REPORTED_KEYS_PER_S, REPORT_HEADER, REPORT_KEYS_HEADER, parse_report, parse_report_keys)
 from compression.transcode import check_codec_params
 from kvstore.wire import layout_from_message, layout_message
 from tiers.base import TierError, TierFullError
@@ -212,7 +212,7 @@ class Transfers:
                                  shared=any(t.name for t in self.tenants.tenants))
         #: Each named tenant's own counters (the anonymous tenant and the operator have none).
         self.usage: dict[str, Usage] = defaultdict(Usage)
-        #: Keys of clients' local Lookups counted as uses, all clients together (kvstore/shm_index.py).
+        #: Keys of clients' local Lookups counted as uses, all clients together (kvstore/lookup_report.py).
         self.reported_keys = KeyRate(MAX_REPORTED_KEYS_PER_S)
 
     def tenant_of(self, metadata, operator: bool = False) -> Tenant:
@@ -241,7 +241,7 @@ class Transfers:
                 return
 
     def _add_local_lookups(self, metadata) -> None:
-        """Count the Lookups a client answered from the key index (kvstore/shm_index.py, "Counting")
+        """Count the Lookups a client answered from the key index (kvstore/lookup_report.py)
         as if they had been RPCs: its first report on this call, if well formed, and its first
         report of hit keys, each a use for eviction ``adaptive`` within `reported_keys`' rate (the
         rest counted as dropped). Only while the index is published, so only the anonymous tenant's
