@@ -11,7 +11,7 @@ package imports (and the codecs work) without triton installed.
 
 Some kernels are native C rather than Triton, for CPU memory, where Triton does not run (built by
 `kernels.native`): `page_copy.c` (through `page_copy.py`, beside `page_copy_ref.py`) writes blocks
-into vLLM's CPU pages, `rope_native.c` (`rope_native.py`) re-rotates keys with the bits of
+into vLLM's CPU pages and reads them back, `rope_native.c` (`rope_native.py`) re-rotates keys with the bits of
 `rope_ref.py`, `rans.c` (`rans.py`, beside `rans_ref.py`) is kvtc's entropy coder, and
 `copy_hash.c` (`copy_hash.py`) copies a Put's payload and computes its XXH3-64 in one pass, and
 `query_probs.c` (`query_probs.py`, beside `blend.select.attention_probs`) forms the blend's query

@@ -1,4 +1,5 @@
-/* Block -> paged KV cache in one pass, for CPU caches (vLLM's CPU attention backend).
+/* Block -> paged KV cache in one pass, for CPU caches (vLLM's CPU attention backend); and back
+ * (`kvstore_read_pages`, at the end: a save's tokens read out of the pages into a block).
  *
  * A block layer holds K and V as [kv_heads, tokens, head_dim] (any strides, head_dim contiguous).
  * A paged cache layer is [pages, kv_heads, page_tokens, 2 * head_dim]; each (page, head) plane of
@@ -561,5 +562,62 @@ int kvstore_write_pages(int layout, int elem_size, const uint64_t *caches, int l
         run_job(&jobs[t]);
     for (int t = 1; t <= started; t++)
         pthread_join(ids[t], NULL);
+    return 0;
+}
+
+/* The other way, for a save: read tokens out of the pages of `layers` caches into a block
+ * [layers, 2, heads, tokens, head_dim] (contiguous, `dst`), token i from slot slots[i]. `offsets`
+ * is the plane layout as kernels/page_copy_ref.py states it ([2][N][D] flat offsets of K and V of
+ * row r, dim d in a (page, head) plane), so every layout reads through one loop: a (kind, row)
+ * whose D offsets are consecutive (every row of SPLIT and HALVES, V of KT_HALVES) is one memcpy,
+ * any other (transposed or interleaved K, AMX's V) is gathered element by element from a plane
+ * that stays in L1 while its tokens are read. One thread, no allocation, no streamed stores: the
+ * block is read next by the store thread's Put, while it is still in cache. Returns -1, having
+ * read nothing, when a slot is outside 0..slot_count-1 or an offset outside the plane; else 0. */
+int kvstore_read_pages(int elem_size, const uint64_t *caches, int layers, int heads, int page_tokens, int head_dim,
+                       const int32_t *offsets, char *dst, const int64_t *slots, int64_t tokens, int64_t slot_count) {
+    const int64_t n = page_tokens, d = head_dim, plane = 2 * n * d, es = elem_size;
+    if (n <= 0 || d <= 0 || n > 4096 || (es != 2 && es != 4))
+        return -1;
+    for (int64_t i = 0; i < tokens; i++)
+        if (slots[i] < 0 || slots[i] >= slot_count)
+            return -1;
+    for (int64_t i = 0; i < plane; i++)
+        if (offsets[i] < 0 || offsets[i] >= plane)
+            return -1;
+    unsigned char runs[2 * 4096];  /* 1 where (kind, row)'s D offsets are consecutive */
+    for (int64_t kr = 0; kr < 2 * n; kr++) {
+        const int32_t *o = offsets + kr * d;
+        int run = 1;
+        for (int64_t j = 1; j < d && run; j++)
+            run = o[j] == o[0] + j;
+        runs[kr] = (unsigned char)run;
+    }
+    for (int layer = 0; layer < layers; layer++) {
+        const char *cache = (const char *)(uintptr_t)caches[layer];
+        for (int h = 0; h < heads; h++) {
+            for (int kind = 0; kind < 2; kind++) {
+                char *out = dst + ((((int64_t)layer * 2 + kind) * heads + h) * tokens) * d * es;
+                for (int64_t t = 0; t < tokens; t++, out += d * es) {
+                    const int64_t page = slots[t] / n, row = slots[t] % n;
+                    const char *p = cache + (page * heads + h) * plane * es;
+                    const int32_t *o = offsets + (kind * n + row) * d;
+                    if (runs[kind * n + row]) {
+                        memcpy(out, p + (int64_t)o[0] * es, d * es);
+                    } else if (es == 2) {
+                        const uint16_t *src = (const uint16_t *)p;
+                        uint16_t *to = (uint16_t *)out;
+                        for (int64_t j = 0; j < d; j++)
+                            to[j] = src[o[j]];
+                    } else {
+                        const uint32_t *src = (const uint32_t *)p;
+                        uint32_t *to = (uint32_t *)out;
+                        for (int64_t j = 0; j < d; j++)
+                            to[j] = src[o[j]];
+                    }
+                }
+            }
+        }
+    }
     return 0;
 }

@@ -44,6 +44,11 @@ def native_library() -> ctypes.CDLL | None:
     ]
     library.kvstore_page_copy_avx2.restype = ctypes.c_int
     library.kvstore_page_copy_avx2.argtypes = []
+    library.kvstore_read_pages.restype = ctypes.c_int
+    library.kvstore_read_pages.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, _I64, _I64,
+    ]
     return library
 
 
@@ -68,7 +73,8 @@ def page_runs(slots: torch.Tensor, page_tokens: int) -> torch.Tensor:
 
 
 class PageWriter:
-    """Writes blocks into one worker's CPU paged caches (one tensor per layer) with the native kernel.
+    """Writes blocks into one worker's CPU paged caches (one tensor per layer) with the native kernel,
+    and reads them back out (`read`, a save's copy).
 
     Every check is made before a byte is written: here, caches contiguous, on the CPU, of one shape
     ``[pages, kv_heads, page_tokens, 2 * head_dim]`` and dtype, and a block of the caches' dtype
@@ -102,6 +108,8 @@ class PageWriter:
         if library is None:
             raise RuntimeError("the native page writer could not be built (see the log)")
         self._write = library.kvstore_write_pages
+        self._read = library.kvstore_read_pages
+        self._offsets = plane_offsets(layout, first.shape[2], first.shape[3] // 2).to(torch.int32).contiguous()
         self.caches = list(caches)
         self.layout = layout
         self.pages, self.heads, self.page_tokens, width = first.shape
@@ -135,3 +143,22 @@ class PageWriter:
                        self.page_tokens, self.head_dim, block.data_ptr(), s_layer, s_kind, s_head, s_token,
                        slots.data_ptr(), slots.numel(), slot_count, self.threads, int(self.simd)) != 0:
             raise ValueError(f"slots {int(slots.min())}..{int(slots.max())} outside the caches' {slot_count} slots")
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """A new block [layers, 2, kv_heads, T, head_dim] of every layer's tokens at ``slots`` (page *
+        page_tokens + row): one pass, on this thread (ctypes lets other Python threads run), no torch
+        op, so it never starts threads of its own beside the engine's. ValueError for a slot outside
+        the caches."""
+        if slots.dim() != 1:
+            raise ValueError(f"slots must be one-dimensional, got shape {tuple(slots.shape)}")
+        if slots.device.type != "cpu" or slots.dtype != torch.int64 or not slots.is_contiguous():
+            slots = slots.to("cpu", torch.int64).contiguous()
+        block = torch.empty((len(self.caches), 2, self.heads, slots.numel(), self.head_dim), dtype=self.dtype)
+        if not slots.numel():
+            return block
+        slot_count = self.pages * self.page_tokens
+        if self._read(block.element_size(), ctypes.addressof(self._pointers), len(self.caches), self.heads,
+                      self.page_tokens, self.head_dim, self._offsets.data_ptr(), block.data_ptr(), slots.data_ptr(),
+                      slots.numel(), slot_count) != 0:
+            raise ValueError(f"slots {int(slots.min())}..{int(slots.max())} outside the caches' {slot_count} slots")
+        return block

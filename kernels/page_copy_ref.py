@@ -3,8 +3,8 @@
 A paged cache layer is ``[pages, kv_heads, page_tokens, 2 * head_dim]``. Each (page, head) plane
 of ``2 * N * D`` elements (N = page_tokens, D = head_dim) places K and V by a named layout
 (:data:`PLANE_LAYOUTS`); :func:`plane_offsets` is the one statement of each. :func:`write_pages_ref`
-has the signature of :meth:`kernels.page_copy.PageWriter.write` and is what the tests hold the
-kernel to, bit for bit.
+has the signature of :meth:`kernels.page_copy.PageWriter.write` and :func:`read_pages_ref` that of
+:meth:`~kernels.page_copy.PageWriter.read`; they are what the tests hold the kernel to, bit for bit.
 """
 
 from __future__ import annotations
@@ -63,3 +63,18 @@ def write_pages_ref(caches: Sequence[torch.Tensor], layout: str, block: torch.Te
             # [T, 1, 1], [1, H, 1], [T, 1, D] -> [T, H, D]
             flat[page.view(-1, 1, 1), head.view(1, -1, 1), offsets[kind][row].unsqueeze(1)] = (
                 layer[kind].transpose(0, 1).to(cache.dtype))
+
+
+def read_pages_ref(caches: Sequence[torch.Tensor], layout: str, slots: torch.Tensor) -> torch.Tensor:
+    """The tokens at ``slots`` (page * page_tokens + row) of every layer of ``caches``, as a block
+    [layers, 2, kv_heads, T, head_dim]: what `write_pages_ref` wrote there."""
+    pages, heads, page_tokens, width = caches[0].shape
+    offsets = plane_offsets(layout, page_tokens, width // 2).to(caches[0].device)
+    slots = slots.to(caches[0].device)
+    page, row = slots // page_tokens, slots % page_tokens  # [T]
+    head = torch.arange(heads, device=caches[0].device)
+    return torch.stack([
+        torch.stack([cache.view(pages, heads, page_tokens * width)[  # [T, H, D] -> [H, T, D]
+            page.view(-1, 1, 1), head.view(1, -1, 1), offsets[kind][row].unsqueeze(1)].transpose(0, 1)
+            for kind in (0, 1)])
+        for cache in caches])

@@ -16,7 +16,7 @@ import torch
 
 from engine_adapter.vllm.layout import PagedKV, PagedSpan, PageLayout
 from kernels.page_copy import PageWriter, avx2_paths, native_library, page_runs
-from kernels.page_copy_ref import PLANE_LAYOUTS, plane_offsets, write_pages_ref
+from kernels.page_copy_ref import PLANE_LAYOUTS, plane_offsets, read_pages_ref, write_pages_ref
 
 
 def random_caches(layers: int, pages: int, heads: int, page_tokens: int, head_dim: int, dtype: torch.dtype,
@@ -217,3 +217,59 @@ def test_an_unnamed_layout_has_no_name():
     offsets = plane_offsets("halves", 8, 4)
     swapped = torch.stack((offsets[1], offsets[0]))  # V first: a real layout, but not a named one
     assert PageLayout.from_offsets(swapped).name() is None
+
+
+# -- reading pages back (a save's copy: PageWriter.read) --------------------------------------------
+
+@pytest.mark.parametrize("layout", PLANE_LAYOUTS)
+@pytest.mark.parametrize("seed", range(6))
+def test_reading_pages_matches_the_reference_on_random_irregular_caches(layout, seed):
+    """Random shapes, dtypes and slots (consecutive runs from random rows of a random page table,
+    and slots in no order at all): the block read is the reference's, bit for bit, and is what a
+    write of a random block to those slots put there."""
+    rng = torch.Generator().manual_seed(2000 + seed)
+
+    def pick(*choices):
+        return choices[int(torch.randint(len(choices), (1,), generator=rng))]
+
+    if layout == "amx":
+        page_tokens, head_dim = pick(16, 32, 48, 128), pick(16, 32, 64, 80)
+    else:
+        page_tokens, head_dim = pick(7, 13, 16, 29, 128), pick(6, 24, 40, 64, 96)
+    dtype = pick(torch.bfloat16, torch.float16, torch.float32)
+    layers, heads, pages = pick(1, 2, 3), pick(1, 2, 3, 5), 12
+    caches = random_caches(layers, pages, heads, page_tokens, head_dim, dtype, seed=seed)
+    reader = PageWriter(caches, layout)
+    tokens = int(torch.randint(1, 3 * page_tokens + 2, (1,), generator=rng))
+    runs = scattered_slots(tokens, pages, page_tokens, pick(0, 1, page_tokens // 2, page_tokens - 1), seed)
+    anywhere = torch.randperm(pages * page_tokens, generator=rng)[: int(torch.randint(1, 40, (1,), generator=rng))]
+    for slots in (runs, anywhere):
+        got = reader.read(slots)
+        assert got.shape == (layers, 2, heads, slots.numel(), head_dim) and got.dtype == dtype
+        assert torch.equal(got, read_pages_ref(caches, layout, slots))
+    block = torch.randn(layers, 2, heads, runs.numel(), head_dim, generator=rng).to(dtype)
+    reader.write(block, runs)
+    assert torch.equal(reader.read(runs), block)
+
+
+def test_reading_pages_refuses_slots_outside_the_caches():
+    caches = random_caches(2, 4, 2, 16, 8, torch.bfloat16, seed=7)
+    reader = PageWriter(caches, "kt_halves")
+    for bad in (torch.tensor([0, 64]), torch.tensor([-1])):
+        with pytest.raises(ValueError, match="outside the caches"):
+            reader.read(bad)
+    assert reader.read(torch.tensor([], dtype=torch.int64)).shape == (2, 2, 2, 0, 8)
+
+
+def test_a_save_copies_the_same_block_with_and_without_the_native_reader():
+    """PagedKV.copy_out: the native read (the connector's path) and the torch path (a plain copy
+    permuted later) give one block, for spans starting mid-page over a scattered page table."""
+    caches = random_caches(3, 10, 3, 16, 24, torch.bfloat16, seed=8)
+    layout = PageLayout.named("kt_halves", 16, 24)
+    native = PagedKV(caches, layout, 3, 32, native=PageWriter(caches, "kt_halves"))
+    plain = PagedKV(caches, layout, 3, 32)
+    for span in (PagedSpan((3, 1, 4), 5, 70), PagedSpan((2,), 0, 32), PagedSpan((0, 4), 31, 2)):
+        block, none = native.copy_out(span)
+        assert none is None
+        assert torch.equal(native.block_of_pages(block, none), plain.block_of_pages(*plain.copy_out(span)))
+        assert torch.equal(block, plain.gather(span))

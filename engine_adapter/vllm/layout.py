@@ -280,9 +280,21 @@ class PagedKV:
             torch.index_select(cache, 0, kernel_pages, out=pages[layer])
         return pages, PagedSpan(tuple(range(len(span.page_ids))), span.offset, span.tokens)
 
-    def block_of_pages(self, pages: torch.Tensor, span: PagedSpan) -> torch.Tensor:
-        """The block ``[layers, 2, kv_heads, span.tokens, head_dim]`` of a :meth:`copy_pages` result."""
+    def block_of_pages(self, pages: torch.Tensor, span: PagedSpan | None) -> torch.Tensor:
+        """The block ``[layers, 2, kv_heads, span.tokens, head_dim]`` of a :meth:`copy_pages` result
+        (or of :meth:`copy_out`'s: a block already where ``span`` is None)."""
+        if span is None:
+            return pages
         return PagedKV(list(pages), self.layout, pages.shape[2], self.page_tokens).gather(span)
+
+    def copy_out(self, span: PagedSpan) -> tuple[torch.Tensor, PagedSpan | None]:
+        """A save's copy, made within its step (vLLM may reuse the pages after it): with the native
+        writer, the block itself, read out of the pages in one pass on this thread (`PageWriter.read`),
+        and None; else :meth:`copy_pages`, whose permute (:meth:`block_of_pages`) the store thread makes
+        later with torch ops, whose threads then compete with the engine's own."""
+        if self.native is not None:
+            return self.native.read(self.slots(span)), None
+        return self.copy_pages(span)
 
     def write_layers(self, block: torch.Tensor, slots: torch.Tensor, layer: int | None = None) -> None:
         """Write every layer of ``block`` [layers, 2, kv_heads, T, head_dim], or only ``layer``, to

@@ -344,7 +344,7 @@ class ConnectorWorker:
             if self.cache.client() is None:
                 self.dropped_chunks += len(saves)
                 return
-            copies = [(save.key, *self.paged.copy_pages(save.span), save.event, save.parent, save.token_ids)
+            copies = [(save.key, *self.paged.copy_out(save.span), save.event, save.parent, save.token_ids)
                       for save in saves]
             self._saved(copies, len(copies) if self.cache.put(self._blocks(copies), self.save_mode == "durable") else 0)
             return
@@ -358,16 +358,18 @@ class ConnectorWorker:
         self.dropped_chunks += skipped
         self.skipped_chunks += skipped
         self.cache.skip(skipped)
-        # a plain copy of the pages (vLLM may reuse them after this step); the store thread permutes
-        copies = [(save.key, *self.paged.copy_pages(save.span), save.event, save.parent, save.token_ids)
+        # the block read out of the pages (vLLM may reuse them after this step), or a plain copy of
+        # them that the store thread permutes (PagedKV.copy_out)
+        copies = [(save.key, *self.paged.copy_out(save.span), save.event, save.parent, save.token_ids)
                   for save in saves[:room]]
         self.cache.store_blocks_async(len(copies), lambda i: self._blocks(copies[i : i + 1])[0],
                                       stored=lambda n: self._saved(copies, n))
 
     def _blocks(self, copies: list) -> list[BlockToPut]:
-        """Copied pages ``(key, pages, span, event, parent, token_ids)`` as the blocks to Put."""
-        return [BlockToPut(key, span.tokens, self.paged.block_of_pages(pages, span), parent, token_ids)
-                for key, pages, span, _, parent, token_ids in copies]
+        """Saves' copies ``(key, pages, span, event, parent, token_ids)`` (`PagedKV.copy_out`) as the blocks to Put."""
+        blocks = [(key, self.paged.block_of_pages(pages, span), parent, token_ids)
+                  for key, pages, span, _, parent, token_ids in copies]
+        return [BlockToPut(key, block.shape[3], block, parent, token_ids) for key, block, parent, token_ids in blocks]
 
     def _saved(self, copies: list, stored: int) -> None:
         """The daemon took the first ``stored`` of ``copies``: counted, their events reported."""
