@@ -2,6 +2,7 @@
 
 - ``page_write_cpu`` (any host, before the CUDA sections): the native page writer
   (`kernels/page_copy.c`) against its reference for every layout, with and without its AVX2 paths,
+  and a save's read of the block back out of the pages (`PageWriter.read`),
   then each layout's copy against memcpy on SmolLM2's shapes (bench/vllm_ttft.py's copy benchmark,
   forced layouts, no vLLM): a GPU host's CPU is another host kind (often one with AMX).
 - ``page_write_cuda``: the connector's CUDA page write (`split_cache_write`, FLASH_ATTN / TRITON
@@ -55,15 +56,20 @@ def section_page_write_cpu(rounds: int = 5) -> dict:
             block = torch.randn(2, 2, 3, 90, 64, generator=generator).to(torch.bfloat16)
             position = torch.arange(90) + 7  # from row 7 of a scattered page table: ragged ends, whole pages
             slots = torch.randperm(9, generator=generator)[position // 32] * 32 + position % 32
-            PageWriter(caches, layout, simd=simd).write(block, slots)
+            writer = PageWriter(caches, layout, simd=simd)
+            writer.write(block, slots)
             write_pages_ref(expected, layout, block, slots)
             same = all(torch.equal(a, b) for a, b in zip(caches, expected))
             ok &= same
             result[f"{layout}{'' if simd else '_sse2'}_matches"] = same
+            if simd:  # a save's read back out of the pages (one path on every CPU)
+                read = torch.equal(writer.read(slots), block)
+                ok &= read
+                result[f"{layout}_read_matches"] = read
         copy = copy_benchmark(3840, rounds, layout)
         result[f"{layout}_vs_memcpy"] = copy["copy_vs_memcpy"]
         result[f"{layout}_vs_memcpy_spread"] = copy["copy_vs_memcpy_spread"]
-        print(f"  page write {layout}: matches {result[f'{layout}_matches']}, "
+        print(f"  page write {layout}: matches {result[f'{layout}_matches']}, read back {result[f'{layout}_read_matches']}, "
               f"{copy['copy_vs_memcpy']:.2f}x memcpy ({copy['copy_vs_memcpy_spread'][0]:.2f}-"
               f"{copy['copy_vs_memcpy_spread'][1]:.2f})")
     return {"ok": ok, **result}
