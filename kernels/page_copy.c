@@ -571,28 +571,23 @@ int kvstore_write_pages(int layout, int elem_size, const uint64_t *caches, int l
  * row r, dim d in a (page, head) plane), so every layout reads through one loop: a (kind, row)
  * whose D offsets are consecutive (every row of SPLIT and HALVES, V of KT_HALVES) is one memcpy,
  * any other (transposed or interleaved K, AMX's V) is gathered element by element from a plane
- * that stays in L1 while its tokens are read. One thread, no allocation, no streamed stores: the
- * block is read next by the store thread's Put, while it is still in cache. Returns -1, having
- * read nothing, when a slot is outside 0..slot_count-1 or an offset outside the plane; else 0. */
+ * that stays in L1 while its tokens are read (`runs`, from the caller, says which rows run on;
+ * checked here with the offsets). One thread, no allocation, no streamed stores: the block is read
+ * next by the store thread's Put, while it is still in cache. Returns -1, having read nothing, when
+ * a slot is outside 0..slot_count-1, an offset outside the plane or a row marked as a run is not
+ * one; else 0. */
 int kvstore_read_pages(int elem_size, const uint64_t *caches, int layers, int heads, int page_tokens, int head_dim,
-                       const int32_t *offsets, char *dst, const int64_t *slots, int64_t tokens, int64_t slot_count) {
+                       const int32_t *offsets, const uint8_t *runs, char *dst, const int64_t *slots, int64_t tokens,
+                       int64_t slot_count) {
     const int64_t n = page_tokens, d = head_dim, plane = 2 * n * d, es = elem_size;
-    if (n <= 0 || d <= 0 || n > 4096 || (es != 2 && es != 4))
+    if (n <= 0 || d <= 0 || (es != 2 && es != 4))
         return -1;
     for (int64_t i = 0; i < tokens; i++)
         if (slots[i] < 0 || slots[i] >= slot_count)
             return -1;
-    for (int64_t i = 0; i < plane; i++)
-        if (offsets[i] < 0 || offsets[i] >= plane)
+    for (int64_t i = 0; i < plane; i++)  /* `runs[kind * n + row]` 1 where that row's D offsets run on */
+        if (offsets[i] < 0 || offsets[i] >= plane || (runs[i / d] && offsets[i] != offsets[i - i % d] + i % d))
             return -1;
-    unsigned char runs[2 * 4096];  /* 1 where (kind, row)'s D offsets are consecutive */
-    for (int64_t kr = 0; kr < 2 * n; kr++) {
-        const int32_t *o = offsets + kr * d;
-        int run = 1;
-        for (int64_t j = 1; j < d && run; j++)
-            run = o[j] == o[0] + j;
-        runs[kr] = (unsigned char)run;
-    }
     for (int layer = 0; layer < layers; layer++) {
         const char *cache = (const char *)(uintptr_t)caches[layer];
         for (int h = 0; h < heads; h++) {

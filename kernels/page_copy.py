@@ -47,7 +47,7 @@ def native_library() -> ctypes.CDLL | None:
     library.kvstore_read_pages.restype = ctypes.c_int
     library.kvstore_read_pages.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_void_p, _I64, _I64,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _I64, _I64,
     ]
     return library
 
@@ -109,7 +109,10 @@ class PageWriter:
             raise RuntimeError("the native page writer could not be built (see the log)")
         self._write = library.kvstore_write_pages
         self._read = library.kvstore_read_pages
-        self._offsets = plane_offsets(layout, first.shape[2], first.shape[3] // 2).to(torch.int32).contiguous()
+        offsets = plane_offsets(layout, first.shape[2], first.shape[3] // 2)  # [2, N, D]
+        self._offsets = offsets.to(torch.int32).contiguous()
+        # rows whose D offsets run on (one memcpy a row when read): every row of split and halves, V of kt_halves
+        self._runs = (offsets == offsets[..., :1] + torch.arange(offsets.shape[-1])).all(-1).to(torch.uint8).contiguous()
         self.caches = list(caches)
         self.layout = layout
         self.pages, self.heads, self.page_tokens, width = first.shape
@@ -158,7 +161,7 @@ class PageWriter:
             return block
         slot_count = self.pages * self.page_tokens
         if self._read(block.element_size(), ctypes.addressof(self._pointers), len(self.caches), self.heads,
-                      self.page_tokens, self.head_dim, self._offsets.data_ptr(), block.data_ptr(), slots.data_ptr(),
-                      slots.numel(), slot_count) != 0:
+                      self.page_tokens, self.head_dim, self._offsets.data_ptr(), self._runs.data_ptr(),
+                      block.data_ptr(), slots.data_ptr(), slots.numel(), slot_count) != 0:
             raise ValueError(f"slots {int(slots.min())}..{int(slots.max())} outside the caches' {slot_count} slots")
         return block
