@@ -165,7 +165,9 @@ def copy_benchmark(tokens: int, rounds: int = 9, layout_name: str | None = None)
     reference). A name (``kt_halves``, ``halves``, ``split``, ``amx``): that layout forced, with no
     vLLM needed (a layout is memory, not instructions: the AMX layout benchmarks on any host), and
     vLLM's op beside it where vLLM is installed and writes that layout. Both name the native writer
-    with AVX2 (``native``) and without (``native_sse2``, the path of a CPU without it).
+    with AVX2 (``native``) and without (``native_sse2``, the path of a CPU without it), and time a
+    save's read of the same blocks back out of the native path's pages (``save_read``,
+    `PageWriter.read`, a new block each as in the connector).
 
     The ceiling is libc's ``memmove`` of the same bytes, on one thread as the writer. Each round
     times the memmove and every path's write of all the blocks in turn (in reverse order every
@@ -232,6 +234,12 @@ def copy_benchmark(tokens: int, rounds: int = 9, layout_name: str | None = None)
     copies.update({name: (lambda paged=paged, own=own: [paged.scatter(b, s) for b, s in zip(own, spans)])
                    for name, (paged, own) in paths.items()})
     single_thread = [name for name in paths if name.startswith("native")]  # whose CPU time is this thread's
+    timed = list(paths)
+    if "native" in paths:  # a save's read of the blocks back out of the pages (PageWriter.read, one thread)
+        reader = paths["native"][0]
+        copies["save_read"] = lambda: [reader.native.read(reader.slots(s)) for s in spans]
+        single_thread.append("save_read")
+        timed.append("save_read")
     per_round = []
     for round_ in range(rounds + 1):  # round 0 warms up (first touch of every page)
         times = {}
@@ -249,7 +257,7 @@ def copy_benchmark(tokens: int, rounds: int = 9, layout_name: str | None = None)
         times["torch_copy_ms"] = (time.perf_counter() - began) * 1e3
         time.sleep(0.2)
         times["memcpy_ms"] = times["memmove_ms"]
-        for name in paths:
+        for name in timed:
             times[f"{name}_vs_memcpy"] = times[f"{name}_ms"] / times["memcpy_ms"]
             times[f"{name}_vs_torch_copy"] = times[f"{name}_ms"] / times["torch_copy_ms"]
             if name in single_thread:
@@ -259,7 +267,7 @@ def copy_benchmark(tokens: int, rounds: int = 9, layout_name: str | None = None)
     median = {key: statistics.median(r[key] for r in per_round) for key in per_round[0]}
     spread = {key: [min(r[key] for r in per_round), max(r[key] for r in per_round)] for key in per_round[0]}
     # each side's fastest round against memmove's: what a copy costs when no other job preempts it
-    best = {name: spread[f"{name}_ms"][0] / spread["memmove_ms"][0] for name in paths}
+    best = {name: spread[f"{name}_ms"][0] / spread["memmove_ms"][0] for name in timed}
     connector = "native" if "native" in paths else "op"  # what the connector runs (native_copy: true)
     cpu = f"{connector}_cpu_vs_memcpy"
     return {"isa": isa, "layout": layout.name(), "forced": layout_name is not None, "mb": nbytes / 1e6,
@@ -272,7 +280,8 @@ def copy_benchmark(tokens: int, rounds: int = 9, layout_name: str | None = None)
 
 def print_copy(copy: dict) -> None:
     labels = {"native": "kvstore's native page writer", "native_sse2": "  the same without AVX2 (SSE2)",
-              "op": "vLLM's cache-write op", "layout": "per-element layout path"}
+              "op": "vLLM's cache-write op", "layout": "per-element layout path",
+              "save_read": "a save's read back (native, 1 thread)"}
     how = "forced" if copy["forced"] else f"vLLM's pick here, ISA {copy['isa']}"
     print(f"page copy of {copy['mb']:.1f} MB into the {copy['layout']} page layout ({how}; {len(copy['rounds'])} "
           f"rounds; medians, ratios per round (min-max); fastest round against memmove's fastest):")
