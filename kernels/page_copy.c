@@ -571,11 +571,12 @@ int kvstore_write_pages(int layout, int elem_size, const uint64_t *caches, int l
  * row r, dim d in a (page, head) plane), so every layout reads through one loop: a (kind, row)
  * whose D offsets are consecutive (every row of SPLIT and HALVES, V of KT_HALVES) is one memcpy,
  * any other (transposed or interleaved K, AMX's V) is gathered element by element from a plane
- * that stays in L1 while its tokens are read (`runs`, from the caller, says which rows run on;
- * checked here with the offsets). One thread, no allocation, no streamed stores: the block is read
- * next by the store thread's Put, while it is still in cache. Returns -1, having read nothing, when
- * a slot is outside 0..slot_count-1, an offset outside the plane or a row marked as a run is not
- * one; else 0. */
+ * that stays in L1 while its tokens are read (`runs[kind * n + row]`, 1 where that row's D offsets
+ * run on). One thread, no allocation, no streamed stores: the block is read next by the store
+ * thread's Put, while it is still in cache. As for the writer, slots are checked here and the rest
+ * by kernels/page_copy.py, which derives `offsets` and `runs` once from the named layout (a
+ * permutation of the plane: kernels/page_copy_ref.py). Returns -1, having read nothing, when a slot
+ * is outside 0..slot_count-1; else 0. */
 int kvstore_read_pages(int elem_size, const uint64_t *caches, int layers, int heads, int page_tokens, int head_dim,
                        const int32_t *offsets, const uint8_t *runs, char *dst, const int64_t *slots, int64_t tokens,
                        int64_t slot_count) {
@@ -584,9 +585,6 @@ int kvstore_read_pages(int elem_size, const uint64_t *caches, int layers, int he
         return -1;
     for (int64_t i = 0; i < tokens; i++)
         if (slots[i] < 0 || slots[i] >= slot_count)
-            return -1;
-    for (int64_t i = 0; i < plane; i++)  /* `runs[kind * n + row]` 1 where that row's D offsets run on */
-        if (offsets[i] < 0 || offsets[i] >= plane || (runs[i / d] && offsets[i] != offsets[i - i % d] + i % d))
             return -1;
     for (int layer = 0; layer < layers; layer++) {
         const char *cache = (const char *)(uintptr_t)caches[layer];
