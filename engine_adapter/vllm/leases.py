@@ -50,12 +50,12 @@ class Leases:
         self.sent = self.failed = self.dropped = self.repeated = 0
 
     def lease(self, request_id: str, keys: Sequence[bytes], lease_s: float) -> None:
-        """`send` ``keys`` for ``request_id`` unless its last lease named as many keys and has more
-        than half of ``lease_s`` to run (a repeated ask, counted in ``repeated``). Called from one
+        """`send` ``keys`` for ``request_id`` unless its last lease named at least as many (the keys
+        are a prefix: a hit that shrank is still leased) and has more than half of ``lease_s`` to run (a repeated ask, counted in ``repeated``). Called from one
         thread (the scheduler's), as `forget` is."""
         now = time.monotonic()
         last = self._last.get(request_id)
-        if last is not None and last[1] == len(keys) and now - last[0] < lease_s / 2:
+        if last is not None and last[1] >= len(keys) and now - last[0] < lease_s / 2:
             self.repeated += 1
             return
         self._last[request_id] = (now, len(keys))
