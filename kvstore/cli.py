@@ -37,7 +37,7 @@ _FIELD_HELP = {
     "disk_capacity": "disk tier size, e.g. 10GiB",
     "disk_fsync": "fsync each block before it is visible (true/false)",
     "disk_o_direct": "read disk blocks with O_DIRECT, bypassing the page cache (true/false)",
-    "disk_encrypt": "encrypt disk block files (AES-GCM, key derived from tenant_secret_file): who reads the folder "
+    "disk_encrypt": "encrypt disk block files (AEGIS-256X4, key derived from tenant_secret_file): who reads the folder "
                     "reads no KV bytes (true/false; files of the other kind are dropped at start)",
     "disk_codec": "codec of blocks moved down to disk: raw, int8, int4, int8+shuffle+zstd, kvtc@ID (kvstore calibrate), "
                   "kvtc@auto (calibrated per namespace from its first blocks), ... (docs/notes/compression-log.md)",
@@ -52,7 +52,7 @@ _FIELD_HELP = {
     "s3_region": "S3 region ('' takes AWS_REGION or us-east-1)",
     "s3_capacity": "bytes this daemon keeps in S3 before LRU eviction, e.g. 1TiB (0 = unbounded)",
     "s3_codec": "codec of blocks written to S3: raw (keep as they arrive), int8, int4, kvtc@ID, kvtc@auto, ...",
-    "s3_encrypt": "encrypt S3 objects (AES-GCM, key derived from tenant_secret_file): who reads the bucket reads no "
+    "s3_encrypt": "encrypt S3 objects (AEGIS-256X4, key derived from tenant_secret_file): who reads the bucket reads no "
                   "KV bytes (true/false; every host on the bucket and prefix must agree, and share the secret)",
     "auto_calibration_tokens": "with kvtc@auto: tokens of a namespace's first blocks it is calibrated on (stored "
                                "as they are until then)",

@@ -110,7 +110,7 @@ AT_REST_TIERS = ("disk", "s3")
 
 
 def at_rest_key(tier: str, secret_file: str | os.PathLike) -> bytes:
-    """The AES-256 key blocks of ``tier`` ("disk" or "s3") are sealed under at rest, from the
+    """The 256-bit key blocks of ``tier`` ("disk" or "s3") are sealed under at rest, from the
     server secret in ``secret_file`` ("": the default one, created when missing): hosts sharing a
     bucket must share the file. One derivation per purpose (its own personalisation per tier,
     apart from the S3 MAC key and tenants' keys), so no key tells anything about another, and a

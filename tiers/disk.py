@@ -15,7 +15,7 @@ with the one packed when the block was indexed, instead of being parsed again. `
 bypass the page cache (through an aligned bounce buffer), for hosts where cached KV must not crowd the engine's memory and for honest cold-read
 benchmarks.
 
-With ``at_rest`` (``disk_encrypt``) every file is a sealed block (tiers/at_rest.py: AES-GCM under a
+With ``at_rest`` (``disk_encrypt``) every file is a sealed block (tiers/at_rest.py: AEGIS-256X4 under a
 key derived from the server secret): the header and payload on disk are ciphertext. A write seals
 the payload a chunk at a time into a small buffer and writes it, each chunk hashed, then, if the
 payload is its header's checksum's, the head at the file's start; a read opens the head (the
@@ -25,7 +25,8 @@ buffer and opens it into the caller's, the tag checked at the end, which stands 
 bounce buffer and opens it from there. A file
 that does not open (another key, a flipped byte, another block's) is a corrupt block, like one
 whose checksum fails. A folder's files are either all sealed or all plain: those of the other
-kind are dropped at start (counted as corrupt), so turning encryption on leaves no plain block.
+kind, and sealed ones of an earlier format, are dropped at start (counted as corrupt), so turning
+encryption on leaves no plain block.
 """
 
 from __future__ import annotations
@@ -62,8 +63,7 @@ _TRANSIENT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, er
 #: syscalls stay cheap (measured here: 128-256 KB beat both 64 KB and 1 MB).
 READ_CHUNK = 256 * 1024
 #: Bytes a sealed read preads and opens at once (into each reader thread's own bounce buffer,
-#: kept): 1 MiB of AES-GCM per call into cryptography, whose per-call cost (it holds the GIL)
-#: weighed ~10% at 256 KiB; the chunk stays in this host's 1 MiB of L2 per core.
+#: kept): the chunk stays in this host's 1 MiB of L2 per core while the cipher reads it back.
 SEALED_CHUNK = 1 << 20
 _bounces = threading.local()  # .buffer: this thread's bounce buffer for sealed reads
 #: The least capacity the tier starts with after shrinking to the free space (DaemonConfig's minimum).
@@ -157,6 +157,7 @@ class DiskTier(HeaderIndex, Tier):
 
     def _rebuild_index(self) -> None:
         other_kind = 0  # sealed files with encryption off, or plain ones with it on
+        old_format = 0  # sealed by an earlier format (tiers/at_rest.py), with encryption on
         for path in self._block_files():
             if _TEMP_NAME.fullmatch(path.name):
                 path.unlink(missing_ok=True)  # an interrupted write of ours (the folder is locked)
@@ -165,8 +166,12 @@ class DiskTier(HeaderIndex, Tier):
                 with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW)) as f:
                     head = f.read(at_rest.OVERHEAD + MAX_HEADER_BYTES)
                     size = os.fstat(f.fileno()).st_size
-                if head[:4] == (PLAIN_MAGIC if self.at_rest else at_rest.MAGIC):
-                    other_kind += 1
+                found = at_rest.format_of(head)
+                if found != ("sealed" if self.at_rest else "plain") and head[:4] in (PLAIN_MAGIC, at_rest.MAGIC):
+                    if found == "sealed-old" and self.at_rest:
+                        old_format += 1
+                    else:
+                        other_kind += 1
                     self.corrupt_on_start += 1
                     path.unlink(missing_ok=True)
                     continue
@@ -184,6 +189,9 @@ class DiskTier(HeaderIndex, Tier):
         if other_kind:
             log.warning("%s: dropped %d block files written with encryption %s (disk_encrypt is %s now)", self.name,
                         other_kind, "off" if self.at_rest else "on", "on" if self.at_rest else "off")
+        if old_format:
+            log.warning("%s: dropped %d block files sealed by an earlier kvstore's format (format %d is read now)",
+                        self.name, old_format, at_rest.VERSION)
 
     def _open_head(self, head: bytes) -> tuple[BlockHeader, bytes]:
         """The header a file starts with, and its bytes as packed; CorruptBlockError."""

@@ -29,7 +29,7 @@ their shared server secret (tiers/s3_auth.py); an object without them, or whose 
 is never indexed or served: it is a counted miss.
 
 Secrecy (``s3_encrypt``, ``at_rest``): each object is a sealed block instead (tiers/at_rest.py:
-AES-GCM under a key derived from the same secret, header and payload both ciphertext), and its
+AEGIS-256X4 under a key derived from the same secret, header and payload both ciphertext), and its
 tags stand in for the MACs: the head that listing and discovery read opens only under the key
 (else the object is refused, as an unMAC'd one is), and a read opens the payload a chunk at a time
 and checks its tag and checksum before it returns. Every host on a bucket and prefix must agree

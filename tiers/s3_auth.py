@@ -19,7 +19,7 @@ header holds; the lengths at the end make the split between payload and header u
 The object's name needs no MAC of its own: the header names its key and readers compare the two.
 
 The MACs give integrity, not secrecy: whoever may read the bucket reads the KV bytes. With
-``s3_encrypt`` objects are sealed instead (tiers/at_rest.py) and carry no MACs: AES-GCM's tags
+``s3_encrypt`` objects are sealed instead (tiers/at_rest.py) and carry no MACs: the AEAD tags
 authenticate them under a key derived from the same secret.
 """
 

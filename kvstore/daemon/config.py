@@ -56,7 +56,7 @@ class DaemonConfig:
     disk_fsync: bool = True
     #: Read disk blocks with O_DIRECT, bypassing the page cache.
     disk_o_direct: bool = False
-    #: Seal every disk block file with AES-GCM under a key derived from tenant_secret_file
+    #: Seal every disk block file with AEGIS-256X4 under a key derived from tenant_secret_file
     #: (tiers/at_rest.py): who reads the folder reads no KV bytes, keys' token ids or headers.
     disk_encrypt: bool = False
     #: Codec blocks are re-encoded into when they move down to disk: "raw" (exact), "int8",
@@ -87,7 +87,7 @@ class DaemonConfig:
     s3_capacity: int = 0
     #: Codec blocks are re-encoded into when written to S3; "raw" keeps them as they arrive.
     s3_codec: str = "raw"
-    #: Seal every S3 object with AES-GCM under a key derived from tenant_secret_file (tiers/at_rest.py):
+    #: Seal every S3 object with AEGIS-256X4 under a key derived from tenant_secret_file (tiers/at_rest.py):
     #: who reads the bucket reads no KV bytes. Every host on a bucket and prefix must agree on it.
     s3_encrypt: bool = False
     #: With "kvtc@auto": tokens of a namespace's first blocks the daemon calibrates on (those
