@@ -115,6 +115,23 @@ def test_a_tenant_putting_under_endless_namespaces_churns_only_its_own_share(dae
     assert grown < 16 * 2**20, grown
 
 
+def test_at_default_settings_a_tenants_first_namespace_is_forgotten_past_its_share(daemon_factory, short_tmp):
+    """guarantees: namespaces are bounded — with no setting given (max_namespaces 65,536, a named
+    tenant's quarter 16,384), tenant a Puts under 16,384 + 256 fresh namespaces: its first is
+    forgotten, so a Put of another layout under it binds again instead of being refused (on ee82bf6
+    every namespace was remembered forever: refused)."""
+    from kvstore.daemon.namespaces import DEFAULT_LIMIT
+
+    d = daemon_factory(tenants_file=str(_tenants(short_tmp)), listen=f"127.0.0.1:{free_port()}", disk_path="")
+    with KVStoreClient(d.address, token=TOKEN_A) as a:
+        keys = put_under_namespaces(a, first=0, count=DEFAULT_LIMIT // 4 + 256)
+        assert a.delete(keys) == len(keys)
+        put_under_namespaces(a, first=0, count=1, layout=OTHER)  # namespace 0, another layout: bound anew
+        with pytest.raises(grpc.RpcError) as refused:  # the last ones are still remembered
+            put_under_namespaces(a, first=DEFAULT_LIMIT // 4 + 255, count=1, layout=OTHER)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def _watches(address: str, connections: int, per_connection: int, metadata=()):
     """Open Watch streams, ``per_connection`` on each of ``connections`` TCP connections; the
     channels, the streams that answered SERVING (still open) and the codes of those refused."""
