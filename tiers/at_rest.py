@@ -139,11 +139,8 @@ class AtRestKey:
                                                   head[:_HEADER_AAD_END]))
         except ValueError:
             raise CorruptBlockError("header does not decrypt (altered, or not this block's)") from None
-        header = BlockHeader.unpack(packed)
-        if header.header_len != header_len:
-            raise CorruptBlockError(f"sealed header says {header_len} bytes, the header {header.header_len}")
         decryptor = aegis.Decryptor(self._key, nonce_p, head[:_PAYLOAD_AAD_END])
-        return OpenedHead(header, packed, PayloadOpener(decryptor, tag_p))
+        return OpenedHead(packed, PayloadOpener(decryptor, tag_p))
 
 
 class BlockSealer:
@@ -174,15 +171,40 @@ class BlockSealer:
 
 
 class PayloadOpener:
-    """The sealed payload of one block, opened in order; :meth:`finish` says whether it was whole."""
+    """The sealed payload of one block, opened in order; :meth:`finish` says whether it was whole.
+
+    ``out`` may be memory a client can write meanwhile (its arena). AEGIS authenticates the
+    plaintext, so the cipher must never read back what it wrote there: a client scribbling on its
+    own arena would then make a good block fail its tag, and the daemon delete it. libaegis keeps
+    each whole 64-byte block's plaintext in a register; a piece of a block (a call's start or end
+    off the 64-byte grid) it accumulates by reading ``out`` back, so those pieces are opened into
+    memory of this object's own and copied out."""
 
     def __init__(self, decryptor: aegis.Decryptor, tag: bytes) -> None:
         self._decryptor, self._tag = decryptor, tag
+        self._offset = 0  # payload bytes opened so far
+        self._edge = bytearray(aegis.RATE)
 
     def open_into(self, chunk: bytes | memoryview, out: memoryview) -> None:
         """Open the payload's next ``len(chunk)`` bytes into ``out`` (as long, not
         overlapping ``chunk``). The bytes are not yet authenticated: nothing may use them before :meth:`finish`."""
-        self._decryptor.update(chunk, into=out)
+        chunk, out = memoryview(chunk).cast("B"), memoryview(out).cast("B")
+        if len(out) != len(chunk):
+            raise ValueError(f"{len(chunk)} sealed bytes, {len(out)} to open them into")
+        head = min(-self._offset % aegis.RATE, len(chunk))  # the rest of a block begun before
+        whole = (len(chunk) - head) // aegis.RATE * aegis.RATE
+        self._open_edge(chunk[:head], out[:head])
+        if whole:
+            self._decryptor.update(chunk[head : head + whole], into=out[head : head + whole])
+        self._open_edge(chunk[head + whole :], out[head + whole :])
+        self._offset += len(chunk)
+
+    def _open_edge(self, chunk: memoryview, out: memoryview) -> None:
+        """Open a piece of one 64-byte block (under 64 bytes) through ``_edge``, then copy it out."""
+        if chunk:
+            edge = memoryview(self._edge)[: len(chunk)]
+            self._decryptor.update(chunk, into=edge)
+            out[:] = edge
 
     def finish(self) -> None:
         """CorruptBlockError unless the payload opened was the sealed one, whole."""
@@ -193,10 +215,21 @@ class PayloadOpener:
 
 
 class OpenedHead:
-    """A sealed block's plain header (``header``, and ``packed`` as the block holds it) and the
-    opener of its payload."""
+    """A sealed block's plain header (``packed`` as the block holds it; ``header`` parsed from it
+    when first asked: a reader that compares ``packed`` with the header it indexed parses nothing)
+    and the opener of its payload."""
 
-    __slots__ = ("header", "packed", "payload")
+    __slots__ = ("packed", "payload", "_header")
 
-    def __init__(self, header: BlockHeader, packed: bytes, payload: PayloadOpener) -> None:
-        self.header, self.packed, self.payload = header, packed, payload
+    def __init__(self, packed: bytes, payload: PayloadOpener) -> None:
+        self.packed, self.payload, self._header = packed, payload, None
+
+    @property
+    def header(self) -> BlockHeader:
+        """The header, parsed (CorruptBlockError when it is none, or not as long as the prefix said)."""
+        if self._header is None:
+            header = BlockHeader.unpack(self.packed)
+            if header.header_len != len(self.packed):
+                raise CorruptBlockError(f"sealed header of {len(self.packed)} bytes holds a header of {header.header_len}")
+            self._header = header
+        return self._header

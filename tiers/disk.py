@@ -263,7 +263,7 @@ class DiskTier(HeaderIndex, Tier):
                     if self.at_rest is None:
                         on_disk, checksum = _read_hashed(fd, len(packed), dest[: header.payload_len])
                     else:
-                        on_disk, checksum = _read_sealed(fd, self.at_rest, len(packed), dest[: header.payload_len])
+                        on_disk, checksum = _read_sealed(fd, self.at_rest, header, dest[: header.payload_len])
                 finally:
                     os.close(fd)
         except FileNotFoundError:
@@ -305,7 +305,7 @@ class DiskTier(HeaderIndex, Tier):
             if self.at_rest is not None:
                 with memoryview(bounce) as view:
                     opened = self.at_rest.open_head(view[: at_rest.OVERHEAD + header.header_len])
-                    checksum = _open_sealed(opened, view[at_rest.OVERHEAD + header.header_len : total],
+                    checksum = _open_sealed(opened, header, view[at_rest.OVERHEAD + header.header_len : total],
                                             dest[: header.payload_len])
                 return opened.packed, checksum
             on_disk = bounce[: header.header_len]
@@ -441,21 +441,22 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         view, offset = view[written:], offset + written
 
 
-def _read_sealed(fd: int, key: AtRestKey, header_len: int, dest: memoryview) -> tuple[bytes, int]:
-    """:func:`_read_hashed` for a sealed file: the head opened (its header returned as packed),
-    then the payload in ``SEALED_CHUNK`` preads into this thread's bounce buffer, each opened into
-    ``dest``; the payload's tag checked once all is read. CorruptBlockError when the file does not
-    open, ends early or runs on.
+def _read_sealed(fd: int, key: AtRestKey, header: BlockHeader, dest: memoryview) -> tuple[bytes, int]:
+    """:func:`_read_hashed` for a sealed file of the block ``header`` indexed: the head opened (its
+    header returned as packed, not parsed: the caller compares it with the indexed one), then the
+    payload in ``SEALED_CHUNK`` preads into this thread's bounce buffer, each opened into ``dest``;
+    the payload's tag checked once all is read. CorruptBlockError when the file does not open,
+    ends early or runs on.
 
-    The checksum returned is the sealed header's, not a hash of ``dest``: the tag proves the
-    payload is the one sealed, and the sealer checked that one against this checksum
-    (:func:`_write_sealed`), so a hash here would prove nothing more (it cost a fifth of a
-    sealed read: docs/benchmarks.md, issue 56).
+    The checksum returned is the indexed header's, not a hash of ``dest``: once the caller found the
+    sealed header to be that one, the tag proves the payload is the one sealed, and the sealer
+    checked that one against this checksum (:func:`_write_sealed`), so a hash here would prove
+    nothing more (it cost a fifth of a sealed read: docs/benchmarks.md, issue 56).
 
         file:   | head (OVERHEAD + header_len) | sealed payload (len(dest))      | EOF
         preads: |<- head ->|<- chunk 0 ->|<- chunk 1 ->| ... |<- last chunk + 1 spare byte ->
     """
-    head_len = at_rest.OVERHEAD + header_len
+    head_len = at_rest.OVERHEAD + header.header_len
     head = os.pread(fd, head_len, 0)
     if len(head) < head_len:
         raise CorruptBlockError("file is shorter than its header (truncated)")
@@ -474,7 +475,7 @@ def _read_sealed(fd: int, key: AtRestKey, header_len: int, dest: memoryview) -> 
             pos += n
         if pos == size:
             opened.payload.finish()
-            return opened.packed, opened.header.checksum
+            return opened.packed, header.checksum
         if n == 0:
             raise CorruptBlockError("file is shorter than its header says (truncated)")
 
@@ -487,12 +488,12 @@ def _bounce() -> memoryview:
     return buffer
 
 
-def _open_sealed(opened: at_rest.OpenedHead, sealed: memoryview, dest: memoryview) -> int:
+def _open_sealed(opened: at_rest.OpenedHead, header: BlockHeader, sealed: memoryview, dest: memoryview) -> int:
     """Open the sealed payload in ``sealed`` into ``dest`` (as long), a ``SEALED_CHUNK`` at a
-    time; the tag checked. Returns the sealed header's checksum (why: :func:`_read_sealed`)."""
+    time; the tag checked. Returns the indexed ``header``'s checksum (why: :func:`_read_sealed`)."""
     if len(sealed) != len(dest):
         raise CorruptBlockError(f"sealed payload of {len(sealed)} bytes, header says {len(dest)}")
     for start in range(0, len(dest), SEALED_CHUNK):
         opened.payload.open_into(sealed[start : start + SEALED_CHUNK], dest[start : start + SEALED_CHUNK])
     opened.payload.finish()
-    return opened.header.checksum
+    return header.checksum
