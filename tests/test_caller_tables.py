@@ -283,6 +283,22 @@ def test_a_byte_budget_keeps_each_named_owners_share_while_others_wait():
     asyncio.run(scenario())
 
 
+def test_a_budget_refusal_names_no_figure_of_the_daemons():
+    """guarantees: fair budgets — a call refused after its wait learns that the budget was full,
+    not how many bytes were in flight or what the budget is (on ee82bf6: "100 bytes in flight
+    (budget 100)", which tells a tenant what the others move)."""
+    from kvstore.daemon.budget import BudgetExhausted, ByteBudget
+
+    async def scenario():
+        budget = ByteBudget(100, "test replies")
+        await budget.acquire(90, 1)
+        with pytest.raises(BudgetExhausted) as refused:
+            await budget.acquire(20, 0.05)
+        assert "test replies" in str(refused.value) and not re.search(r"\b(90|100|110)\b", str(refused.value)), refused.value
+
+    asyncio.run(scenario())
+
+
 def test_a_tenant_trickling_a_put_as_large_as_the_budget_starves_no_other_tenant(daemon_factory, short_tmp):
     """guarantees: fair budgets — tenant a sends a 200 MiB data-channel Put, more than the whole
     96 MiB inline budget (it runs alone, 26 s at the 8 MB/s floor), a few bytes a second; tenant b's
