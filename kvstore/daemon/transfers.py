@@ -452,6 +452,11 @@ class Transfers:
         self._check_bytes(tenant, "this Get", inline, shared, arena_ids)
         return keys, plan, inline
 
+    async def get_for(self, metadata, request: pb.GetRequest, copies: int = 1) -> tuple[Tenant, Replies, int]:
+        """:meth:`get_blocks` for the tenant of a call's ``metadata`` (:meth:`tenant_of`), returned with them."""
+        tenant = self.tenant_of(metadata)
+        return (tenant, *await self.get_blocks(tenant, request, copies=copies))
+
     async def get_blocks(self, tenant: Tenant, request: pb.GetRequest,
                          allocate: Callable[[int], bytearray] = bytearray, copies: int = 1) -> tuple[Replies, int]:
         """Per item its result and, for one read inline (no dest), its payload (read into a buffer
