@@ -82,9 +82,12 @@ def copy_streamed_many(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
 class Scatter:
     """A destination in rows: payload row i (``row_bytes`` bytes) at ``dest[i * row_stride:]``."""
 
-    def __init__(self, dest: memoryview, row_bytes: int, row_stride: int) -> None:
+    def __init__(self, dest: memoryview, row_bytes: int, row_stride: int, payload_len: int | None = None) -> None:
         _check_rows(row_bytes, row_stride, len(dest), "destination")
         self.dest, self.row_bytes, self.row_stride = dest, row_bytes, row_stride
+        #: Whether the payload planned into it (``payload_len``: the block a Get found; None: none)
+        #: is whole rows of it (`fits`).
+        self.fit = payload_len is not None and self.fits(payload_len)
 
     def rows(self, payload_len: int) -> int | None:
         """Rows of a ``payload_len``-byte payload, or None when it is not a whole number of rows
@@ -109,6 +112,18 @@ class Scatter:
             raise Unfit(f"a {source.nbytes}-byte payload is not whole rows of {self.row_bytes} bytes "
                         f"within the {len(self.dest)}-byte destination")
         return _strided(self.dest, rows, self.row_bytes, self.row_stride), source.reshape(rows, self.row_bytes)
+
+
+def scatters(specs: list[tuple[memoryview, int, int, int | None]]) -> list[Scatter | ValueError]:
+    """A `Scatter` of each ``(dest, row_bytes, row_stride, payload_len)`` (a Get's items in rows, in
+    one call), or the ValueError that refuses it, for the caller to raise naming its item."""
+    made: list[Scatter | ValueError] = []
+    for dest, row_bytes, row_stride, payload_len in specs:
+        try:
+            made.append(Scatter(dest, row_bytes, row_stride, payload_len))
+        except ValueError as exc:
+            made.append(exc)
+    return made
 
 
 class Gather:
