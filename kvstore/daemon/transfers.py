@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import time
 from collections import defaultdict
 from typing import Callable, NamedTuple
 
@@ -34,11 +33,11 @@ from kvstore.daemon.residency import WalkBudget
 from kvstore.keys import KEY_BYTES
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS, MAX_SKIPPED_REPORT, SKIPPED_STORES_HEADER
 from kvstore.lookup_report import (
-    MAX_REPORTED_KEYS_PER_S, REPORT_HEADER, REPORT_KEYS_HEADER, parse_report, parse_report_keys)
+    MAX_REPORTED_KEYS_PER_S, REPORT_HEADER, REPORT_KEYS_HEADER, KeyRate, parse_report, parse_report_keys)
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scatter import Gather, Scatter, scatters
 from compression.transcode import check_codec_params
-from kvstore.wire import layout_from_message, layout_message
+from kvstore.wire import layout_from_message, meta_from_header
 from tiers.base import TierError, TierFullError
 
 log = logging.getLogger(__name__)
@@ -141,15 +140,6 @@ def header_from_meta(meta: pb.BlockMeta, payload_len: int, tenant: Tenant, store
                        codec_params=params)
 
 
-def meta_from_header(header: BlockHeader) -> pb.BlockMeta:
-    return pb.BlockMeta(
-        key=header.key, namespace=header.namespace,
-        layout=layout_message(header.layout),
-        tokens=header.tokens, codec=header.codec,
-        codec_params_json=json.dumps(header.codec_params) if header.codec_params else "",
-        payload_len=header.payload_len)
-
-
 def get_result(client_key: bytes, found: GetResult | None) -> pb.GetResult:
     """A result without its payload (which travels in the arena, or is appended by encode_get_response)."""
     if found is None:
@@ -167,23 +157,6 @@ class Usage:
         self.hits: dict[str, int] = defaultdict(int)
         self.bytes_out: dict[str, int] = defaultdict(int)
         self.bytes_in: dict[str, int] = defaultdict(int)
-
-
-class KeyRate:
-    """A token bucket of ``per_s`` keys a second (a second's worth at most banked): how many of the
-    keys offered now may count."""
-
-    def __init__(self, per_s: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.per_s, self._clock = per_s, clock
-        self._left, self._at = float(per_s), clock()
-
-    def admit(self, keys: int) -> int:
-        now = self._clock()
-        self._left = min(float(self.per_s), self._left + (now - self._at) * self.per_s)
-        self._at = now
-        admitted = min(keys, int(self._left))
-        self._left -= admitted
-        return admitted
 
 
 class Transfers:
