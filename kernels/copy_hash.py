@@ -78,3 +78,9 @@ def copy_rows_streamed(dest: np.ndarray, source: np.ndarray) -> bool:
     rows, row_bytes = dest.shape
     return library.kvstore_copy_streamed(dest.ctypes.data, dest.strides[0], source.ctypes.data, source.strides[0],
                                          row_bytes, rows) == 0
+
+
+def copy_rows_streamed_many(pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[int]:
+    """:func:`copy_rows_streamed` of each ``(dest, source)`` pair, in order (a Get's blocks, one
+    call from Python's side); the indices of the pairs it did not copy, left to the caller's path."""
+    return [i for i, (dest, source) in enumerate(pairs) if not copy_rows_streamed(dest, source)]

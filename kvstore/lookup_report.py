@@ -18,13 +18,14 @@ count nothing.
 
 The format (`format_report`, `format_report_keys`) and its parse (`parse_report`,
 `parse_report_keys`, kvstore/daemon/transfers.py) live here together, with the client's
-`LookupTally` that keeps what is not sent yet.
+`LookupTally` that keeps what is not sent yet and the daemon's bound on the keys it counts (`KeyRate`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from typing import Callable, Sequence
 
@@ -167,3 +168,20 @@ def parse_report(value: str) -> tuple[int, int, int] | None:
     if keys > MAX_REPORT or calls > MAX_REPORT or hits > keys:
         return None
     return keys, hits, calls
+
+
+class KeyRate:
+    """A token bucket of ``per_s`` keys a second (a second's worth at most banked): how many of the
+    keys offered now may count (the daemon's, ``MAX_REPORTED_KEYS_PER_S`` for all clients together)."""
+
+    def __init__(self, per_s: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_s, self._clock = per_s, clock
+        self._left, self._at = float(per_s), clock()
+
+    def admit(self, keys: int) -> int:
+        now = self._clock()
+        self._left = min(float(self.per_s), self._left + (now - self._at) * self.per_s)
+        self._at = now
+        admitted = min(keys, int(self._left))
+        self._left -= admitted
+        return admitted

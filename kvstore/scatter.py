@@ -66,17 +66,28 @@ def copy_streamed(dest: np.ndarray, source: np.ndarray) -> None:
     """``source`` into ``dest`` (uint8 arrays of one shape, rows contiguous): a Get's copy, with
     streamed stores where the C kernel applies (`kernels.copy_hash.copy_rows_streamed`), else
     numpy's."""
+    copy_streamed_many([(dest, source)])
+
+
+def copy_streamed_many(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """:func:`copy_streamed` of each ``(dest, source)`` pair, in order: a Get's blocks in one call
+    to the kernels (`kernels.copy_hash.copy_rows_streamed_many`), numpy's copy for the pairs the
+    C kernel does not take."""
     native = native_copies()
-    if native is None or not native.copy_rows_streamed(dest, source):
-        np.copyto(dest, source)
+    left = range(len(pairs)) if native is None else native.copy_rows_streamed_many(pairs)
+    for i in left:
+        np.copyto(*pairs[i])
 
 
 class Scatter:
     """A destination in rows: payload row i (``row_bytes`` bytes) at ``dest[i * row_stride:]``."""
 
-    def __init__(self, dest: memoryview, row_bytes: int, row_stride: int) -> None:
+    def __init__(self, dest: memoryview, row_bytes: int, row_stride: int, payload_len: int | None = None) -> None:
         _check_rows(row_bytes, row_stride, len(dest), "destination")
         self.dest, self.row_bytes, self.row_stride = dest, row_bytes, row_stride
+        #: Whether the payload planned into it (``payload_len``: the block a Get found; None: none)
+        #: is whole rows of it (`fits`).
+        self.fit = payload_len is not None and self.fits(payload_len)
 
     def rows(self, payload_len: int) -> int | None:
         """Rows of a ``payload_len``-byte payload, or None when it is not a whole number of rows
@@ -89,12 +100,30 @@ class Scatter:
     def fill(self, source) -> None:
         """Copy ``source`` (a contiguous buffer or uint8 array of a payload that `fits`) in rows;
         `Unfit`, with nothing copied, for one that does not."""
+        copy_streamed(*self.pair(source))
+
+    def pair(self, source) -> tuple[np.ndarray, np.ndarray]:
+        """The copy :meth:`fill` makes, not made: ``(destination rows, source rows)``, each
+        [rows, row_bytes], for :func:`copy_streamed_many` (a tier copying a Get's blocks at once);
+        `Unfit` for a payload that is not whole rows of the destination."""
         source = np.frombuffer(source, dtype=np.uint8) if not isinstance(source, np.ndarray) else source
         rows = self.rows(source.nbytes)
         if rows is None:
             raise Unfit(f"a {source.nbytes}-byte payload is not whole rows of {self.row_bytes} bytes "
                         f"within the {len(self.dest)}-byte destination")
-        copy_streamed(_strided(self.dest, rows, self.row_bytes, self.row_stride), source.reshape(rows, self.row_bytes))
+        return _strided(self.dest, rows, self.row_bytes, self.row_stride), source.reshape(rows, self.row_bytes)
+
+
+def scatters(specs: list[tuple[memoryview, int, int, int | None]]) -> list[Scatter | ValueError]:
+    """A `Scatter` of each ``(dest, row_bytes, row_stride, payload_len)`` (a Get's items in rows, in
+    one call), or the ValueError that refuses it, for the caller to raise naming its item."""
+    made: list[Scatter | ValueError] = []
+    for dest, row_bytes, row_stride, payload_len in specs:
+        try:
+            made.append(Scatter(dest, row_bytes, row_stride, payload_len))
+        except ValueError as exc:
+            made.append(exc)
+    return made
 
 
 class Gather:

@@ -6,13 +6,18 @@ the Get reply serialized by hand, so inline payloads are copied once; and the da
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvstore.keys import KVLayout
 from kvstore.proto import kvstore_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvstore.block import BlockHeader
 
 
 def layout_message(layout: KVLayout) -> pb.Layout:
@@ -23,6 +28,16 @@ def layout_message(layout: KVLayout) -> pb.Layout:
 def layout_from_message(message: pb.Layout) -> KVLayout:
     """The layout a message names; ValueError (from KVLayout) when it is out of range."""
     return KVLayout(message.num_layers, message.num_kv_heads, message.head_dim, message.dtype)
+
+
+def meta_from_header(header: BlockHeader) -> pb.BlockMeta:
+    """The message of a stored block's header (a Get's result: the daemon sets the caller's key)."""
+    return pb.BlockMeta(
+        key=header.key, namespace=header.namespace,
+        layout=layout_message(header.layout),
+        tokens=header.tokens, codec=header.codec,
+        codec_params_json=json.dumps(header.codec_params) if header.codec_params else "",
+        payload_len=header.payload_len)
 
 
 def _varint(n: int) -> bytes:

@@ -268,7 +268,7 @@ def test_reported_keys_are_bounded_and_ignored_with_tenants(daemon_factory, shor
 
 
 def test_reported_keys_count_within_a_rate_for_all_clients():
-    from kvstore.daemon.transfers import KeyRate
+    from kvstore.lookup_report import KeyRate
 
     now = [0.0]
     rate = KeyRate(100, clock=lambda: now[0])

@@ -181,21 +181,23 @@ def test_large_gets_copy_off_the_loop_and_puts_wait_for_busy_blocks(tmp_path, mo
     import numpy as np
 
     from kvstore.daemon import reads
+    from kvstore.scatter import copy_streamed_many
 
     monkeypatch.setattr(reads, "OFFLOAD_BYTES", 0)  # every Get copies in worker threads
     release = threading.Event()
     real_copyto = np.copyto
 
-    def slow_copyto(dst, src):
+    def slow_copyto(pairs):
         release.wait(10)
-        real_copyto(dst, src)
+        for dst, src in pairs:
+            real_copyto(dst, src)
 
     async def scenario():
         store = make_store(tmp_path, cpu_blocks=2)
         (a, pa), (b, pb), (c, pc) = blocks(3, start=40)
         await store.put(a, pa)
         await store.put(b, pb)
-        monkeypatch.setattr("tiers.cpu.copy_streamed", slow_copyto)  # the tier's copy out
+        monkeypatch.setattr("tiers.cpu.copy_streamed_many", slow_copyto)  # the tier's copies out
         dests = [memoryview(bytearray(h.payload_len)) for h in (a, b)]
         reads = asyncio.create_task(store.reads.get_many_into([(a.key, dests[0]), (b.key, dests[1])]))
         await asyncio.sleep(0.05)
@@ -206,7 +208,7 @@ def test_large_gets_copy_off_the_loop_and_puts_wait_for_busy_blocks(tmp_path, mo
         release.set()
         results = await reads
         await put
-        monkeypatch.setattr("tiers.cpu.copy_streamed", real_copyto)
+        monkeypatch.setattr("tiers.cpu.copy_streamed_many", copy_streamed_many)
         assert [r.tier for r in results] == ["cpu", "cpu"]
         assert bytes(dests[0]) == bytes(pa) and bytes(dests[1]) == bytes(pb)
         assert store.lookup([c.key]).tiers == ("cpu",)

@@ -161,12 +161,15 @@ def test_cpu_tier_frees_a_block_deleted_mid_read_only_after_the_read(monkeypatch
     release, started = threading.Event(), threading.Event()
     real_copyto = np.copyto
 
-    def slow_copyto(dst, src):
+    def slow_copyto(pairs):
         started.set()
         release.wait(10)
-        real_copyto(dst, src)
+        for dst, src in pairs:
+            real_copyto(dst, src)
 
-    monkeypatch.setattr("tiers.cpu.copy_streamed", slow_copyto)  # the tier's copy out
+    from kvstore.scatter import copy_streamed_many
+
+    monkeypatch.setattr("tiers.cpu.copy_streamed_many", slow_copyto)  # the tier's copies out
     dest = memoryview(bytearray(a.payload_len))
     reader = threading.Thread(target=tier.read_payload_into, args=(a.key, dest))
     reader.start()
@@ -179,7 +182,7 @@ def test_cpu_tier_frees_a_block_deleted_mid_read_only_after_the_read(monkeypatch
     tier.check_integrity()  # a doomed extent is accounted for
     release.set()
     reader.join(10)
-    monkeypatch.setattr("tiers.cpu.copy_streamed", real_copyto)
+    monkeypatch.setattr("tiers.cpu.copy_streamed_many", copy_streamed_many)
     assert bytes(dest) == bytes(pa) and tier.reads_in_flight == 0
     tier.put(c, pc)  # freed by the reader
     assert read(tier, c) == bytes(pc) and read(tier, b) == bytes(pb)

@@ -123,7 +123,8 @@ class Tier(ABC):
     def read_many_into(self, requests: list[tuple[bytes, memoryview]]) -> list[BlockHeader]:
         """:meth:`read_payload_into` for several blocks, headers in request order; the store calls
         it for memory tiers (no ``blocking_io``), once per Get. Tiers that copy adjacent blocks in
-        one go (GPU) override it; raises as :meth:`read_payload_into` does."""
+        one go (GPU) or all of them in one call (CPU) override it; raises as
+        :meth:`read_payload_into` does."""
         return [self.read_payload_into(key, dest) for key, dest in requests]
 
     def payload_view(self, key: bytes) -> memoryview | None:

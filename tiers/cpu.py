@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.block import CHECKSUM_STEP, BlockHeader, CorruptBlockError, copy_checksummed, native_copies
-from kvstore.scatter import Gather, Scatter, Unfit, copy_streamed
+from kvstore.scatter import Gather, Scatter, Unfit, copy_streamed_many
 from tiers.allocator import ExtentAllocator
 from tiers.base import ExtentIndex, Tier, TierError, TierFullError
 from kvstore.memory import prefault
@@ -236,30 +236,50 @@ class CpuTier(ExtentIndex, Tier):
         self._used += header.block_len
 
     def read_payload_into(self, key: bytes, dest: memoryview | Scatter) -> BlockHeader:
+        return self.read_many_into([(key, dest)])[0]
+
+    def read_many_into(self, requests: list[tuple[bytes, memoryview | Scatter]]) -> list[BlockHeader]:
+        """Every block's payload into its destination: the extents marked as read under the lock,
+        then every copy in one call (`copy_streamed_many`), then the marks dropped. Raises as
+        ``read_payload_into`` for the first block that cannot be read (KeyError; Unfit, ValueError
+        for a destination it does not fit), once the blocks before it are copied."""
+        held: list[tuple[int, BlockHeader]] = []  # (extent offset, header) of each block read
+        failure: Exception | None = None
         with self._lock:
-            offset, header = self._blocks[key]
-            if isinstance(dest, Scatter):
-                if not dest.fits(header.payload_len):
-                    raise Unfit(f"a {header.payload_len}-byte payload is not whole rows of the destination")
-            elif len(dest) < header.payload_len:
-                raise ValueError(f"destination of {len(dest)} bytes is smaller than the {header.payload_len}-byte payload")
-            self._reading[offset] = self._reading.get(offset, 0) + 1
+            for key, dest in requests:
+                try:
+                    offset, header = self._blocks[key]
+                    if isinstance(dest, Scatter):
+                        if not dest.fits(header.payload_len):
+                            raise Unfit(f"a {header.payload_len}-byte payload is not whole rows of the destination")
+                    elif len(dest) < header.payload_len:
+                        raise ValueError(f"destination of {len(dest)} bytes is smaller than the "
+                                         f"{header.payload_len}-byte payload")
+                except (KeyError, ValueError) as exc:
+                    failure = exc
+                    break
+                self._reading[offset] = self._reading.get(offset, 0) + 1
+                held.append((offset, header))
         try:
-            start = offset + header.header_len
-            source = self._arena[start : start + header.payload_len]
-            if isinstance(dest, Scatter):
-                dest.fill(source)
-            else:
-                copy_streamed(np.frombuffer(dest, dtype=np.uint8, count=header.payload_len), source)
+            pairs = []
+            for (_, dest), (offset, header) in zip(requests, held):
+                start = offset + header.header_len
+                source = self._arena[start : start + header.payload_len]
+                pairs.append(dest.pair(source) if isinstance(dest, Scatter)
+                             else (np.frombuffer(dest, dtype=np.uint8, count=header.payload_len), source))
+            copy_streamed_many(pairs)
         finally:
             with self._lock:
-                left = self._reading.pop(offset) - 1
-                if left:
-                    self._reading[offset] = left
-                elif offset in self._doomed:
-                    self._doomed.discard(offset)
-                    self._allocator.free(offset)
-        return header
+                for offset, _ in held:
+                    left = self._reading.pop(offset) - 1
+                    if left:
+                        self._reading[offset] = left
+                    elif offset in self._doomed:
+                        self._doomed.discard(offset)
+                        self._allocator.free(offset)
+        if failure is not None:
+            raise failure
+        return [header for _, header in held]
 
     def delete(self, key: bytes) -> int:
         with self._lock:

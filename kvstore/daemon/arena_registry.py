@@ -117,6 +117,17 @@ class ArenaRegistry:
     def size(self, arena_id: int, tenant: Tenant) -> int:
         return self._entry(arena_id, tenant).arena.size
 
+    def views(self, slices: list[tuple[int, int, int]], tenant: Tenant) -> tuple[list[memoryview], int]:
+        """:meth:`view` of each ``(arena_id, offset, length)`` (a call's slices, in one call), and
+        the bytes of the arenas they name, each counted once: the most the call may copy through
+        shared memory."""
+        views = [self.view(arena_id, tenant, offset, length) for arena_id, offset, length in slices]
+        return views, self.bytes_of({arena_id for arena_id, _, _ in slices}, tenant)
+
+    def bytes_of(self, arena_ids: set[int], tenant: Tenant) -> int:
+        """The bytes of the caller's arenas ``arena_ids`` together."""
+        return sum(self.size(arena_id, tenant) for arena_id in arena_ids)
+
     def check(self, size: int, pid: int, tenant: Tenant) -> None:
         """Raise ArenaRefused naming the cap a new ``size``-byte arena of ``tenant``'s process
         ``pid`` would break."""

@@ -268,8 +268,7 @@ class BlockStore:
                     pass
 
     def header(self, key: bytes) -> BlockHeader | None:
-        level = self.locate(key)
-        return None if level is None else self.tiers[level].header(key)
+        return self.residency.header(key)
 
     def missing(self, keys: list[bytes]) -> list[bytes]:
         return [k for k in keys if self.locate(k) is None]
@@ -280,12 +279,7 @@ class BlockStore:
         """A same-host client's local Lookups found ``keys`` (its report, kvstore/shm_index.py): each
         one a tier holds is a use for eviction ``adaptive``, as a Get's hit is (a Get of it that
         follows is not counted again: `Residency.note_lookup`). How many were held."""
-        used = 0
-        for key in keys:
-            level = self.locate(key)
-            if level is not None:
-                self.residency.note_lookup(key, self.tiers[level].header(key).block_len)
-                used += 1
+        used = self.residency.note_looked_up(keys)
         if used:  # only the adaptive policy's segments moved
             self._refresh_arc_gauges()
         return used
@@ -295,9 +289,7 @@ class BlockStore:
         use for eviction ``adaptive``; under admission "reused" it now earns the copy below that
         write-through skipped at its Put, and a lower-tier hit is promoted to the top in the
         background (``promote_on_get``)."""
-        tier = self.tiers[level]
-        if key in tier:  # (a read in a worker thread may end after an eviction took the block)
-            self.residency.note_use(key, tier.header(key).block_len)
+        self.residency.note_hit(level, key)
         if self.admission != "all" and not self.residency.reused(key):
             self.residency.mark_reused(key)
             if self.write_through and level + 1 < len(self.tiers) and key not in self.tiers[level + 1]:

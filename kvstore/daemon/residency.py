@@ -225,6 +225,11 @@ class Residency:
                 return level
         return None
 
+    def header(self, key: bytes) -> BlockHeader | None:
+        """The header of ``key`` in the highest tier holding it; None: no tier does."""
+        level = self.locate(key)
+        return None if level is None else self.tiers[level].header(key)
+
     # -- changes ------------------------------------------------------------------------------
 
     async def put(self, level: int, header: BlockHeader, payload: memoryview, owner: str | None = None) -> None:
@@ -279,6 +284,24 @@ class Residency:
         while len(self._looked_up) > LOOKED_UP_KEYS:
             self._looked_up.popitem(last=False)
         self._use(key, nbytes)
+
+    def note_looked_up(self, keys: list[bytes]) -> int:
+        """`note_lookup` of each of ``keys`` a tier holds (its copy's size from the highest such
+        tier); how many were held."""
+        used = 0
+        for key in keys:
+            level = self.locate(key)
+            if level is not None:
+                self.note_lookup(key, self.tiers[level].header(key).block_len)
+                used += 1
+        return used
+
+    def note_hit(self, level: int, key: bytes) -> None:
+        """A Get found ``key`` in tier ``level``: `note_use` of that copy, if the tier still holds
+        it (a read in a worker thread may end after an eviction took the block)."""
+        tier = self.tiers[level]
+        if key in tier:
+            self.note_use(key, tier.header(key).block_len)
 
     def note_use(self, key: bytes, nbytes: int) -> None:
         """A Get hit ``key`` or a Put stored it (``nbytes`` a copy): a use for the duels, each of

@@ -122,8 +122,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Get(self, request: pb.GetRequest, context) -> pb.GetResponse | bytes:
-        tenant = self._tenant(context)
-        replies, inline = await self.transfers.get_blocks(tenant, request, copies=GRPC_GET_COPIES)
+        # one call: the tenant of the call's token and its reads (transfers.get_for)
+        tenant, replies, inline = await self.transfers.get_for(context.invocation_metadata(), request,
+                                                               copies=GRPC_GET_COPIES)
         if inline:
             # Replies' buffers in flight are bounded across calls; they are freed once gRPC sent them.
             context.add_done_callback(lambda _: self.transfers.inline.release(inline, tenant.name))

@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import time
 from collections import defaultdict
 from typing import Callable, NamedTuple
 
@@ -34,11 +33,11 @@ from kvstore.daemon.residency import WalkBudget
 from kvstore.keys import KEY_BYTES
 from kvstore.limits import MAX_ITEMS_PER_CALL, MAX_KEYS_PER_CALL, MAX_LAYERS, MAX_SKIPPED_REPORT, SKIPPED_STORES_HEADER
 from kvstore.lookup_report import (
-    MAX_REPORTED_KEYS_PER_S, REPORT_HEADER, REPORT_KEYS_HEADER, parse_report, parse_report_keys)
+    MAX_REPORTED_KEYS_PER_S, REPORT_HEADER, REPORT_KEYS_HEADER, KeyRate, parse_report, parse_report_keys)
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.scatter import Gather, Scatter
+from kvstore.scatter import Gather, Scatter, scatters
 from compression.transcode import check_codec_params
-from kvstore.wire import layout_from_message, layout_message
+from kvstore.wire import layout_from_message, meta_from_header
 from tiers.base import TierError, TierFullError
 
 log = logging.getLogger(__name__)
@@ -141,15 +140,6 @@ def header_from_meta(meta: pb.BlockMeta, payload_len: int, tenant: Tenant, store
                        codec_params=params)
 
 
-def meta_from_header(header: BlockHeader) -> pb.BlockMeta:
-    return pb.BlockMeta(
-        key=header.key, namespace=header.namespace,
-        layout=layout_message(header.layout),
-        tokens=header.tokens, codec=header.codec,
-        codec_params_json=json.dumps(header.codec_params) if header.codec_params else "",
-        payload_len=header.payload_len)
-
-
 def get_result(client_key: bytes, found: GetResult | None) -> pb.GetResult:
     """A result without its payload (which travels in the arena, or is appended by encode_get_response)."""
     if found is None:
@@ -167,23 +157,6 @@ class Usage:
         self.hits: dict[str, int] = defaultdict(int)
         self.bytes_out: dict[str, int] = defaultdict(int)
         self.bytes_in: dict[str, int] = defaultdict(int)
-
-
-class KeyRate:
-    """A token bucket of ``per_s`` keys a second (a second's worth at most banked): how many of the
-    keys offered now may count."""
-
-    def __init__(self, per_s: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.per_s, self._clock = per_s, clock
-        self._left, self._at = float(per_s), clock()
-
-    def admit(self, keys: int) -> int:
-        now = self._clock()
-        self._left = min(float(self.per_s), self._left + (now - self._at) * self.per_s)
-        self._at = now
-        admitted = min(keys, int(self._left))
-        self._left -= admitted
-        return admitted
 
 
 class Transfers:
@@ -271,19 +244,18 @@ class Transfers:
     def _slice(self, slice_: pb.ArenaSlice, tenant: Tenant) -> memoryview:
         return self.arenas.view(slice_.arena_id, tenant, slice_.offset, slice_.length)
 
-    def _check_bytes(self, tenant: Tenant, what: str, inline: int, shared: int, arena_ids: set[int]) -> None:
+    def _check_bytes(self, tenant: Tenant, what: str, inline: int, shared: int, arena_bytes: int) -> None:
         """Refuse a call before any copy when it would move more than it may: inline bytes within
-        the message limit, bytes through shared memory within the arenas it names (a call naming
-        one slice many times cannot make the daemon copy without end)."""
+        the message limit, bytes through shared memory within the ``arena_bytes`` of the arenas it
+        names (a call naming one slice many times cannot make the daemon copy without end)."""
         if inline > self.max_message_bytes:
             raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"{what} would carry {inline} inline bytes; the message limit is "
                              f"{self.max_message_bytes} (max_message_bytes): ask for fewer blocks per call")
-        budget = sum(self.arenas.size(arena_id, tenant) for arena_id in arena_ids)
-        if shared > budget:
+        if shared > arena_bytes:
             raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"{what} would copy {shared} bytes through shared memory, more than the "
-                             f"{budget} bytes of the arenas it names")
+                             f"{arena_bytes} bytes of the arenas it names")
 
     def count(self, tenant: Tenant, rpc: str, results: list[GetResult | None], requested: int | None = None) -> None:
         """Keys asked for (``requested``, default one per result) and the tenant's own counters of
@@ -357,7 +329,7 @@ class Transfers:
             if self.autocal is not None:
                 self.autocal.note(header.namespace, tenant)
             prepared.append((header, payload, parent))
-        self._check_bytes(tenant, "this Put", 0, shared, arena_ids)
+        self._check_bytes(tenant, "this Put", 0, shared, self.arenas.bytes_of(arena_ids, tenant))
         # Validate everything before storing anything; then store, the checksum computed as the
         # payload is copied. (A client that rewrites its arena during the call spoils only this
         # block of its own, stored under its tenant's keys: in the CPU tier the checksum is of the
@@ -417,40 +389,51 @@ class Transfers:
                 raise BadRequest(grpc.StatusCode.NOT_FOUND,
                                  f"{len(missing)} of {len(keys)} keys are not stored "
                                  f"(first: items[{keys.index(missing[0])}]); set allow_missing to get the others")
-        plan: Plan = []
-        inline = shared = 0
-        arena_ids: set[int] = set()
-        for i, (key, item) in enumerate(zip(keys, request.items)):
-            if need_dest and not item.HasField("dest"):
-                raise ValueError(f"items[{i}] has no dest: a layer-wise Get writes into a registered arena")
-            header = self.store.header(key)
-            dest = None
-            if item.HasField("dest"):
-                dest = self._slice(item.dest, tenant)
-                arena_ids.add(item.dest.arena_id)
+        headers = [self.store.header(key) for key in keys]
+        for i, item in enumerate(request.items):  # what is refused before any arena is looked at
+            if not item.HasField("dest"):
+                if need_dest:
+                    raise ValueError(f"items[{i}] has no dest: a layer-wise Get writes into a registered arena")
                 if item.row_bytes:
-                    if need_dest:
-                        raise ValueError(f"items[{i}] has row_bytes: GetLayers copies into plain slices only")
-                    try:
-                        dest = Scatter(dest, item.row_bytes, item.row_stride)
-                    except ValueError as exc:
-                        raise ValueError(f"items[{i}]: {exc}") from None
-            elif item.row_bytes:
-                raise ValueError(f"items[{i}] has row_bytes but no dest: rows go into a registered arena")
+                    raise ValueError(f"items[{i}] has row_bytes but no dest: rows go into a registered arena")
+            elif item.row_bytes and need_dest:
+                raise ValueError(f"items[{i}] has row_bytes: GetLayers copies into plain slices only")
             if item.row_stride and not item.row_bytes:
                 raise ValueError(f"items[{i}] has row_stride but no row_bytes")
+        # every destination in one call to the arenas, and those in rows in one call to scatter.py
+        with_dest = [i for i, item in enumerate(request.items) if item.HasField("dest")]
+        views, arena_bytes = self.arenas.views(
+            [(request.items[i].dest.arena_id, request.items[i].dest.offset, request.items[i].dest.length)
+             for i in with_dest], tenant) if with_dest else ([], 0)
+        dests: dict[int, memoryview | Scatter] = dict(zip(with_dest, views))
+        in_rows = [i for i in with_dest if request.items[i].row_bytes]
+        made = scatters([(dests[i], request.items[i].row_bytes, request.items[i].row_stride,
+                          None if headers[i] is None else headers[i].payload_len) for i in in_rows]) if in_rows else []
+        for i, scatter in zip(in_rows, made):
+            if isinstance(scatter, ValueError):
+                raise ValueError(f"items[{i}]: {scatter}") from None
+            dests[i] = scatter
+        plan: Plan = []
+        inline = shared = 0
+        for i, (key, header) in enumerate(zip(keys, headers)):
+            dest = dests.get(i)
             if header is not None:
                 if dest is None:
                     inline += header.payload_len + RESULT_OVERHEAD
                 elif isinstance(dest, Scatter):
-                    shared += header.payload_len if dest.fits(header.payload_len) else 0
+                    shared += header.payload_len if dest.fit else 0
                 elif len(dest) < header.payload_len:
                     raise ValueError(f"items[{i}].dest has {len(dest)} bytes; the block needs {header.payload_len}")
                 else:
                     shared += header.payload_len
             plan.append(PlannedRead(key, header, dest))
-        self._check_bytes(tenant, "this Get", inline, shared, arena_ids)
+        self._check_bytes(tenant, "this Get", inline, shared, arena_bytes)
         return keys, plan, inline
+
+    async def get_for(self, metadata, request: pb.GetRequest, copies: int = 1) -> tuple[Tenant, Replies, int]:
+        """:meth:`get_blocks` for the tenant of a call's ``metadata`` (:meth:`tenant_of`), returned with them."""
+        tenant = self.tenant_of(metadata)
+        return (tenant, *await self.get_blocks(tenant, request, copies=copies))
 
     async def get_blocks(self, tenant: Tenant, request: pb.GetRequest,
                          allocate: Callable[[int], bytearray] = bytearray, copies: int = 1) -> tuple[Replies, int]:
@@ -481,7 +464,7 @@ class Transfers:
         # A block that is not whole rows of a scatter item's destination: found, its meta in the
         # reply, nothing copied (the caller Gets it into a plain slice); neither a hit nor a miss.
         unfit = {i: GetResult(read.header, "") for i, read in enumerate(plan) if read.header is not None
-                 and isinstance(read.dest, Scatter) and not read.dest.fits(read.header.payload_len)}
+                 and isinstance(read.dest, Scatter) and not read.dest.fit}
         found_at = [i for i, read in enumerate(plan)
                     if read.header is not None and i not in by_reference and i not in unfit]
         buffers = {i: allocate(plan[i].header.payload_len) for i in found_at if plan[i].dest is None}
