@@ -20,7 +20,7 @@ from kvstore.keys import KVLayout
 from tests.test_daemon import BLOCK, NS, make_blocks
 from tests.test_s3 import SMALL, make_header, wait_for
 from tiers.s3 import S3Config, S3Tier
-from tiers.s3_auth import BLOCK_FIELD, HEAD_FIELD, ObjectMac
+from tiers.s3_auth import BLOCK_FIELD, HEAD_FIELD, NONCE_FIELD, ObjectMac
 from tiers.s3_discovery import DISCOVER_MAX_KEYS, DISCOVER_WINDOW
 
 KEY = b"k" * 32  # the hosts' shared MAC key in the tier tests
@@ -54,7 +54,7 @@ def macs(key: bytes, header: BlockHeader, payload) -> dict[str, str]:
     mac = ObjectMac(key)
     hasher = mac.block_hasher()
     hasher.update(payload)
-    return mac.metadata(header.pack(), mac.block(hasher, header.pack(), len(payload)))
+    return mac.metadata(header.pack(), hasher, mac.block(hasher, header.pack(), len(payload)))
 
 
 def rewrite(moto_server, bucket: str, object_key: str, body: bytes, metadata: dict[str, str] | None = None) -> None:
@@ -87,7 +87,7 @@ def test_forged_object_is_refused_and_never_served(moto_server, s3_bucket):
     rewrite(moto_server, s3_bucket, object_key, header.pack() + bytes(payload), macs(OTHER_KEY, header, payload))
     with pytest.raises(CorruptBlockError, match="block MAC does not match"):
         read(writer, header)
-    assert forged != bytes(payload) and set(genuine["Metadata"]) == {HEAD_FIELD, BLOCK_FIELD}
+    assert forged != bytes(payload) and set(genuine["Metadata"]) == {NONCE_FIELD, HEAD_FIELD, BLOCK_FIELD}
     writer.close()
     reader.close()
 
@@ -128,6 +128,74 @@ def test_other_secret_and_old_objects_are_misses(moto_server, s3_bucket):
     assert read(stranger, theirs) == bytes(their_payload)
     assert stranger.discover([ours.key], 2.0) == [] and ours.key not in stranger
     stranger.close()
+    reader.close()
+
+
+def legacy_macs(key: bytes, header: BlockHeader, payload) -> dict[str, str]:
+    """The metadata a host gave objects before the AEGIS block MAC: BLAKE2b of the header, and of
+    payload || header || lengths (written out here, so the test does not lean on the tier's code)."""
+    import hashlib
+
+    packed = header.pack()
+    head = hashlib.blake2b(packed, digest_size=32, key=key, person=b"kvs-s3-head")
+    block = hashlib.blake2b(bytes(payload) + packed + len(packed).to_bytes(8, "little")
+                            + len(payload).to_bytes(8, "little"), digest_size=32, key=key, person=b"kvs-s3-block")
+    return {"kvstore-head-mac": head.hexdigest(), "kvstore-mac": block.hexdigest()}
+
+
+def test_objects_macd_before_aegis_are_still_read_and_checked(moto_server, s3_bucket):
+    """An object a host wrote with BLAKE2b MACs is indexed and served by this one, and refused when
+    forged; an object written now carries no field an older host reads as a head MAC (it refuses
+    it at listing and leaves it, instead of indexing it and deleting it when its block MAC reads)."""
+    writer = s3_tier(moto_server, s3_bucket)
+    old, old_payload = make_header(8, SMALL, 64)
+    rewrite(moto_server, s3_bucket, writer._object_key(old.key), old.pack() + bytes(old_payload),
+            legacy_macs(KEY, old, old_payload))
+    forged_header, forged_payload = make_header(9, SMALL, 64)
+    body, _ = forge(forged_header, seed=5)
+    rewrite(moto_server, s3_bucket, writer._object_key(forged_header.key), body,
+            legacy_macs(KEY, forged_header, forged_payload))  # genuine MACs of other bytes
+    new, new_payload = make_header(10, SMALL, 64)
+    writer.put(new, new_payload)
+    stored = moto_server.client().get_object(Bucket=s3_bucket, Key=writer._object_key(new.key))["Metadata"]
+    assert "kvstore-head-mac" not in stored and "kvstore-mac" not in stored
+
+    reader = s3_tier(moto_server, s3_bucket)
+    assert old.key in reader and new.key in reader and forged_header.key not in reader
+    assert read(reader, old) == bytes(old_payload) and read(reader, new) == bytes(new_payload)
+    genuine = legacy_macs(KEY, old, old_payload)
+    rewrite(moto_server, s3_bucket, writer._object_key(old.key), old.pack() + bytes(forged_payload[: len(old_payload)]),
+            genuine)  # the indexed header, another payload, the genuine legacy MACs
+    with pytest.raises(CorruptBlockError):
+        read(reader, old)
+    writer.close()
+    reader.close()
+
+
+@pytest.mark.parametrize("nonce", ["", "zz" * 32, "00" * 31, "00" * 33, None])
+def test_a_hostile_mac_nonce_is_refused_in_words(moto_server, s3_bucket, nonce):
+    """An object whose nonce is missing, not hex, too short or too long, or another object's, is
+    refused at listing and discovery (counted), and a read of it fails as corrupt."""
+    writer = s3_tier(moto_server, s3_bucket)
+    header, payload = make_header(11, SMALL, 64)
+    writer.put(header, payload)
+    object_key = writer._object_key(header.key)
+    metadata = dict(moto_server.client().get_object(Bucket=s3_bucket, Key=object_key)["Metadata"])
+    if nonce is None:  # another object's nonce: the head MAC binds the nonce
+        other, other_payload = make_header(12, SMALL, 64)
+        writer.put(other, other_payload)
+        metadata[NONCE_FIELD] = moto_server.client().get_object(
+            Bucket=s3_bucket, Key=writer._object_key(other.key))["Metadata"][NONCE_FIELD]
+    elif nonce:
+        metadata[NONCE_FIELD] = nonce
+    else:
+        del metadata[NONCE_FIELD]
+    rewrite(moto_server, s3_bucket, object_key, header.pack() + bytes(payload), metadata)
+    reader = s3_tier(moto_server, s3_bucket)
+    assert header.key not in reader and reader.discover([header.key], 2.0) == []
+    with pytest.raises(CorruptBlockError, match="MAC"):
+        read(writer, header)
+    writer.close()
     reader.close()
 
 

@@ -57,7 +57,7 @@ from tiers import at_rest
 from tiers.at_rest import AtRestKey
 from tiers.base import HeaderIndex, Tier, TierError, TierFullError
 from tiers.breaker import CircuitBreaker  # noqa: F401  (callers import it from here, as S3Config)
-from tiers.s3_auth import ObjectMac
+from tiers.s3_auth import BlockMac, ObjectMac
 from tiers.s3_discovery import DISCOVER_THREADS, Discovery
 from tiers.s3_endpoint import STREAM_CHUNK, Endpoint, S3Config, stream_body
 
@@ -294,7 +294,7 @@ class S3Tier(HeaderIndex, Tier):
         if checksum is not None:
             header = dataclasses.replace(header, checksum=checksum.intdigest())
         packed = header.pack()
-        metadata = self.mac.metadata(packed, self.mac.block(mac, packed, len(payload)))
+        metadata = self.mac.metadata(packed, mac, self.mac.block(mac, packed, len(payload)))
         object_key = self._object_key(header.key)
         if body is None:
             self._put_multipart(object_key, packed, payload, metadata)
@@ -445,7 +445,13 @@ class S3Tier(HeaderIndex, Tier):
             if response["ContentLength"] != total:
                 response["Body"].close()
                 raise CorruptBlockError(f"object is {response['ContentLength']} bytes, index says {total}")
-            got = _Read(xxhash.xxh3_64(), self.mac.block_hasher(), response.get("Metadata", {}))
+            metadata = response.get("Metadata", {})
+            try:
+                mac = self.mac.block_hasher(metadata)
+            except CorruptBlockError:
+                response["Body"].close()
+                raise
+            got = _Read(xxhash.xxh3_64(), mac, metadata)
             stream_body(response["Body"], head, payload, (got.checksum, got.mac))
             read[:] = [got]
 
@@ -483,7 +489,7 @@ class S3Tier(HeaderIndex, Tier):
         metadata = [future.result() for future in futures]
         if any(m != metadata[0] for m in metadata):
             raise CorruptBlockError("object was replaced while its parts were read")
-        got = _Read(xxhash.xxh3_64(), self.mac.block_hasher(), metadata[0])
+        got = _Read(xxhash.xxh3_64(), self.mac.block_hasher(metadata[0]), metadata[0])
         for at in range(0, len(payload) if hashed else 0, STREAM_CHUNK):
             chunk = payload[at : at + STREAM_CHUNK]
             got.checksum.update(chunk)
@@ -556,7 +562,7 @@ class _Read:
     """A GET of a whole block: hashers fed its payload as it arrived, and the object's metadata."""
 
     checksum: "xxhash.xxh3_64"
-    mac: "hashlib._Hash"
+    mac: BlockMac
     metadata: dict[str, str]
 
 
