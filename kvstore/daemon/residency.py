@@ -290,9 +290,9 @@ class Residency:
         tier); how many were held."""
         used = 0
         for key in keys:
-            level = self.locate(key)
-            if level is not None:
-                self.note_lookup(key, self.tiers[level].header(key).block_len)
+            header = self.header(key)
+            if header is not None:
+                self.note_lookup(key, header.block_len)
                 used += 1
         return used
 
