@@ -11,7 +11,7 @@ import os
 import struct
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvstore.keys import KVLayout
 from kvstore.proto import kvstore_pb2 as pb
@@ -38,6 +38,21 @@ def meta_from_header(header: BlockHeader) -> pb.BlockMeta:
         tokens=header.tokens, codec=header.codec,
         codec_params_json=json.dumps(header.codec_params) if header.codec_params else "",
         payload_len=header.payload_len)
+
+
+def result_messages(keys: Sequence[bytes], found: Sequence[Any | None]) -> list[pb.GetResult]:
+    """A Get's results without their payloads (those travel in the arena, or are appended by
+    `encode_get_response`): per caller's key (not the tenant-derived stored key) the block found,
+    anything with a ``header`` and the ``tier`` it was read from (the daemon's `GetResult`), or None."""
+    out = []
+    for key, block in zip(keys, found):
+        if block is None:
+            out.append(pb.GetResult(found=False))
+            continue
+        meta = meta_from_header(block.header)
+        meta.key = key
+        out.append(pb.GetResult(found=True, meta=meta, tier=block.tier))
+    return out
 
 
 def _varint(n: int) -> bytes:

@@ -152,6 +152,29 @@ def test_a_coded_block_is_not_copied_in_rows_and_loads_the_usual_way(daemon):
         gc.collect()
 
 
+@pytest.mark.parametrize("local_lookup", [True, False], ids=["key-index", "rpc-lookup"])
+def test_a_get_in_rows_of_the_leading_run_copies_that_run_alone(daemon, local_lookup):
+    """``get_rows(..., leading_run=True)``, a load's lookup and Get in one call: the blocks after
+    the first gap are not copied, though the daemon holds them; nothing held, nothing asked."""
+    keys, source = _context(4, seed=8)
+    with KVStoreClient(daemon.address, local_lookup=local_lookup) as client:
+        client.put(NS, [(keys[c], N, source.export(c * N, (c + 1) * N)) for c in (0, 1, 3)])
+        kv = KVCache(5, 3, 48, 4 * N, torch.float32, "cpu", SharedKVMemory(client))
+        region = region_of(kv.data)
+        places = [rows_in(kv, region, c * N, N) for c in range(4)]
+        kv.data.fill_(-3.0)
+        found = client.get_rows(region.arena_id, keys, places, NS.layout, leading_run=True)
+        assert [(g.found, g.in_place, g.codec) for g in found] == [(True, True, "raw")] * 2
+        assert torch.equal(kv.data[:, :, :, : 2 * N], source.data[:, :, :, : 2 * N])
+        assert bool((kv.data[:, :, :, 2 * N :] == -3.0).all())  # chunk 3 is held, after the gap: not copied
+        assert (client.local_lookups, client.rpc_lookups) == ((1, 0) if local_lookup else (0, 1))
+        other, _ = _context(2, seed=9)
+        assert client.get_rows(region.arena_id, other, places[:2], NS.layout, leading_run=True) == []
+        assert bool((kv.data[:, :, :, 2 * N :] == -3.0).all())
+        del kv, region
+        gc.collect()
+
+
 def test_without_shared_memory_a_cache_is_plain_memory_and_loads_as_before(daemon):
     keys, source = _context(2, seed=4)
     with KVStoreClient(daemon.address, shared_memory=False) as client:

@@ -103,6 +103,8 @@ class KVStoreClient:
         #: Lookups answered from the shared key index and over gRPC (for tests and benchmarks).
         self.local_lookups = self.rpc_lookups = 0
         self._tally = LookupTally()  # local Lookups the daemon has not counted yet
+        #: Each namespace layout's message, made once (every Put and Get in rows names one).
+        self._layouts: dict[KVLayout, pb.Layout] = {}
         self._skipped_stores = 0  # stores skipped for a slow store queue, reported on the next call
         self._insecure, self._max_message_bytes = insecure, max_message_bytes
         #: The daemon's data channel, asked for at the first Put or Get without an arena
@@ -311,7 +313,7 @@ class KVStoreClient:
         Put is acknowledged once the daemon's top tier holds them (see docs/guarantees.md).
         """
         blocks = [BlockToPut.of(block) for block in blocks]
-        layout = layout_message(namespace.layout)
+        layout = self._layout_message(namespace.layout)
         params = json.dumps(codec_params) if codec_params else ""
         views = [payload_view(block.payload) for block in blocks]
         stored = 0
@@ -344,7 +346,7 @@ class KVStoreClient:
         payloads (the daemon may still be reading them after a timeout: that memory is lent to
         nothing else), then raises."""
         blocks = [BlockToPut.of(block) for block in blocks]
-        layout = layout_message(namespace.layout)
+        layout = self._layout_message(namespace.layout)
         stored = 0
         for batch in batches([block.payload.nbytes for block in blocks], self._planned_bytes()):
             items = []
@@ -365,13 +367,20 @@ class KVStoreClient:
                 raise
         return stored
 
-    def get_rows(self, arena_id: int, keys: Sequence[bytes], places: Sequence[Rows], layout: KVLayout
-                 ) -> list[RowsGot]:
+    def get_rows(self, arena_id: int, keys: Sequence[bytes], places: Sequence[Rows], layout: KVLayout,
+                 leading_run: bool = False) -> list[RowsGot]:
         """Get ``keys`` into rows of the arena ``arena_id`` (one of this client's), ``places[i]`` for
         ``keys[i]``, in one copy (the daemon's, from its tier straight into the rows). Per key a
         `RowsGot`: a block is in place when it is raw, of ``layout`` and exactly ``places[i].nbytes``;
-        for any other the daemon copied nothing (a coded block: Get it with :meth:`fetch`)."""
-        expected = layout_message(layout)
+        for any other the daemon copied nothing (a coded block: Get it with :meth:`fetch`).
+
+        ``leading_run``: only the longest leading run of ``keys`` the daemon holds, found by
+        :meth:`lookup` first (from the shared key index where there is one), and a `RowsGot` for
+        each of those alone: a load's lookup and Get in one call."""
+        if leading_run:
+            hits = self.lookup(keys).hits
+            keys, places = keys[:hits], places[:hits]
+        expected = self._layout_message(layout)
         got: list[RowsGot] = []
         for start in range(0, len(keys), MAX_ITEMS_PER_CALL):
             batch = range(start, min(start + MAX_ITEMS_PER_CALL, len(keys)))
@@ -384,6 +393,15 @@ class KVStoreClient:
                             and r.meta.layout == expected)
                 got.append(RowsGot(r.found, in_place, r.tier, r.meta.codec))
         return got
+
+    def _layout_message(self, layout: KVLayout) -> pb.Layout:
+        """``layout``'s message, made once per layout (read only: requests copy it in)."""
+        message = self._layouts.get(layout)
+        if message is None:
+            if len(self._layouts) >= 64:  # a client of many layouts: start over, no unbounded map
+                self._layouts.clear()
+            message = self._layouts[layout] = layout_message(layout)
+        return message
 
     @contextlib.contextmanager
     def fetch(self, keys: Sequence[bytes], max_payload_bytes: int,

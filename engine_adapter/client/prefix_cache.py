@@ -280,11 +280,7 @@ class PrefixCache:
         in_rows = chunk_rows(kv, n, len(keys))
         if in_rows is None:
             return self.load_run(keys, lambda c, block: kv.load(block, c * n), tiers)
-        found = self.lookup(keys)
-        if found is None or not found.hits:
-            return 0
-        hits = min(found.hits, len(in_rows.places))
-        got = self.get_rows(keys[:hits], in_rows.region, in_rows.places[:hits])
+        got = self.get_rows(keys[:len(in_rows.places)], in_rows.region, in_rows.places, leading_run=True)
         loaded = 0
         for block in got:
             if not block.in_place:
@@ -297,17 +293,18 @@ class PrefixCache:
             loaded += self.load_run(keys[loaded:], lambda c, b: kv.load(b, (loaded + c) * n), tiers)
         return loaded
 
-    def get_rows(self, keys: list[bytes], region: SharedRegion, places: Sequence[Rows]) -> list[RowsGot]:
+    def get_rows(self, keys: list[bytes], region: SharedRegion, places: Sequence[Rows],
+                 leading_run: bool = False) -> list[RowsGot]:
         """`KVStoreClient.get_rows` into ``region``, guarded: every key a miss when the daemon is
-        down or failed (counted)."""
+        down or failed (counted). ``leading_run``: the held run of ``keys`` alone, looked up first."""
         client = self.client() if keys else None
         if client is None:
-            return [RowsGot(False, False)] * len(keys)
+            return [] if leading_run else [RowsGot(False, False)] * len(keys)
         try:
-            got = client.get_rows(region.arena_id, keys, places, self.namespace.layout)
+            got = client.get_rows(region.arena_id, keys, places, self.namespace.layout, leading_run)
         except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
             self.failed("get", exc)
-            return [RowsGot(False, False)] * len(keys)
+            return [] if leading_run else [RowsGot(False, False)] * len(keys)
         self.ok()
         return got
 

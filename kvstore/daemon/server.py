@@ -25,11 +25,11 @@ from kvstore.daemon.arena_registry import ArenaNotFound
 from kvstore.daemon.auth import Tenant
 from kvstore.daemon.log_limit import LogLimit
 from kvstore.daemon.placement import STREAM_HOLD_S
-from kvstore.daemon.transfers import BadRequest, Transfers, get_result, status_of, stored_keys
+from kvstore.daemon.transfers import BadRequest, Transfers, status_of, stored_keys
 from kvstore.limits import GRPC_GET_COPIES, MAX_LAYER_COPIES, MAX_LEASE_MS
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire import encode_get_response
+from kvstore.wire import encode_get_response, result_messages
 
 log = logging.getLogger("kvstore.daemon.server")
 
@@ -156,8 +156,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 ordered = [next(found_iter) if read.header is not None else None for read in plan]
                 self.store.metrics.misses.inc(sum(read.header is None for read in plan))
                 self.transfers.count(tenant, "get", ordered)
-                await _write(context, pb.LayerReady(layer=-1, results=[get_result(item.key, r)
-                                                                   for item, r in zip(request.items, ordered)]))
+                await _write(context, pb.LayerReady(layer=-1, results=result_messages(
+                    [item.key for item in request.items], ordered)))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - as every unary RPC (_rpc)

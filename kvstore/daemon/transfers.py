@@ -37,7 +37,7 @@ from kvstore.lookup_report import (
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.scatter import Gather, Scatter, scatters
 from compression.transcode import check_codec_params
-from kvstore.wire import layout_from_message, meta_from_header
+from kvstore.wire import layout_from_message, meta_from_header, result_messages
 from tiers.base import TierError, TierFullError
 
 log = logging.getLogger(__name__)
@@ -138,15 +138,6 @@ def header_from_meta(meta: pb.BlockMeta, payload_len: int, tenant: Tenant, store
     return BlockHeader(key=stored_key, namespace=tenant.stored_key(meta.namespace), layout=layout,
                        tokens=meta.tokens, payload_len=payload_len, checksum=0, codec=meta.codec or "raw",
                        codec_params=params)
-
-
-def get_result(client_key: bytes, found: GetResult | None) -> pb.GetResult:
-    """A result without its payload (which travels in the arena, or is appended by encode_get_response)."""
-    if found is None:
-        return pb.GetResult(found=False)
-    meta = meta_from_header(found.header)
-    meta.key = client_key  # the caller's key, not the tenant-derived stored key
-    return pb.GetResult(found=True, meta=meta, tier=found.tier)
 
 
 class Usage:
@@ -476,9 +467,10 @@ class Transfers:
         self.count(tenant, "get", [by_reference[i][1] if i in by_reference else r
                                    for i, r in enumerate(results) if i not in unfit], requested=len(plan))
         results = [unfit.get(i, r) for i, r in enumerate(results)]
-        return [(by_reference[i][0] if i in by_reference else get_result(item.key, found),
+        messages = result_messages([item.key for item in request.items], results)
+        return [(by_reference[i][0] if i in by_reference else message,
                  None if found is None or i not in buffers else memoryview(buffers[i])[: found.header.payload_len])
-                for i, (item, found) in enumerate(zip(request.items, results))]
+                for i, (message, found) in enumerate(zip(messages, results))]
 
     def _gpu_direct(self, request: pb.GetRequest, plan: Plan, tenant: Tenant
                     ) -> dict[int, tuple[pb.GetResult, GetResult]]:
