@@ -303,7 +303,7 @@ class PrefixCache:
         try:
             got = client.get_rows(region.arena_id, keys, places, self.namespace.layout, leading_run)
         except Exception as exc:  # noqa: BLE001 - any daemon failure is a miss
-            self.failed("get", exc)
+            self.failed("load" if leading_run else "get", exc)
             return [] if leading_run else [RowsGot(False, False)] * len(keys)
         self.ok()
         return got
