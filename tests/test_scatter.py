@@ -155,7 +155,7 @@ def test_a_coded_block_is_not_copied_in_rows_and_loads_the_usual_way(daemon):
 @pytest.mark.parametrize("local_lookup", [True, False], ids=["key-index", "rpc-lookup"])
 def test_a_get_in_rows_of_the_leading_run_copies_that_run_alone(daemon, local_lookup):
     """``get_rows(..., leading_run=True)``, a load's lookup and Get in one call: the blocks after
-    the first gap are not copied, though the daemon holds them; nothing held, nothing asked."""
+    the first gap are not copied, though the daemon holds them; nothing held, nothing copied."""
     keys, source = _context(4, seed=8)
     with KVStoreClient(daemon.address, local_lookup=local_lookup) as client:
         client.put(NS, [(keys[c], N, source.export(c * N, (c + 1) * N)) for c in (0, 1, 3)])
