@@ -38,6 +38,7 @@ on ``s3_encrypt``: a sealed host refuses plain objects and a plain one sealed ob
     s3.py            the tier: index, put, read, delete (this file)
     s3_endpoint.py   settings, the boto3 client, retries, backoff and the circuit breaker
     s3_auth.py       the objects' MACs
+    s3_reads.py      one object read back: a whole GET, ranged GETs, a sealed object opened
     s3_discovery.py  asking about keys other hosts stored, bounded per call
 """
 
@@ -53,13 +54,13 @@ import xxhash
 
 from kvstore.block import FIXED_BYTES, MAX_HEADER_BYTES, BlockHeader, CorruptBlockError
 from kvstore.keys import KEY_BYTES
-from tiers import at_rest
 from tiers.at_rest import AtRestKey
 from tiers.base import HeaderIndex, Tier, TierError, TierFullError
 from tiers.breaker import CircuitBreaker  # noqa: F401  (callers import it from here, as S3Config)
-from tiers.s3_auth import BlockMac, ObjectMac
+from tiers.s3_auth import ObjectMac
 from tiers.s3_discovery import DISCOVER_THREADS, Discovery
-from tiers.s3_endpoint import STREAM_CHUNK, Endpoint, S3Config, stream_body
+from tiers.s3_endpoint import STREAM_CHUNK, Endpoint, S3Config
+from tiers.s3_reads import ObjectReads
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class S3Tier(HeaderIndex, Tier):
         self._used = 0
         self._new_keys: list[bytes] = []  # indexed by listing/discovery, not yet taken by the store
         self._pool = concurrent.futures.ThreadPoolExecutor(config.concurrency, thread_name_prefix=f"kvstore-{name}")
+        self._reads = ObjectReads(self.endpoint, config, self._pool, self.mac, at_rest)
         self._discovery = Discovery(self._index_remote, self.__contains__, config.negative_ttl_s, name)
         self._closed = threading.Event()
         #: Deletes that failed at the endpoint (the object may linger).
@@ -382,16 +384,16 @@ class S3Tier(HeaderIndex, Tier):
         plain = self.at_rest is None
         try:
             if not plain:
-                on_bucket, checksum = self._get_sealed(object_key, memoryview(head), payload)
+                on_bucket, checksum = self._reads.sealed(object_key, memoryview(head), payload)
                 if on_bucket != packed:
                     raise CorruptBlockError("header differs from the indexed one")
                 if checksum != header.checksum:
                     raise CorruptBlockError("payload checksum mismatch")
                 return header
             if self._stored_len(header) <= self.config.part_bytes:
-                got = self._get_whole(object_key, memoryview(head), payload)
+                got = self._reads.whole(object_key, memoryview(head), payload)
             else:
-                got = self._get_ranged(object_key, memoryview(head), payload)
+                got = self._reads.ranged(object_key, memoryview(head), payload)
             if bytes(head) != packed:
                 raise CorruptBlockError("header differs from the indexed one")
             elif got.checksum.intdigest() != header.checksum:
@@ -404,97 +406,6 @@ class S3Tier(HeaderIndex, Tier):
         except CorruptBlockError as exc:
             raise CorruptBlockError(f"{self.name}: {object_key}: {exc}") from None
         return header
-
-    def _get_sealed(self, object_key: str, head: memoryview, payload: memoryview) -> tuple[bytes, int]:
-        """Read a sealed object: its head into ``head``, its payload opened into ``payload``; the
-        tag checked. Returns the header as packed and the payload's checksum. Nothing is opened
-        from, nor hashed in, ``payload`` (a client's memory, maybe): ciphertext is opened from
-        the bytes received, a chunk at a time into a small buffer, hashed there, then copied.
-
-            whole GET   body chunks -> open -> scratch -> hash, copy -> payload
-            ranged      parts -> a staging buffer of the tier's; then the same from it
-        """
-        if len(head) + len(payload) <= self.config.part_bytes:
-            opening: list[_Opening] = []
-
-            def attempt() -> None:
-                response = self._s3.get_object(Bucket=self.config.bucket, Key=object_key)
-                if response["ContentLength"] != len(head) + len(payload):
-                    response["Body"].close()
-                    raise CorruptBlockError(f"object is {response['ContentLength']} bytes, index says "
-                                            f"{len(head) + len(payload)}")
-                opening[:] = [_Opening(self.at_rest, head, payload)]  # afresh on a retry
-                stream_body(response["Body"], head, payload, (), sink=opening[0])
-
-            self._call(f"GET {object_key}", attempt)
-            return opening[0].finish()
-        staging = memoryview(bytearray(len(payload)))
-        self._get_ranged(object_key, head, staging, hashed=False)
-        opening_ = _Opening(self.at_rest, head, payload)
-        for at in range(0, len(staging), STREAM_CHUNK):
-            opening_(staging[at : at + STREAM_CHUNK])
-        return opening_.finish()
-
-    def _get_whole(self, object_key: str, head: memoryview, payload: memoryview) -> _Read:
-        """One GET of the whole object, its payload hashed (checksum and MAC) as it streams in."""
-        total = len(head) + len(payload)
-        read: list[_Read] = []
-
-        def attempt() -> None:
-            response = self._s3.get_object(Bucket=self.config.bucket, Key=object_key)
-            if response["ContentLength"] != total:
-                response["Body"].close()
-                raise CorruptBlockError(f"object is {response['ContentLength']} bytes, index says {total}")
-            metadata = response.get("Metadata", {})
-            try:
-                mac = self.mac.block_hasher(metadata)
-            except CorruptBlockError:
-                response["Body"].close()
-                raise
-            got = _Read(xxhash.xxh3_64(), mac, metadata)
-            stream_body(response["Body"], head, payload, (got.checksum, got.mac))
-            read[:] = [got]
-
-        self._call(f"GET {object_key}", attempt)
-        return read[0]
-
-    def _get_ranged(self, object_key: str, head: memoryview, payload: memoryview, hashed: bool = True) -> _Read:
-        """Concurrent ranged GETs of ``part_bytes`` each, then (when ``hashed``) one pass over the
-        payload that makes both its checksum and its MAC (each ``STREAM_CHUNK`` hashed twice while
-        in cache).
-
-            object: | header | payload ........................................... |
-            ranges: |<-- part 0 -->|<-- part 1 -->|<-- part 2 -->| ... |<- last ->|
-        """
-        total, part = len(head) + len(payload), self.config.part_bytes
-
-        def fetch(start: int) -> dict[str, str]:
-            end = min(start + part, total)
-            h = head[start:min(end, len(head))] if start < len(head) else head[0:0]
-            p_start, p_end = max(start, len(head)) - len(head), end - len(head)
-            p = payload[p_start:p_end]
-
-            def attempt() -> dict[str, str]:
-                response = self._s3.get_object(Bucket=self.config.bucket, Key=object_key,
-                                               Range=f"bytes={start}-{end - 1}")
-                if response["ContentLength"] != end - start:
-                    response["Body"].close()
-                    raise CorruptBlockError(f"range {start}-{end - 1} came back with {response['ContentLength']} bytes")
-                stream_body(response["Body"], h, p, ())
-                return response.get("Metadata", {})
-
-            return self._call(f"GET {object_key} [{start}:{end}]", attempt)
-
-        futures = [self._pool.submit(fetch, start) for start in range(0, total, part)]
-        metadata = [future.result() for future in futures]
-        if any(m != metadata[0] for m in metadata):
-            raise CorruptBlockError("object was replaced while its parts were read")
-        got = _Read(xxhash.xxh3_64(), self.mac.block_hasher(metadata[0]), metadata[0])
-        for at in range(0, len(payload) if hashed else 0, STREAM_CHUNK):
-            chunk = payload[at : at + STREAM_CHUNK]
-            got.checksum.update(chunk)
-            got.mac.update(chunk)
-        return got
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
@@ -555,50 +466,3 @@ class S3Tier(HeaderIndex, Tier):
         self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._discovery.close()
-
-
-@dataclasses.dataclass
-class _Read:
-    """A GET of a whole block: hashers fed its payload as it arrived, and the object's metadata."""
-
-    checksum: "xxhash.xxh3_64"
-    mac: BlockMac
-    metadata: dict[str, str]
-
-
-class _Opening:
-    """A sealed payload opened as it arrives, in order: each piece opened into a small buffer,
-    hashed there, then copied to its place in ``payload``. The head is opened at the first piece
-    (it is whole by then) or at :meth:`finish`."""
-
-    def __init__(self, key: AtRestKey, head: memoryview, payload: memoryview) -> None:
-        self._key, self._head, self._payload = key, head, payload
-        self._opened: at_rest.OpenedHead | None = None
-        self._scratch = memoryview(bytearray(min(STREAM_CHUNK, len(payload))))
-        self._hasher = xxhash.xxh3_64()
-        self._pos = 0
-
-    def _open_head(self) -> at_rest.OpenedHead:
-        if self._opened is None:
-            self._opened = self._key.open_head(self._head)
-        return self._opened
-
-    def __call__(self, piece: memoryview) -> None:
-        opened = self._open_head()
-        if self._pos + len(piece) > len(self._payload):
-            raise CorruptBlockError("object is longer than its header says")
-        for at in range(0, len(piece), STREAM_CHUNK):
-            sealed = piece[at : at + STREAM_CHUNK]
-            out = self._scratch[: len(sealed)]
-            opened.payload.open_into(sealed, out)
-            self._hasher.update(out)
-            self._payload[self._pos : self._pos + len(out)] = out
-            self._pos += len(out)
-
-    def finish(self) -> tuple[bytes, int]:
-        """The header as packed and the payload's checksum, once the tag checks (CorruptBlockError)."""
-        opened = self._open_head()
-        if self._pos != len(self._payload):
-            raise CorruptBlockError(f"sealed payload of {self._pos} bytes, header says {len(self._payload)}")
-        opened.payload.finish()
-        return opened.packed, self._hasher.intdigest()
