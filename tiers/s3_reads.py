@@ -81,8 +81,8 @@ class ObjectReads:
         self._call(f"GET {object_key}", attempt)
         return read[0]
 
-    def ranged(self, object_key: str, head: memoryview, payload: memoryview, hashed: bool = True) -> ObjectRead:
-        """Concurrent ranged GETs of ``part_bytes`` each, then (when ``hashed``) one pass
+    def ranged(self, object_key: str, head: memoryview, payload: memoryview, hashed: bool = True) -> ObjectRead | None:
+        """Concurrent ranged GETs of ``part_bytes`` each, then (when ``hashed``; else None) one pass
         over the payload that makes both its checksum and its MAC (each ``STREAM_CHUNK`` hashed twice while
         in cache).
 
@@ -112,8 +112,10 @@ class ObjectReads:
         metadata = [future.result() for future in futures]
         if any(m != metadata[0] for m in metadata):
             raise CorruptBlockError("object was replaced while its parts were read")
+        if not hashed:  # a sealed object: its tags, opened afterwards, authenticate it; no MAC
+            return None
         got = ObjectRead(xxhash.xxh3_64(), self.mac.block_hasher(metadata[0]), metadata[0])
-        for at in range(0, len(payload) if hashed else 0, STREAM_CHUNK):
+        for at in range(0, len(payload), STREAM_CHUNK):
             chunk = payload[at : at + STREAM_CHUNK]
             got.checksum.update(chunk)
             got.mac.update(chunk)
